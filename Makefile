@@ -1,0 +1,30 @@
+# swarm-mesh: `make up` trains a local swarm end to end, `make test` runs the tests.
+# Both create .venv and install what they need (torch's CPU build on a CPU machine).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+# Wheels on disk (this kind of machine keeps the CPU torch wheel in /opt/wheels).
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: up test setup clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check $(FIND_LINKS) "torch==$(TORCH_VERSION)"
+	$(BIN)/pip install --quiet --disable-pip-version-check $(FIND_LINKS) -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+up: $(STAMP)
+	$(BIN)/swarm up --stages 4 --steps 200
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

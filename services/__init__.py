@@ -1,0 +1,1 @@
+"""swarm-mesh services: stage server, trainer (and the `swarm` command line)."""

@@ -1,0 +1,42 @@
+"""The ``swarm`` command: one entry point for every service.
+
+    swarm server ...   serve one pipeline stage          (python -m services.stage_server)
+    swarm train ...    train through stage servers       (python -m services.trainer)
+    swarm up ...       a whole swarm on this machine     (python -m services.local_swarm)
+
+Each sub-command takes ``--help``; every setting is also an environment variable SWARM_*.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "server": ("services.stage_server.__main__", "serve one pipeline stage"),
+    "train": ("services.trainer.__main__", "train through stage servers"),
+    "up": ("services.local_swarm", "start stage servers and a trainer on loopback and train"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: swarm COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run 'swarm COMMAND --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        print(f"swarm: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

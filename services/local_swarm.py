@@ -1,0 +1,142 @@
+"""``swarm up``: a whole swarm on this machine, as separate processes on loopback.
+
+Starts ``stages x replicas`` stage servers (logs under ``--run-dir``), waits until each
+answers ``/health``, runs a trainer in the foreground (its progress on this terminal),
+and stops every process when the trainer is done, on Ctrl-C or on SIGTERM. Children run
+in their own sessions so a Ctrl-C reaches only this supervisor, which then stops them in
+order (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from shared.codec import FLOAT_CODECS
+from shared.model import PRESETS
+
+STOP_GRACE_S = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalProcesses:
+    """Child processes started in their own sessions and stopped, all of them, on exit."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._logs: list = []
+
+    def start(self, name: str, args: list[str], env: dict[str, str], *, log_to_file: bool = True) -> subprocess.Popen:
+        out = open(self.run_dir / f"{name}.log", "wb") if log_to_file else None
+        if out:
+            self._logs.append(out)
+        proc = subprocess.Popen([sys.executable, "-m", *args], env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for f in self._logs:
+            f.close()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with status {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)  # polling a child process's readiness, bounded by the deadline
+    raise RuntimeError(f"{url} not healthy within {timeout_s} s")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="swarm up", description=__doc__.split("\n\n")[0])
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages (default 4)")
+    p.add_argument("--replicas", type=int, default=1, help="stage servers per stage (default 1)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps to train (default 200)")
+    p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--wire-codec", default="int8", choices=FLOAT_CODECS)
+    p.add_argument("--samples-per-step", type=int, default=32, help="samples per optimizer step (default 32)")
+    p.add_argument("--microbatch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--in-flight", type=int, default=4, help="microbatches in flight (default 4)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--corpus", default="", help="text file to train on (default: bundled Shakespeare)")
+    p.add_argument("--run-dir", default="", help="logs and metrics go here (default runs/<time>)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--ready-timeout-s", type=float, default=120.0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    common = {"SWARM_NUM_STAGES": str(args.stages), "SWARM_MODEL": args.model, "SWARM_WIRE_CODEC": args.wire_codec, "SWARM_RUN_ID": run_dir.name}
+    procs = LocalProcesses(run_dir)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        stage_urls: list[list[str]] = []
+        for stage in range(args.stages):
+            stage_urls.append([])
+            for replica in range(args.replicas):
+                port = free_port(args.host)
+                env = {**common, "SWARM_STAGE": str(stage), "SWARM_PORT": str(port), "SWARM_HOST": args.host, "SWARM_LR": str(args.lr), "SWARM_SAMPLES_PER_STEP": str(args.samples_per_step)}
+                procs.start(f"stage{stage}-{replica}", ["services.stage_server"], env)
+                stage_urls[-1].append(f"http://{args.host}:{port}")
+        for name, url in zip(procs.procs, (u for g in stage_urls for u in g)):
+            wait_healthy(url, procs.procs[name], args.ready_timeout_s)
+        print(f"swarm up: {args.stages} stages x {args.replicas} replicas healthy; logs in {run_dir}/", flush=True)
+        trainer_env = {
+            **common,
+            "SWARM_STAGES": ";".join(",".join(g) for g in stage_urls),
+            "SWARM_STEPS": str(args.steps),
+            "SWARM_MICROBATCH_SIZE": str(args.microbatch_size),
+            "SWARM_SEQ_LEN": str(args.seq_len),
+            "SWARM_IN_FLIGHT": str(args.in_flight),
+            "SWARM_CORPUS": args.corpus,
+            "SWARM_METRICS_FILE": str(run_dir / "metrics.jsonl"),
+        }
+        trainer = procs.start("trainer", ["services.trainer"], trainer_env, log_to_file=False)
+        return trainer.wait()
+    except KeyboardInterrupt:
+        print("\nswarm up: interrupted, stopping every process", file=sys.stderr, flush=True)
+        return 130
+    except RuntimeError as exc:
+        print(f"swarm up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        procs.stop_all()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Stage server: one pipeline stage behind POST /forward and POST /backward."""

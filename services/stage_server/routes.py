@@ -1,0 +1,153 @@
+"""HTTP handlers of the stage server: decode, hand to the compute worker, encode.
+
+Request bodies (msgpack maps, see ``shared.codec``)::
+
+    /forward  {v, run_id?, stage, microbatch_id, seed, codec?, eval?, inputs, targets?}
+              -> {stage, microbatch_id, outputs} or, on the last stage, {stage, microbatch_id, loss}
+    /backward {v, run_id?, stage, microbatch_id, seed, codec?, inputs, targets?, grad_outputs?}
+              -> {stage, microbatch_id, grad_inputs?, loss?}
+
+``codec`` picks the codec of the reply's tensors (default: the server's ``wire_codec``);
+``eval: true`` marks a forward that no backward follows (nothing is cached for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+from aiohttp import web
+
+from shared import WIRE_VERSION
+from shared.codec import FLOAT_CODECS, decode_tensor, encode_tensor
+from shared.config import StageServerSettings
+from shared.errors import BadPayload, WrongStage
+from shared.http import msgpack_response, read_message
+from services.stage_server.runtime import StageRuntime
+from services.stage_server.worker import ComputeWorker
+
+SETTINGS = web.AppKey("settings", StageServerSettings)
+RUNTIME = web.AppKey("runtime", StageRuntime)
+WORKER = web.AppKey("worker", ComputeWorker)
+
+MAX_ID_LEN = 128
+
+
+@dataclass(frozen=True)
+class StageRequest:
+    microbatch_id: str
+    seed: int
+    reply_codec: str
+    eval: bool
+    inputs: torch.Tensor
+    targets: torch.Tensor | None
+    grad_outputs: torch.Tensor | None
+
+
+async def _parse(request: web.Request, *, backward: bool) -> StageRequest:
+    settings = request.app[SETTINGS]
+    msg = await read_message(request, int(settings.max_body_mb * 2**20))
+    stage = msg.get("stage")
+    if type(stage) is not int:
+        raise BadPayload("'stage' must be an int")
+    if stage != settings.stage:
+        raise WrongStage(f"this server holds stage {settings.stage}, not {stage}")
+    run_id = msg.get("run_id", settings.run_id)
+    if run_id != settings.run_id:
+        raise WrongStage(f"this server belongs to run {settings.run_id!r}, not {run_id!r}")
+    mb_id, seed = msg.get("microbatch_id"), msg.get("seed", 0)
+    if not isinstance(mb_id, str) or not 0 < len(mb_id) <= MAX_ID_LEN:
+        raise BadPayload(f"'microbatch_id' must be a string of 1..{MAX_ID_LEN} characters")
+    if type(seed) is not int or not 0 <= seed < 2**63:
+        raise BadPayload("'seed' must be an int in [0, 2**63)")
+    codec = msg.get("codec", settings.wire_codec)
+    if codec not in FLOAT_CODECS:
+        raise BadPayload(f"'codec' must be one of {FLOAT_CODECS}, got {codec!r}")
+    is_eval = msg.get("eval", False)
+    if type(is_eval) is not bool:
+        raise BadPayload("'eval' must be a bool")
+    names = ["inputs", "targets"] + (["grad_outputs"] if backward else [])
+    device = request.app[RUNTIME].device
+    tensors = await asyncio.to_thread(_decode_all, msg, names, device)
+    return StageRequest(mb_id, seed, codec, is_eval, *tensors)
+
+
+def _decode_all(msg: dict, names: list[str], device: torch.device) -> list[torch.Tensor | None]:
+    out = [decode_tensor(msg[n], name=n, device=device) if msg.get(n) is not None else None for n in names]
+    if out[0] is None:
+        raise BadPayload("'inputs' is missing")
+    return out + [None] * (3 - len(out))
+
+
+async def forward(request: web.Request) -> web.Response:
+    req = await _parse(request, backward=False)
+    runtime, settings = request.app[RUNTIME], request.app[SETTINGS]
+    run_forward = functools.partial(runtime.forward, keep_graph=not req.eval)
+    output = await request.app[WORKER].run(run_forward, req.microbatch_id, req.seed, req.inputs, req.targets)
+    reply = {"stage": settings.stage, "microbatch_id": req.microbatch_id}
+    if runtime.spec.is_last:
+        reply["loss"] = float(output)
+    else:
+        reply["outputs"] = await asyncio.to_thread(encode_tensor, output, req.reply_codec, int8_block=settings.int8_block)
+    return msgpack_response(reply)
+
+
+async def backward(request: web.Request) -> web.Response:
+    req = await _parse(request, backward=True)
+    runtime, settings = request.app[RUNTIME], request.app[SETTINGS]
+    result = await request.app[WORKER].run(runtime.backward, req.microbatch_id, req.seed, req.inputs, req.targets, req.grad_outputs)
+    reply: dict = {"stage": settings.stage, "microbatch_id": req.microbatch_id}
+    if result.grad_inputs is not None:
+        reply["grad_inputs"] = await asyncio.to_thread(encode_tensor, result.grad_inputs, req.reply_codec, int8_block=settings.int8_block)
+    if result.loss is not None:
+        reply["loss"] = result.loss
+    return msgpack_response(reply)
+
+
+async def health(request: web.Request) -> web.Response:
+    worker, runtime = request.app[WORKER], request.app[RUNTIME]
+    return web.json_response(
+        {
+            "status": "draining" if worker.draining else "ok",
+            "stage": request.app[SETTINGS].stage,
+            "queue_depth": worker.queue_depth,
+            "weights_version": runtime.version,
+            "stats": asdict(runtime.stats),
+        },
+        status=503 if worker.draining else 200,
+    )
+
+
+async def info(request: web.Request) -> web.Response:
+    settings, runtime = request.app[SETTINGS], request.app[RUNTIME]
+    try:
+        pkg_version = version("swarm-mesh")
+    except PackageNotFoundError:
+        pkg_version = "unknown"
+    return web.json_response(
+        {
+            "run_id": settings.run_id,
+            "stage": settings.stage,
+            "num_stages": settings.num_stages,
+            "layers": [runtime.spec.layers.start, runtime.spec.layers.stop],
+            "model": settings.model,
+            "model_config": runtime.cfg.to_dict(),
+            "parameters": sum(p.numel() for p in runtime.params),
+            "wire_codec": settings.wire_codec,
+            "int8_block": settings.int8_block,
+            "wire_version": WIRE_VERSION,
+            "samples_per_step": settings.samples_per_step,
+            "device": str(runtime.device),
+            "version": pkg_version,
+        }
+    )
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/forward", forward)
+    app.router.add_post("/backward", backward)
+    app.router.add_get("/health", health)
+    app.router.add_get("/info", info)

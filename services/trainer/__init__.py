@@ -1,0 +1,1 @@
+"""Trainer: data, microbatch scheduling, replica choice, retries, loss."""

@@ -1,0 +1,120 @@
+"""``swarm train`` / ``python -m services.trainer``: train through stage servers.
+
+Prints the run's summary as one JSON line on stdout at the end; logs go to stderr.
+Exit status: 0 trained, 1 some microbatches failed, 2 bad settings or unusable swarm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+
+import aiohttp
+
+from shared.config import TrainerSettings, parse_settings
+from shared.log import configure_logging, get_logger
+from shared.retry import RetryPolicy
+from services.trainer.data import ByteBatcher, load_corpus
+from services.trainer.pipeline import HopTimeouts, PipelineClient, ReplicaChooser
+from services.trainer.trainer import Trainer, summary_json
+
+READY_WAIT_S = 60.0
+
+
+class SwarmMismatch(ValueError):
+    """A stage server that does not belong to this run as configured."""
+
+
+async def check_stages(session: aiohttp.ClientSession, stage_urls: list[list[str]], settings: TrainerSettings, log) -> dict:
+    """GET /info of every replica (waiting up to READY_WAIT_S for it to come up) and check
+    that it serves the stage, model, cut and run this trainer expects. Returns stage 0's info."""
+    expected = {"run_id": settings.run_id, "model": settings.model, "num_stages": settings.num_stages}
+    first = None
+    for stage, urls in enumerate(stage_urls):
+        for url in urls:
+            info = await _get_info(session, url, settings.connect_timeout_s)
+            wrong = {k: info.get(k) for k, v in {**expected, "stage": stage}.items() if info.get(k) != v}
+            if wrong:
+                raise SwarmMismatch(f"{url} serves {wrong}, expected {({**expected, 'stage': stage})}")
+            first = first or info
+    log.info("swarm.checked", stages=len(stage_urls), replicas=sum(map(len, stage_urls)), samples_per_step=first["samples_per_step"])
+    return first
+
+
+async def _get_info(session: aiohttp.ClientSession, url: str, timeout_s: float) -> dict:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + READY_WAIT_S
+    policy = RetryPolicy(max_retries=1000, base_delay_s=0.1, max_delay_s=2.0)
+    attempt = 0
+    while True:
+        try:
+            async with session.get(url + "/info", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                resp.raise_for_status()
+                return await resp.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            attempt += 1
+            if loop.time() > deadline:
+                raise SwarmMismatch(f"{url}/info did not answer within {READY_WAIT_S} s: {exc!r}") from None
+            await asyncio.sleep(policy.delay_s(attempt))
+
+
+async def train(settings: TrainerSettings) -> int:
+    log = get_logger(service="trainer", run=settings.run_id)
+    stage_urls = settings.stage_urls()
+    batcher = ByteBatcher(load_corpus(settings.corpus or None), settings.seq_len, settings.microbatch_size, seed=settings.seed)
+    connector = aiohttp.TCPConnector(limit=0)  # one keep-alive connection per request in flight
+    async with aiohttp.ClientSession(connector=connector) as session:
+        info = await check_stages(session, stage_urls, settings, log)
+        if settings.seq_len > info["model_config"]["block_size"]:
+            raise SwarmMismatch(f"SWARM_SEQ_LEN={settings.seq_len} exceeds the model's block_size {info['model_config']['block_size']}")
+        client = PipelineClient(
+            session,
+            ReplicaChooser(stage_urls, random.Random(settings.seed)),
+            run_id=settings.run_id,
+            codec=settings.wire_codec,
+            int8_block=settings.int8_block,
+            timeouts=HopTimeouts(settings.forward_timeout_s, settings.backward_timeout_s),
+            retry=RetryPolicy(max_retries=settings.max_retries),
+            log=log,
+        )
+        trainer = Trainer(
+            client,
+            batcher,
+            steps=settings.steps,
+            samples_per_step=info["samples_per_step"],
+            in_flight=settings.in_flight,
+            seed=settings.seed,
+            log_every=settings.log_every,
+            metrics_file=settings.metrics_file,
+            log=log,
+        )
+        log.info("train.start", steps=settings.steps, microbatches_per_step=trainer.microbatches_per_step, in_flight=settings.in_flight, codec=settings.wire_codec)
+        summary = await trainer.run()
+    log.info(
+        "train.done",
+        steps=summary.steps,
+        completed=summary.microbatches_completed,
+        failed=summary.microbatches_failed,
+        tokens_per_s=round(summary.tokens_per_s, 1),
+        eval_loss_before=round(summary.eval_loss_before, 4),
+        eval_loss_after=round(summary.eval_loss_after, 4),
+    )
+    print(summary_json(summary), flush=True)
+    return 1 if summary.microbatches_failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_settings(TrainerSettings, argv, "swarm train", "Train a model through stage servers.")
+    configure_logging(settings.log_format, settings.log_level)
+    try:
+        return asyncio.run(train(settings))
+    except ValueError as exc:  # bad settings, unusable corpus, a swarm that does not match
+        print(f"swarm train: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Text corpus as byte-level tokens, sampled into microbatches deterministically.
+
+Tokens are the bytes of the file (vocabulary 256). The bundled corpus is twelve
+Shakespeare plays from Project Gutenberg (public domain), ~1.5 MB. The last
+``eval_fraction`` of the file is held out for evaluation.
+"""
+
+from __future__ import annotations
+
+import gzip
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+BUNDLED_CORPUS = Path(__file__).parent / "corpus" / "shakespeare.txt.gz"
+
+
+def load_corpus(path: str | Path | None = None) -> torch.Tensor:
+    """The corpus as a 1-D uint8 tensor of byte tokens. ``.gz`` files are decompressed."""
+    path = Path(path) if path else BUNDLED_CORPUS
+    if not path.is_file():
+        raise ValueError(f"corpus file {str(path)!r} does not exist (setting SWARM_CORPUS)")
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        raw = gzip.decompress(raw)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    index: int
+    inputs: torch.Tensor  # (B, T) int64 token ids
+    targets: torch.Tensor  # (B, T) int64, inputs shifted by one
+
+    @property
+    def num_tokens(self) -> int:
+        return self.inputs.numel()
+
+
+class ByteBatcher:
+    """Draws microbatch ``i`` from ``(seed, i)`` alone, so any run can be replayed."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, microbatch_size: int, *, seed: int = 0, eval_fraction: float = 0.05):
+        n_eval = int(len(tokens) * eval_fraction)
+        self.train, self.eval = tokens[: len(tokens) - n_eval], tokens[len(tokens) - n_eval :]
+        if len(self.train) <= seq_len + 1 or len(self.eval) <= seq_len + 1:
+            raise ValueError(f"corpus of {len(tokens)} bytes is too short for seq_len={seq_len} (setting SWARM_SEQ_LEN)")
+        self.seq_len, self.microbatch_size, self.seed = seq_len, microbatch_size, seed
+
+    def microbatch(self, index: int, *, split: str = "train") -> Microbatch:
+        data = self.train if split == "train" else self.eval
+        gen = torch.Generator().manual_seed(self.seed * 7_919 + index * 2 + (split != "train"))
+        starts = torch.randint(0, len(data) - self.seq_len - 1, (self.microbatch_size,), generator=gen)
+        windows = torch.stack([data[s : s + self.seq_len + 1] for s in starts.tolist()]).long()
+        return Microbatch(index, windows[:, :-1].contiguous(), windows[:, 1:].contiguous())

@@ -1,0 +1,158 @@
+"""PipelineClient: one microbatch forward through the stages and backward again, over HTTP.
+
+The trainer relays tensors without decoding them: a stage's ``outputs`` (as they came
+off the wire) are the next stage's ``inputs``, a stage's ``grad_inputs`` the previous
+stage's ``grad_outputs``. It keeps every stage's input until that stage's backward is
+done, so a backward can go to any replica (stateless backward) and a failed hop is
+retried on another replica with the same input.
+
+The last stage gets one call, ``/backward``: it recomputes its forward, returns the loss
+and the gradient of its input. Evaluation calls ``/forward`` on every stage with
+``eval: true``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import aiohttp
+
+from shared.codec import encode_tensor, pack_message
+from shared.errors import RemoteError
+from shared.http import post_message
+from shared.retry import RetryPolicy
+from services.trainer.data import Microbatch
+
+
+class MicrobatchFailed(Exception):
+    """A microbatch whose hop failed on every try; the trainer reports it."""
+
+    def __init__(self, index: int, stage: int, path: str, errors: list[RemoteError]):
+        super().__init__(f"microbatch {index}: {path} on stage {stage} failed {len(errors)} times; last: {errors[-1]}")
+        self.index, self.stage, self.path, self.errors = index, stage, path, errors
+
+
+@dataclass(frozen=True)
+class HopTimeouts:
+    forward_s: float = 30.0
+    backward_s: float = 60.0
+
+
+class ReplicaChooser:
+    """Which replica of a stage gets the next request: uniform among those not tried for this hop."""
+
+    def __init__(self, stage_urls: list[list[str]], rng: random.Random | None = None):
+        self.stage_urls = stage_urls
+        self.rng = rng or random.Random()
+
+    def choose(self, stage: int, tried: list[str]) -> str:
+        fresh = [u for u in self.stage_urls[stage] if u not in tried]
+        return self.rng.choice(fresh or self.stage_urls[stage])
+
+
+class PipelineClient:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        chooser: ReplicaChooser,
+        *,
+        run_id: str,
+        codec: str,
+        int8_block: int,
+        timeouts: HopTimeouts = HopTimeouts(),
+        retry: RetryPolicy = RetryPolicy(),
+        log=None,
+    ):
+        self.session, self.chooser, self.run_id = session, chooser, run_id
+        self.codec, self.int8_block, self.timeouts, self.retry, self.log = codec, int8_block, timeouts, retry, log
+        self.num_stages = len(chooser.stage_urls)
+
+    async def train(self, mb: Microbatch, seed: int) -> float:
+        """Forward and backward one microbatch; returns its loss (mean over its tokens)."""
+        mb_id = f"{self.run_id}:{mb.index}"
+        base = {"run_id": self.run_id, "microbatch_id": mb_id, "seed": seed, "codec": self.codec}
+        last = self.num_stages - 1
+        targets = encode_tensor(mb.targets, "raw")
+        stage_inputs = [encode_tensor(mb.inputs, "raw")]
+        for stage in range(last):
+            msg = {**base, "stage": stage, "inputs": stage_inputs[stage]}
+            stage_inputs.append(await self._call(mb.index, stage, "/forward", msg, _outputs))
+        msg = {**base, "stage": last, "inputs": stage_inputs[last], "targets": targets}
+        loss, grad = await self._call(mb.index, last, "/backward", msg, _loss_and_grad if last else _loss_only)
+        for stage in range(last - 1, -1, -1):
+            stage_inputs[stage + 1] = None  # no longer needed: free it early
+            msg = {**base, "stage": stage, "inputs": stage_inputs[stage], "grad_outputs": grad}
+            grad = await self._call(mb.index, stage, "/backward", msg, _grad_inputs if stage else _nothing)
+        return loss
+
+    async def evaluate(self, mb: Microbatch, seed: int) -> float:
+        """Forward only (no gradients, nothing cached on the servers); returns the loss."""
+        base = {"run_id": self.run_id, "microbatch_id": f"{self.run_id}:eval:{mb.index}", "seed": seed, "codec": self.codec, "eval": True}
+        x = encode_tensor(mb.inputs, "raw")
+        for stage in range(self.num_stages - 1):
+            x = await self._call(mb.index, stage, "/forward", {**base, "stage": stage, "inputs": x}, _outputs)
+        msg = {**base, "stage": self.num_stages - 1, "inputs": x, "targets": encode_tensor(mb.targets, "raw")}
+        loss, _ = await self._call(mb.index, self.num_stages - 1, "/forward", msg, _loss_only)
+        return loss
+
+    async def _call(self, index: int, stage: int, path: str, msg: dict, read: Callable[[dict], Any]) -> Any:
+        """One hop, retried on other replicas of the stage; ``read`` checks the reply and picks
+        out what the caller needs. Raises :class:`MicrobatchFailed` when every try failed."""
+        timeout_s = self.timeouts.forward_s if path == "/forward" else self.timeouts.backward_s
+        body = pack_message(msg)  # packed once, resent as is on a retry
+        tried: list[str] = []
+        errors: list[RemoteError] = []
+        for attempt in range(self.retry.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.retry.delay_s(attempt))
+            url = self.chooser.choose(stage, tried)
+            try:
+                reply = await post_message(self.session, url + path, msg, timeout_s=timeout_s, body=body)
+                return read(reply)
+            except RemoteError as err:
+                err.url = url
+                errors.append(err)
+                tried.append(url)
+                if self.log:
+                    self.log.warning("hop.failed", microbatch=index, stage=stage, path=path, replica=url, status=err.status, code=err.code, attempt=attempt)
+                if not err.retryable:
+                    break
+        raise MicrobatchFailed(index, stage, path, errors)
+
+
+def _tensor(reply: dict, name: str) -> dict:
+    value = reply.get(name)
+    if not isinstance(value, dict):
+        raise RemoteError("reply", 200, "bad_reply", f"reply lacks tensor {name!r}")
+    return value
+
+
+def _loss(reply: dict) -> float:
+    loss = reply.get("loss")
+    if not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        raise RemoteError("reply", 200, "bad_reply", f"reply carries no finite loss: {loss!r}")
+    return float(loss)
+
+
+def _outputs(reply: dict) -> dict:
+    return _tensor(reply, "outputs")
+
+
+def _grad_inputs(reply: dict) -> dict:
+    return _tensor(reply, "grad_inputs")
+
+
+def _loss_and_grad(reply: dict) -> tuple[float, dict]:
+    return _loss(reply), _tensor(reply, "grad_inputs")
+
+
+def _loss_only(reply: dict) -> tuple[float, None]:
+    return _loss(reply), None
+
+
+def _nothing(reply: dict) -> None:
+    return None

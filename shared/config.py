@@ -1,0 +1,126 @@
+"""Service configuration: one frozen settings object per service, read from ``SWARM_*``.
+
+Every field can be set by an environment variable ``SWARM_<FIELD>`` (e.g.
+``SWARM_NUM_STAGES=4``) or by the matching command-line flag, which wins. Units are in
+the names (``_s`` seconds, ``_mb`` mebibytes).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.codec import DEFAULT_INT8_BLOCK, FLOAT_CODECS, INT8_BLOCK_SIZES
+from shared.model import PRESETS, GPTConfig, config_from_preset
+
+Codec = Literal["fp32", "fp16", "bf16", "int8"]
+assert set(Codec.__args__) == set(FLOAT_CODECS)
+
+
+class CommonSettings(BaseSettings):
+    """Settings every service reads."""
+
+    model_config = SettingsConfigDict(env_prefix="SWARM_", frozen=True, extra="forbid")
+
+    run_id: str = Field("local", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    log_format: Literal["console", "json"] = "console"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    num_threads: int = Field(1, ge=1, le=256, description="torch threads per process")
+    device: str = "cpu"
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        if v != "cpu" and not v.startswith("cuda"):
+            raise ValueError(f"SWARM_DEVICE must be 'cpu' or 'cuda[:N]', got {v!r}")
+        return v
+
+
+class ModelSettings(CommonSettings):
+    """What every member of a run must agree on: the model, its cut and the wire."""
+
+    model: str = "tiny"
+    num_stages: int = Field(4, ge=1, le=1024)
+    seed: int = Field(0, ge=0, lt=2**31)
+    wire_codec: Codec = "int8"
+    int8_block: int = DEFAULT_INT8_BLOCK
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, v: str) -> str:
+        if v not in PRESETS:
+            raise ValueError(f"SWARM_MODEL must be one of {sorted(PRESETS)}, got {v!r}")
+        return v
+
+    @field_validator("int8_block")
+    @classmethod
+    def _known_block(cls, v: int) -> int:
+        if v not in INT8_BLOCK_SIZES:
+            raise ValueError(f"SWARM_INT8_BLOCK must be one of {INT8_BLOCK_SIZES}, got {v}")
+        return v
+
+    def gpt_config(self) -> GPTConfig:
+        return config_from_preset(self.model)
+
+
+class StageServerSettings(ModelSettings):
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=0, le=65535)
+    stage: int = Field(0, ge=0)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    samples_per_step: int = Field(32, ge=1, description="samples accumulated per optimizer step")
+    warmup_steps: int = Field(10, ge=0, description="optimizer steps of linear learning-rate warm-up")
+    max_body_mb: float = Field(128.0, gt=0, description="largest request body accepted (413 past it)")
+    max_queue: int = Field(64, ge=1, description="requests queued for compute before 503")
+    backward_cache: int = Field(16, ge=0, description="forward graphs kept to skip the backward recompute")
+    inject_delay_s: float = Field(0.0, ge=0, description="fault injection: extra seconds per compute request")
+    drain_timeout_s: float = Field(30.0, gt=0)
+
+
+class TrainerSettings(ModelSettings):
+    stages: str = Field("", description="stage server URLs: replicas of a stage separated by ',', stages by ';'")
+    corpus: str = Field("", description="text file to train on; empty: the bundled Shakespeare corpus")
+    seq_len: int = Field(128, ge=1)
+    microbatch_size: int = Field(8, ge=1)
+    in_flight: int = Field(4, ge=1, le=1024, description="microbatches in flight at once")
+    steps: int = Field(200, ge=1, description="optimizer steps (of samples_per_step samples each) to train")
+    forward_timeout_s: float = Field(30.0, gt=0)
+    backward_timeout_s: float = Field(60.0, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    max_retries: int = Field(3, ge=0, le=100, description="extra tries of a failed hop before the microbatch fails")
+    log_every: int = Field(10, ge=1, description="log a line every N steps")
+    metrics_file: str = Field("", description="append one JSON line per step here")
+
+    def stage_urls(self) -> list[list[str]]:
+        """Parse ``stages`` into one list of replica URLs per stage."""
+        groups = [[u.strip().rstrip("/") for u in g.split(",") if u.strip()] for g in self.stages.split(";")]
+        if len(groups) != self.num_stages or any(not g for g in groups):
+            raise ValueError(
+                f"SWARM_STAGES must list {self.num_stages} stages separated by ';' (replicas by ','), "
+                f"got {self.stages!r}"
+            )
+        for url in (u for g in groups for u in g):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"SWARM_STAGES: {url!r} is not an http(s) URL")
+        return groups
+
+
+def parse_settings(cls: type[BaseSettings], argv: list[str] | None, prog: str, description: str = "") -> BaseSettings:
+    """Build ``cls`` from ``SWARM_*`` variables, overridden by ``--flag value`` for any field.
+
+    Every field ``num_stages`` gets a flag ``--num-stages``; values are validated by the
+    settings class, and a bad one exits with a message naming the setting.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    for name, field in cls.model_fields.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, metavar=name.upper(), help=field.description or f"(env SWARM_{name.upper()})")
+    args = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    try:
+        return cls(**args)
+    except ValueError as exc:  # pydantic.ValidationError is a ValueError
+        parser.exit(2, f"{prog}: invalid settings:\n{exc}\n")

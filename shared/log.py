@@ -1,0 +1,38 @@
+"""structlog set-up: JSON lines in containers, readable colours in a terminal.
+
+One event name per line (``forward.done``), fields after it, and ids bound with
+``logger.bind(run=..., stage=..., replica=..., microbatch=...)`` so a microbatch can be
+followed across services.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure_logging(fmt: str = "console", level: str = "info") -> None:
+    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    # Libraries that log through the standard logging module: warnings and worse only.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    # bitsandbytes warns at import that an optional 4-bit CPU kernel (fetched from a hub,
+    # which we never use) is missing; our int8 codec does not need it.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+def get_logger(**bound) -> structlog.typing.FilteringBoundLogger:
+    return structlog.get_logger().bind(**bound)

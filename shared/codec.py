@@ -120,7 +120,8 @@ def decode_tensor(obj: Any, *, name: str = "tensor", max_numel: int = 1 << 31, d
     """Decode and validate one wire tensor; raises :class:`BadPayload` on anything malformed."""
     _require(isinstance(obj, dict), f"{name}: expected a tensor map, got {type(obj).__name__}")
     codec, dtype_s, shape, data = (obj.get(k) for k in ("codec", "dtype", "shape", "data"))
-    _require(codec in CODECS, f"{name}: unknown codec {codec!r}")
+    _require(isinstance(codec, str) and codec in CODECS, f"{name}: unknown codec {codec!r}")
+    _require(isinstance(dtype_s, str), f"{name}: dtype must be a string, got {type(dtype_s).__name__}")
     _require(
         isinstance(shape, list) and len(shape) <= MAX_NDIM and all(type(d) is int and d >= 0 for d in shape),
         f"{name}: shape must be a list of at most {MAX_NDIM} non-negative ints",
@@ -145,7 +146,7 @@ def decode_tensor(obj: Any, *, name: str = "tensor", max_numel: int = 1 << 31, d
 
 def _decode_int8(obj: dict, name: str, numel: int, shape: list, device) -> torch.Tensor:
     block, absmax = obj.get("block"), obj.get("absmax")
-    _require(block in INT8_BLOCK_SIZES, f"{name}: int8 block must be one of {INT8_BLOCK_SIZES}")
+    _require(type(block) is int and block in INT8_BLOCK_SIZES, f"{name}: int8 block must be one of {INT8_BLOCK_SIZES}")
     _require(isinstance(absmax, bytes), f"{name}: int8 absmax must be bytes")
     _require(len(obj["data"]) == numel, f"{name}: {len(obj['data'])} int8 codes for {numel} values")
     nblocks = -(-numel // block)
@@ -196,5 +197,5 @@ def unpack_message(body: bytes) -> dict:
         raise BadPayload(f"body is not valid msgpack: {exc}") from None
     _require(isinstance(msg, dict), f"body must be a msgpack map, got {type(msg).__name__}")
     version = msg.get("v")
-    _require(version == WIRE_VERSION, f"wire version {version!r} not supported (this peer speaks v{WIRE_VERSION})")
+    _require(type(version) is int and version == WIRE_VERSION, f"wire version {version!r} not supported (this peer speaks v{WIRE_VERSION})")
     return msg

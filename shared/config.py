@@ -7,6 +7,8 @@ the names (``_s`` seconds, ``_mb`` mebibytes).
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -76,7 +78,7 @@ class StageServerSettings(ModelSettings):
     max_body_mb: float = Field(128.0, gt=0, description="largest request body accepted (413 past it)")
     max_queue: int = Field(64, ge=1, description="requests queued for compute before 503")
     backward_cache: int = Field(16, ge=0, description="forward graphs kept to skip the backward recompute")
-    inject_delay_s: float = Field(0.0, ge=0, description="fault injection: extra seconds per compute request")
+    inject_delay_s: float = Field(0.0, ge=0, description="fault injection: extra seconds per request and forward pass of work (a backward counts 2, the last stage's 3)")
     drain_timeout_s: float = Field(30.0, gt=0)
 
 
@@ -89,7 +91,7 @@ class TrainerSettings(ModelSettings):
     steps: int = Field(200, ge=1, description="optimizer steps (of samples_per_step samples each) to train")
     forward_timeout_s: float = Field(30.0, gt=0)
     backward_timeout_s: float = Field(60.0, gt=0)
-    connect_timeout_s: float = Field(5.0, gt=0)
+    info_timeout_s: float = Field(5.0, gt=0, description="timeout of each GET /info when checking the swarm at start")
     max_retries: int = Field(3, ge=0, le=100, description="extra tries of a failed hop before the microbatch fails")
     log_every: int = Field(10, ge=1, description="log a line every N steps")
     metrics_file: str = Field("", description="append one JSON line per step here")
@@ -108,6 +110,22 @@ class TrainerSettings(ModelSettings):
         return groups
 
 
+def known_settings_fields() -> set[str]:
+    """Names of every field of every settings class (CommonSettings and its subclasses)."""
+    fields, todo = set(), [CommonSettings]
+    while todo:
+        cls = todo.pop()
+        fields |= set(cls.model_fields)
+        todo.extend(cls.__subclasses__())
+    return fields
+
+
+def unknown_swarm_variables() -> list[str]:
+    """SWARM_* environment variables that no settings class reads (most likely typos)."""
+    known = {f"SWARM_{name.upper()}" for name in known_settings_fields()}
+    return sorted(k for k in os.environ if k.upper().startswith("SWARM_") and k.upper() not in known)
+
+
 def parse_settings(cls: type[BaseSettings], argv: list[str] | None, prog: str, description: str = "") -> BaseSettings:
     """Build ``cls`` from ``SWARM_*`` variables, overridden by ``--flag value`` for any field.
 
@@ -120,6 +138,8 @@ def parse_settings(cls: type[BaseSettings], argv: list[str] | None, prog: str, d
     for name, field in cls.model_fields.items():
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, metavar=name.upper(), help=field.description or f"(env SWARM_{name.upper()})")
     args = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    for name in unknown_swarm_variables():
+        print(f"{prog}: warning: {name} is set but no swarm-mesh setting has that name; ignored", file=sys.stderr)
     try:
         return cls(**args)
     except ValueError as exc:  # pydantic.ValidationError is a ValueError

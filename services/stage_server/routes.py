@@ -34,6 +34,7 @@ RUNTIME = web.AppKey("runtime", StageRuntime)
 WORKER = web.AppKey("worker", ComputeWorker)
 
 MAX_ID_LEN = 128
+OFF_LOOP_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ async def _parse(request: web.Request, *, backward: bool) -> StageRequest:
         raise BadPayload("'eval' must be a bool")
     names = ["inputs", "targets"] + (["grad_outputs"] if backward else [])
     device = request.app[RUNTIME].device
-    tensors = await asyncio.to_thread(_decode_all, msg, names, device)
+    body_bytes = request.content_length if request.content_length is not None else OFF_LOOP_BYTES  # chunked: assume large
+    tensors = await _off_loop(body_bytes, _decode_all, msg, names, device)
     return StageRequest(mb_id, seed, codec, is_eval, *tensors)
 
 
@@ -80,6 +82,18 @@ def _decode_all(msg: dict, names: list[str], device: torch.device) -> list[torch
     if out[0] is None:
         raise BadPayload("'inputs' is missing")
     return out + [None] * (3 - len(out))
+
+
+async def _off_loop(nbytes: int, fn, *args):
+    """Codec work on large tensors runs in a thread so the event loop stays responsive;
+    small ones run inline, where a thread hop would cost more than the work."""
+    if nbytes >= OFF_LOOP_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+async def _encode(t: torch.Tensor, codec: str, int8_block: int) -> dict:
+    return await _off_loop(t.numel() * t.element_size(), functools.partial(encode_tensor, int8_block=int8_block), t, codec)
 
 
 async def forward(request: web.Request) -> web.Response:
@@ -91,17 +105,18 @@ async def forward(request: web.Request) -> web.Response:
     if runtime.spec.is_last:
         reply["loss"] = float(output)
     else:
-        reply["outputs"] = await asyncio.to_thread(encode_tensor, output, req.reply_codec, int8_block=settings.int8_block)
+        reply["outputs"] = await _encode(output, req.reply_codec, settings.int8_block)
     return msgpack_response(reply)
 
 
 async def backward(request: web.Request) -> web.Response:
     req = await _parse(request, backward=True)
     runtime, settings = request.app[RUNTIME], request.app[SETTINGS]
-    result = await request.app[WORKER].run(runtime.backward, req.microbatch_id, req.seed, req.inputs, req.targets, req.grad_outputs)
+    work = 3.0 if runtime.spec.is_last else 2.0  # the last stage's backward includes its forward
+    result = await request.app[WORKER].run(runtime.backward, req.microbatch_id, req.seed, req.inputs, req.targets, req.grad_outputs, work=work)
     reply: dict = {"stage": settings.stage, "microbatch_id": req.microbatch_id}
     if result.grad_inputs is not None:
-        reply["grad_inputs"] = await asyncio.to_thread(encode_tensor, result.grad_inputs, req.reply_codec, int8_block=settings.int8_block)
+        reply["grad_inputs"] = await _encode(result.grad_inputs, req.reply_codec, settings.int8_block)
     if result.loss is not None:
         reply["loss"] = result.loss
     return msgpack_response(reply)

@@ -48,6 +48,7 @@ class _CachedForward:
     version: int
     seed: int
     inputs: torch.Tensor  # as received, to check that the backward's input is the same
+    targets: torch.Tensor | None  # likewise (last stage)
     leaf: torch.Tensor  # the graph's input (requires grad past the first stage)
     output: torch.Tensor
 
@@ -75,6 +76,7 @@ class StageRuntime:
         self.model.train()
         self.spec = self.model.spec
         self.params = [p for p in self.model.parameters()]
+        self.param_dtype = self.params[0].dtype
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -109,6 +111,7 @@ class StageRuntime:
             _check(not targets.is_floating_point() and targets.dtype != torch.bool, f"targets must be integers, got {targets.dtype}")
             _check(tuple(targets.shape) == (B, T), f"targets must have shape {[B, T]}, got {list(targets.shape)}")
             _check(int(targets.min()) >= -1 and int(targets.max()) < cfg.vocab_size, f"targets must lie in [-1, {cfg.vocab_size})")
+            _check(bool((targets != -1).any()), "every target is -1 (ignored): the loss would be undefined")
         elif backward:
             _check(grad_outputs is not None, f"backward of stage {self.spec.index} needs grad_outputs")
             _check(grad_outputs.is_floating_point(), "grad_outputs must be floats")
@@ -122,10 +125,11 @@ class StageRuntime:
         ``keep_graph=False`` (evaluation) never caches: no backward will follow.
         """
         self.validate(inputs, targets, None, backward=False)
+        inputs, targets, _ = self._as_model_types(inputs, targets, None)
         started = time.perf_counter()
         if self._cache_size and keep_graph:
             leaf, output = self._run(seed, inputs, targets, grad=True)
-            self._remember(microbatch_id, _CachedForward(self.version, seed, inputs, leaf, output))
+            self._remember(microbatch_id, _CachedForward(self.version, seed, inputs, targets, leaf, output))
             output = output.detach()
         else:
             _, output = self._run(seed, inputs, targets, grad=False)
@@ -136,9 +140,10 @@ class StageRuntime:
     def backward(self, microbatch_id: str, seed: int, inputs: torch.Tensor, targets: torch.Tensor | None, grad_outputs: torch.Tensor | None) -> BackwardResult:
         """Accumulate this microbatch's parameter gradients; return the input gradient."""
         self.validate(inputs, targets, grad_outputs, backward=True)
+        inputs, targets, grad_outputs = self._as_model_types(inputs, targets, grad_outputs)
         started = time.perf_counter()
         cached = self._cache.pop(microbatch_id, None)
-        if cached and cached.version == self.version and cached.seed == seed and _same(cached.inputs, inputs):
+        if cached and cached.version == self.version and cached.seed == seed and _same(cached.inputs, inputs) and _same(cached.targets, targets):
             leaf, output = cached.leaf, cached.output
             self.stats.cache_hits += 1
         else:
@@ -169,6 +174,19 @@ class StageRuntime:
         return self._pending_samples
 
     # ---------------------------------------------------------------- internals
+    def _as_model_types(self, inputs, targets, grad_outputs):
+        """Token ids and targets as int64, hidden states and gradients in the weights' dtype
+        (a peer may send fp16 values, or ids in a narrower integer type)."""
+        if self.spec.is_first:
+            inputs = inputs.long()
+        else:
+            inputs = inputs.to(self.param_dtype)
+        if targets is not None:
+            targets = targets.long()
+        if grad_outputs is not None:
+            grad_outputs = grad_outputs.to(self.param_dtype)
+        return inputs, targets, grad_outputs
+
     def _run(self, seed: int, inputs: torch.Tensor, targets: torch.Tensor | None, *, grad: bool):
         leaf = inputs if self.spec.is_first else inputs.detach().requires_grad_(grad)
         with torch.set_grad_enabled(grad), self._seeded(seed):
@@ -215,5 +233,7 @@ def _check(cond: bool, message: str) -> None:
         raise BadPayload(message)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))

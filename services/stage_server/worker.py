@@ -31,7 +31,9 @@ class ComputeWorker:
         """Jobs accepted and not finished (running one included)."""
         return self._pending
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run(self, fn: Callable[..., Any], *args: Any, work: float = 1.0) -> Any:
+        """Run ``fn(*args)`` on the compute thread. ``work`` (in forward passes) scales the
+        injected delay: a slow device is slow in proportion to the work it does."""
         if self.draining:
             raise Draining("server is draining; send new work to another replica", retry_after_s=1.0)
         if self._pending >= self.max_queue:
@@ -39,15 +41,15 @@ class ComputeWorker:
         self._pending += 1
         self._idle.clear()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self._call, fn, args)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._call, fn, args, work)
         finally:
             self._pending -= 1
             if self._pending == 0:
                 self._idle.set()
 
-    def _call(self, fn: Callable[..., Any], args: tuple) -> Any:
+    def _call(self, fn: Callable[..., Any], args: tuple, work: float) -> Any:
         if self.inject_delay_s:
-            time.sleep(self.inject_delay_s)
+            time.sleep(self.inject_delay_s * work)
         return fn(*args)
 
     async def drain(self, timeout_s: float) -> bool:

@@ -33,7 +33,7 @@ async def check_stages(session: aiohttp.ClientSession, stage_urls: list[list[str
     first = None
     for stage, urls in enumerate(stage_urls):
         for url in urls:
-            info = await _get_info(session, url, settings.connect_timeout_s)
+            info = await _get_info(session, url, settings.info_timeout_s)
             wrong = {k: info.get(k) for k, v in {**expected, "stage": stage}.items() if info.get(k) != v}
             if wrong:
                 raise SwarmMismatch(f"{url} serves {wrong}, expected {({**expected, 'stage': stage})}")
@@ -73,7 +73,6 @@ async def train(settings: TrainerSettings) -> int:
             ReplicaChooser(stage_urls, random.Random(settings.seed)),
             run_id=settings.run_id,
             codec=settings.wire_codec,
-            int8_block=settings.int8_block,
             timeouts=HopTimeouts(settings.forward_timeout_s, settings.backward_timeout_s),
             retry=RetryPolicy(max_retries=settings.max_retries),
             log=log,

@@ -62,13 +62,12 @@ class PipelineClient:
         *,
         run_id: str,
         codec: str,
-        int8_block: int,
         timeouts: HopTimeouts = HopTimeouts(),
         retry: RetryPolicy = RetryPolicy(),
         log=None,
     ):
         self.session, self.chooser, self.run_id = session, chooser, run_id
-        self.codec, self.int8_block, self.timeouts, self.retry, self.log = codec, int8_block, timeouts, retry, log
+        self.codec, self.timeouts, self.retry, self.log = codec, timeouts, retry, log
         self.num_stages = len(chooser.stage_urls)
 
     async def train(self, mb: Microbatch, seed: int) -> float:

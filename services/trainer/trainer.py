@@ -29,6 +29,7 @@ class TrainSummary:
     eval_loss_before: float | None = None
     eval_loss_after: float | None = None
     step_losses: list[float] = field(default_factory=list)
+    step_elapsed_s: list[float] = field(default_factory=list)  # when each step completed
     failures: list[str] = field(default_factory=list)
 
 
@@ -95,7 +96,8 @@ class Trainer:
                 for step, step_loss in tracker.record(index, loss):
                     summary.steps = step + 1
                     summary.step_losses.append(step_loss)
-                    self._step_done(step, step_loss, summary, time.perf_counter() - started)
+                    summary.step_elapsed_s.append(time.perf_counter() - started)
+                    self._step_done(step, step_loss, summary, summary.step_elapsed_s[-1])
 
         await asyncio.gather(*(worker() for _ in range(self.in_flight)))
         summary.elapsed_s = time.perf_counter() - started

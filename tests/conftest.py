@@ -1,0 +1,44 @@
+"""Shared fixtures: stage servers started in this process on loopback ports."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from shared.config import StageServerSettings
+from services.stage_server.app import create_app
+
+
+def stage_settings(stage: int, num_stages: int = 4, **overrides) -> StageServerSettings:
+    """Settings built from keywords only, so the caller's SWARM_* environment does not leak in."""
+    base = dict(model="tiny", num_stages=num_stages, stage=stage, wire_codec="fp32", samples_per_step=10**6, seed=0, run_id="test")
+    return StageServerSettings(**{**base, **overrides})
+
+
+@pytest.fixture
+async def start_stages():
+    """``await start_stages([[settings, ...] per stage])`` -> (apps per stage, URLs per stage)."""
+    servers: list[TestServer] = []
+
+    async def start(groups: list[list[StageServerSettings]]):
+        apps, urls = [], []
+        for group in groups:
+            apps.append([]), urls.append([])
+            for settings in group:
+                server = TestServer(create_app(settings), host="127.0.0.1")
+                await server.start_server()
+                servers.append(server)
+                apps[-1].append(server.app)
+                urls[-1].append(str(server.make_url("")).rstrip("/"))
+        return apps, urls
+
+    yield start
+    for server in servers:
+        await server.close()
+
+
+@pytest.fixture
+async def http_session():
+    async with aiohttp.ClientSession() as session:
+        yield session

@@ -1,0 +1,75 @@
+"""The trainer against in-process stage servers: pipelining, retries, failures reported."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shared.retry import RetryPolicy
+from services.stage_server.routes import RUNTIME
+from services.trainer.data import ByteBatcher, load_corpus
+from services.trainer.pipeline import HopTimeouts, MicrobatchFailed, PipelineClient, ReplicaChooser
+from services.trainer.trainer import Trainer
+from tests.conftest import stage_settings
+
+NUM_STAGES = 4
+
+
+def make_trainer(session, urls, *, steps, in_flight, microbatch_size=1, seq_len=16, samples_per_step=1, retry=RetryPolicy(max_retries=3, base_delay_s=0.01)):
+    client = PipelineClient(session, ReplicaChooser(urls, random.Random(0)), run_id="test", codec="int8", timeouts=HopTimeouts(10, 10), retry=retry)
+    batcher = ByteBatcher(load_corpus(), seq_len, microbatch_size)
+    return Trainer(client, batcher, steps=steps, samples_per_step=samples_per_step, in_flight=in_flight, eval_microbatches=1)
+
+
+async def test_microbatches_in_flight_keep_every_stage_busy(start_stages, http_session):
+    """With an injected delay of 30 ms per forward of work (backward 60 ms, the last stage's
+    forward+backward 90 ms: every stage is 90 ms per microbatch), K=4 in flight gives
+    >= 0.75*4 the throughput of 1 in flight: the stages work on different microbatches at
+    once. Throughput is measured in steady state: the middle half of the run, after the
+    pipeline has filled and before it drains (one microbatch per step here)."""
+    _, urls = await start_stages([[stage_settings(s, inject_delay_s=0.03, wire_codec="int8")] for s in range(NUM_STAGES)])
+    one = await make_trainer(http_session, urls, steps=6, in_flight=1).run()
+    four = await make_trainer(http_session, urls, steps=40, in_flight=4).run()
+    assert one.microbatches_completed == 6 and four.microbatches_completed == 40
+    rate_one = steady_rate(one.step_elapsed_s, 1, 5)
+    rate_four = steady_rate(four.step_elapsed_s, 10, 30)
+    print(f"pipelining: K=4 gives {rate_four / rate_one:.2f}x the throughput of K=1")
+    assert rate_four >= 0.75 * 4 * rate_one, f"K=4 gives only {rate_four / rate_one:.2f}x the throughput of K=1"
+
+
+def steady_rate(step_elapsed_s: list[float], first: int, last: int) -> float:
+    """Steps per second between the completion of step ``first`` and step ``last``."""
+    return (last - first) / (step_elapsed_s[last] - step_elapsed_s[first])
+
+
+async def test_failed_hop_is_retried_on_another_replica(start_stages, http_session):
+    """A dead replica of stage 1 (nothing listens at its address): every microbatch still completes."""
+    apps, urls = await start_stages([[stage_settings(s, wire_codec="int8")] for s in range(NUM_STAGES)])
+    dead = "http://127.0.0.1:9"  # discard port: connection refused on loopback
+    urls[1] = [dead, *urls[1]]
+    summary = await make_trainer(http_session, urls, steps=8, in_flight=4).run()
+    assert summary.microbatches_completed == 8 and summary.microbatches_failed == 0
+    assert apps[1][0][RUNTIME].stats.backwards == 8
+
+
+async def test_microbatch_that_exhausts_retries_is_reported_not_dropped(start_stages, http_session):
+    _, urls = await start_stages([[stage_settings(s, wire_codec="int8")] for s in range(NUM_STAGES)])
+    urls[2] = ["http://127.0.0.1:9"]  # the only replica of stage 2 is gone
+    trainer = make_trainer(http_session, urls, steps=3, in_flight=2, retry=RetryPolicy(max_retries=2, base_delay_s=0.01))
+    mb = trainer.batcher.microbatch(0)
+    with pytest.raises(MicrobatchFailed) as failed:
+        await trainer.client.train(mb, seed=0)
+    assert failed.value.stage == 2 and len(failed.value.errors) == 3  # first try + 2 retries
+    assert all(err.code == "unreachable" for err in failed.value.errors)
+
+
+async def test_trainer_accounts_for_every_scheduled_microbatch(start_stages, http_session):
+    """Half the replicas of stage 3 reject everything as malformed (400, not retryable):
+    the trainer counts each microbatch exactly once, completed or failed, with the reason."""
+    apps, urls = await start_stages([[stage_settings(s, wire_codec="int8")] for s in range(NUM_STAGES)] + [[stage_settings(3, wire_codec="int8", run_id="other")]])
+    urls = urls[:3] + [urls[3] + urls[4]]  # stage 3: one good replica, one from another run (409, retried)
+    summary = await make_trainer(http_session, urls, steps=12, in_flight=3).run()
+    assert summary.microbatches_completed + summary.microbatches_failed == summary.microbatches_scheduled == 12
+    assert summary.microbatches_failed == 0  # a 409 is retried on the other replica
+    assert len(summary.step_losses) == 12

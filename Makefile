@@ -14,7 +14,8 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check $(FIND_LINKS) "torch==$(TORCH_VERSION)"
+	$(BIN)/python -c "import torch" 2>/dev/null || \
+	  $(BIN)/pip install --quiet --disable-pip-version-check $(FIND_LINKS) "torch==$(TORCH_VERSION)"
 	$(BIN)/pip install --quiet --disable-pip-version-check $(FIND_LINKS) -e ".[dev]"
 	touch $(STAMP)
 

@@ -1,0 +1,72 @@
+"""`swarm up` as a user runs it: real processes on loopback, trained end to end, stopped cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+SWARM = [str(Path(sys.executable).with_name("swarm"))] if Path(sys.executable).with_name("swarm").exists() else [sys.executable, "-m", "services.cli"]
+
+
+def processes_of_run(run_id: str) -> list[int]:
+    """PIDs of live processes started for this run (their environment names the run id)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            state = next((l for l in (proc / "status").read_text().splitlines() if l.startswith("State:")), "")
+        except OSError:
+            continue
+        if f"SWARM_RUN_ID={run_id}".encode() in env and "zombie" not in state:
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_swarm_up_trains_a_four_stage_model_for_200_steps(tmp_path):
+    run_dir = tmp_path / "e2e-200"
+    result = subprocess.run([*SWARM, "up", "--stages", "4", "--steps", "200", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 200
+    assert summary["microbatches_completed"] == summary["microbatches_scheduled"] and summary["microbatches_failed"] == 0
+    assert summary["eval_loss_before"] > 5.0  # ~ln(256): an untrained byte-level model
+    assert summary["eval_loss_after"] < 2.9, summary["eval_loss_after"]
+    losses = summary["step_losses"]
+    assert sum(losses[-20:]) / 20 < min(2.9, sum(losses[:20]) / 20 - 1.0)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 201)) and all(m["tokens_per_s"] > 0 for m in metrics)
+    assert "train.step" in result.stderr  # progress was shown
+    assert processes_of_run(run_dir.name) == []
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    run_dir = tmp_path / "e2e-ctrl-c"
+    proc = subprocess.Popen([*SWARM, "up", "--stages", "4", "--steps", "100000", "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True)
+    reader.start()
+    try:
+        while True:  # wait until training is under way (bounded by the queue timeout)
+            line = lines.get(timeout=180)
+            if "train.step" in line:
+                break
+        assert len(processes_of_run(run_dir.name)) == 5  # 4 stage servers + 1 trainer
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert processes_of_run(run_dir.name) == []

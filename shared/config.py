@@ -8,6 +8,7 @@ the names (``_s`` seconds, ``_mb`` mebibytes).
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Literal
 
@@ -35,7 +36,7 @@ class CommonSettings(BaseSettings):
     @field_validator("device")
     @classmethod
     def _known_device(cls, v: str) -> str:
-        if v != "cpu" and not v.startswith("cuda"):
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", v):
             raise ValueError(f"SWARM_DEVICE must be 'cpu' or 'cuda[:N]', got {v!r}")
         return v
 

@@ -18,5 +18,5 @@ class RetryPolicy:
 
     def delay_s(self, attempt: int, rng: random.Random | None = None) -> float:
         """Seconds to wait before retry number ``attempt`` (1-based): base * 2^(attempt-1), capped, +-25% jitter."""
-        delay = min(self.max_delay_s, self.base_delay_s * 2 ** max(0, attempt - 1))
+        delay = min(self.max_delay_s, self.base_delay_s * 2.0 ** min(max(0, attempt - 1), 64))
         return delay * (0.75 + 0.5 * (rng or random).random())

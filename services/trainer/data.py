@@ -8,6 +8,7 @@ Shakespeare plays from Project Gutenberg (public domain), ~1.5 MB. The last
 from __future__ import annotations
 
 import gzip
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,8 @@ def load_corpus(path: str | Path | None = None) -> torch.Tensor:
     raw = path.read_bytes()
     if path.suffix == ".gz":
         raw = gzip.decompress(raw)
+    if not raw:
+        raise ValueError(f"corpus file {str(path)!r} is empty (setting SWARM_CORPUS)")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
@@ -50,7 +53,7 @@ class ByteBatcher:
 
     def microbatch(self, index: int, *, split: str = "train") -> Microbatch:
         data = self.train if split == "train" else self.eval
-        gen = torch.Generator().manual_seed(self.seed * 7_919 + index * 2 + (split != "train"))
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{split}:{index}".encode()))
         starts = torch.randint(0, len(data) - self.seq_len - 1, (self.microbatch_size,), generator=gen)
         windows = torch.stack([data[s : s + self.seq_len + 1] for s in starts.tolist()]).long()
         return Microbatch(index, windows[:, :-1].contiguous(), windows[:, 1:].contiguous())

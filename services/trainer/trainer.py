@@ -108,7 +108,7 @@ class Trainer:
 
     def _step_done(self, step: int, loss: float, summary: TrainSummary, elapsed_s: float) -> None:
         tokens_per_s = summary.tokens / elapsed_s if elapsed_s else 0.0
-        record = {"step": step + 1, "loss": round(loss, 4), "tokens_per_s": round(tokens_per_s, 1), "elapsed_s": round(elapsed_s, 2)}
+        record = {"step": step + 1, "loss": _json_number(loss, 4), "tokens_per_s": round(tokens_per_s, 1), "elapsed_s": round(elapsed_s, 2)}
         if self.metrics_file:
             with open(self.metrics_file, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -120,5 +120,12 @@ class Trainer:
             getattr(self.log, level)(event, **fields)
 
 
+def _json_number(x: float, digits: int) -> float | None:
+    """NaN (a step whose microbatches all failed) becomes null: strict JSON has no NaN."""
+    return None if math.isnan(x) else round(x, digits)
+
+
 def summary_json(summary: TrainSummary) -> str:
-    return json.dumps(asdict(summary))
+    record = asdict(summary)
+    record["step_losses"] = [_json_number(x, 6) for x in summary.step_losses]
+    return json.dumps(record, allow_nan=False)

@@ -1,0 +1,308 @@
+"""Trainer logic without a network: step accounting, retry delays, replica choice, error
+classes, and the Trainer loop driven by a fake pipeline client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from shared.errors import RemoteError
+from shared.retry import RetryPolicy
+from services.trainer.data import ByteBatcher
+from services.trainer.pipeline import MicrobatchFailed, ReplicaChooser
+from services.trainer.trainer import StepTracker, Trainer, summary_json
+
+# --- StepTracker ---------------------------------------------------------------------
+
+
+def test_step_tracker_releases_steps_in_order_once_every_microbatch_resolved():
+    tracker = StepTracker(3)  # step 0: 0-2, step 1: 3-5, step 2: 6-8
+    assert tracker.record(4, 40.0) == []
+    assert tracker.record(3, 30.0) == []
+    assert tracker.record(5, 50.0) == []  # step 1 complete, but step 0 is not: held back
+    assert tracker.record(0, 1.0) == []
+    assert tracker.record(2, 3.0) == []
+    assert tracker.record(7, 70.0) == []
+    assert tracker.record(1, 2.0) == [(0, 2.0), (1, 40.0)]  # both, in order
+    assert tracker.next_step == 2
+    assert tracker.record(6, 60.0) == []
+    assert tracker.record(8, 80.0) == [(2, 70.0)]
+    assert tracker.next_step == 3
+
+
+def test_step_tracker_failed_microbatches_resolve_but_do_not_count_in_the_mean():
+    tracker = StepTracker(4)
+    assert tracker.record(0, 1.0) == []
+    assert tracker.record(1, None) == []
+    assert tracker.record(2, 3.0) == []
+    assert tracker.record(3, None) == [(0, 2.0)]
+
+
+def test_step_tracker_step_with_every_microbatch_failed_is_nan():
+    tracker = StepTracker(2)
+    assert tracker.record(1, None) == []
+    done = tracker.record(0, None)
+    assert len(done) == 1 and done[0][0] == 0 and math.isnan(done[0][1])
+    assert tracker.record(2, 5.0) == [] and tracker.record(3, 7.0) == [(1, 6.0)]
+
+
+def test_step_tracker_one_microbatch_per_step():
+    tracker = StepTracker(1)
+    assert tracker.record(1, 2.0) == []
+    assert tracker.record(0, 1.0) == [(0, 1.0), (1, 2.0)]
+
+
+# --- RetryPolicy ---------------------------------------------------------------------
+
+
+def test_retry_delay_grows_exponentially_within_jitter():
+    policy = RetryPolicy(max_retries=10, base_delay_s=0.1, max_delay_s=100.0)
+    rng = random.Random(0)
+    for attempt in range(1, 8):
+        nominal = 0.1 * 2 ** (attempt - 1)
+        for _ in range(50):
+            delay = policy.delay_s(attempt, rng)
+            assert 0.75 * nominal <= delay <= 1.25 * nominal, (attempt, delay)
+
+
+def test_retry_delay_is_capped_by_max_delay():
+    policy = RetryPolicy(max_retries=20, base_delay_s=0.05, max_delay_s=2.0)
+    rng = random.Random(1)
+    assert policy.delay_s(6, random.Random(0)) <= 1.6 * 1.25  # 1.6 nominal: not yet capped
+    delays = [policy.delay_s(attempt, rng) for attempt in range(7, 101) for _ in range(5)]  # 3.2+ nominal
+    assert all(1.5 <= d <= 2.5 for d in delays)
+    assert max(delays) > 2.0 and min(delays) < 2.0  # jitter applies around the cap too
+
+
+def test_retry_delay_stays_capped_for_very_late_attempts():
+    policy = RetryPolicy(max_retries=5000, base_delay_s=0.05, max_delay_s=2.0)
+    assert 1.5 <= policy.delay_s(2000, random.Random(0)) <= 2.5
+
+
+def test_retry_jitter_is_spread_over_the_whole_band_and_reproducible():
+    policy = RetryPolicy(base_delay_s=1.0, max_delay_s=1.0)
+    delays = [policy.delay_s(1, random.Random(7)) for _ in range(3)]
+    assert delays[0] == delays[1] == delays[2]  # same seed, same delay
+    rng = random.Random(2)
+    many = [policy.delay_s(1, rng) for _ in range(2000)]
+    assert min(many) < 0.8 and max(many) > 1.2  # not a constant
+    assert all(0.75 <= d <= 1.25 for d in many)
+    assert 0.97 < sum(many) / len(many) < 1.03  # centred on the nominal delay
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(max_retries=-1), dict(base_delay_s=-0.1), dict(base_delay_s=1.0, max_delay_s=0.5)],
+)
+def test_invalid_retry_policy_raises(kwargs):
+    with pytest.raises(ValueError):
+        RetryPolicy(**kwargs)
+
+
+def test_valid_edge_retry_policies():
+    assert RetryPolicy(max_retries=0).max_retries == 0
+    assert RetryPolicy(base_delay_s=0.0, max_delay_s=0.0).delay_s(3, random.Random(0)) == 0.0
+
+
+# --- ReplicaChooser ------------------------------------------------------------------
+
+STAGES = [["http://a0", "http://a1", "http://a2"], ["http://b0"]]
+
+
+def test_chooser_never_repeats_a_replica_while_an_untried_one_exists():
+    for seed in range(20):
+        chooser = ReplicaChooser(STAGES, random.Random(seed))
+        tried: list[str] = []
+        for _ in range(3):
+            url = chooser.choose(0, tried)
+            assert url in STAGES[0] and url not in tried
+            tried.append(url)
+        assert sorted(tried) == sorted(STAGES[0])
+
+
+def test_chooser_falls_back_to_any_replica_once_all_were_tried():
+    chooser = ReplicaChooser(STAGES, random.Random(0))
+    all_tried = list(STAGES[0])
+    picks = {chooser.choose(0, all_tried) for _ in range(200)}
+    assert picks == set(STAGES[0])
+    assert chooser.choose(1, ["http://b0"]) == "http://b0"  # a single replica: retried
+
+
+def test_chooser_spreads_load_uniformly():
+    chooser = ReplicaChooser(STAGES, random.Random(123))
+    counts = Counter(chooser.choose(0, []) for _ in range(3000))
+    assert set(counts) == set(STAGES[0])
+    for url, n in counts.items():
+        assert 0.25 * 3000 <= n <= 0.42 * 3000, (url, n)
+
+
+def test_chooser_spreads_among_the_untried():
+    chooser = ReplicaChooser(STAGES, random.Random(5))
+    counts = Counter(chooser.choose(0, ["http://a1"]) for _ in range(2000))
+    assert set(counts) == {"http://a0", "http://a2"}
+    assert all(800 <= n <= 1200 for n in counts.values())
+
+
+# --- RemoteError.retryable -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "status, code, retryable",
+    [
+        (None, "transport", True),
+        (500, "internal", True),
+        (503, "overloaded", True),
+        (503, "draining", True),
+        (409, "wrong_stage", True),
+        (200, "bad_reply", True),
+        (400, "bad_payload", False),
+        (413, "payload_too_large", False),
+        (415, "unsupported_media_type", False),
+    ],
+)
+def test_remote_error_retryable(status, code, retryable):
+    err = RemoteError("http://x", status, code, "msg")
+    assert err.retryable is retryable
+    assert err.status == status and err.code == code and "http://x" in str(err)
+
+
+# --- Trainer with a fake pipeline client --------------------------------------------
+
+
+class FakeClient:
+    """Stands in for the network. Blocks every train() call until ``in_flight`` calls are
+    running at once (then lets everything through), so the test sees the trainer reach its
+    concurrency without any timing; counts the calls in progress at each moment."""
+
+    def __init__(self, in_flight: int, fail: set[int], eval_loss: float = 5.0):
+        self.in_flight, self.fail, self.eval_loss = in_flight, fail, eval_loss
+        self.current = self.max_current = 0
+        self.reached = asyncio.Event()
+        self.train_calls: list[tuple[int, int]] = []
+        self.eval_calls: list[int] = []
+
+    async def train(self, mb, seed: int) -> float:
+        self.train_calls.append((mb.index, seed))
+        self.current += 1
+        self.max_current = max(self.max_current, self.current)
+        try:
+            if self.current >= self.in_flight:
+                self.reached.set()
+            await self.reached.wait()
+            for _ in range(mb.index % 3):  # finish out of order: yield, no waiting on time
+                await asyncio.sleep(0)
+            if mb.index in self.fail:
+                err = RemoteError("http://s1", 503, "overloaded", "queue full")
+                raise MicrobatchFailed(mb.index, 1, "/forward", [err])
+            return float(mb.index)
+        finally:
+            self.current -= 1
+
+    async def evaluate(self, mb, seed: int) -> float:
+        self.eval_calls.append(mb.index)
+        return self.eval_loss
+
+
+async def run_guarded(trainer: Trainer):
+    """trainer.run(), failing (not hanging) if the fake's barrier is never reached, i.e. the
+    trainer runs fewer than in_flight microbatches at once. A guard, not synchronization."""
+    async with asyncio.timeout(10):
+        return await trainer.run()
+
+
+class RecordingLog:
+    def __init__(self):
+        self.events: list[tuple[str, str, dict]] = []
+
+    def __getattr__(self, level):
+        return lambda event, **fields: self.events.append((level, event, fields))
+
+
+def make_batcher(microbatch_size: int = 2, seq_len: int = 8) -> ByteBatcher:
+    tokens = torch.tensor(list(random.Random(0).randbytes(5_000)), dtype=torch.uint8)
+    return ByteBatcher(tokens, seq_len, microbatch_size, seed=0)
+
+
+async def test_trainer_accounts_for_every_microbatch_and_respects_in_flight(tmp_path):
+    in_flight, steps, per_step = 3, 5, 2  # samples_per_step 4 / microbatch_size 2
+    fail = {1, 6, 7}  # step 0: one of two failed; step 3: both failed
+    client = FakeClient(in_flight, fail)
+    log = RecordingLog()
+    metrics = tmp_path / "metrics.jsonl"
+    trainer = Trainer(client, make_batcher(), steps=steps, samples_per_step=4, in_flight=in_flight, seed=2,
+                      log_every=1, eval_microbatches=3, metrics_file=str(metrics), log=log)
+    assert trainer.microbatches_per_step == per_step
+    summary = await run_guarded(trainer)
+
+    scheduled = steps * per_step
+    assert summary.microbatches_scheduled == scheduled
+    assert summary.microbatches_completed + summary.microbatches_failed == scheduled
+    assert summary.microbatches_failed == len(fail) and len(summary.failures) == len(fail)
+    assert sorted(int(f.split()[1].rstrip(":")) for f in summary.failures) == sorted(fail)
+    assert all("/forward on stage 1" in f and "overloaded" in f for f in summary.failures)
+    failed_events = [f for level, event, f in log.events if event == "microbatch.failed"]
+    assert sorted(f["microbatch"] for f in failed_events) == sorted(fail)
+    assert all(level == "error" for level, event, _ in log.events if event == "microbatch.failed")
+
+    # every microbatch trained exactly once, with its own seed
+    assert sorted(i for i, _ in client.train_calls) == list(range(scheduled))
+    assert all(seed == 2 * 1_000_003 + i for i, seed in client.train_calls)
+    assert summary.tokens == summary.microbatches_completed * 2 * 8
+
+    # steps: all released, in order, each the mean of its completed microbatches (loss = index)
+    assert summary.steps == steps
+    assert len(summary.step_losses) == len(summary.step_elapsed_s) == steps
+    expected = [0.0, 2.5, 4.5, math.nan, 8.5]
+    for got, want in zip(summary.step_losses, expected):
+        assert (math.isnan(got) and math.isnan(want)) or got == want
+    assert summary.step_elapsed_s == sorted(summary.step_elapsed_s)
+    assert summary.elapsed_s >= summary.step_elapsed_s[-1]
+
+    # concurrency: never above in_flight, and in_flight actually reached
+    assert client.max_current == in_flight
+    assert client.current == 0
+
+    # evaluation before and after on the fixed held-out microbatches
+    assert summary.eval_loss_before == summary.eval_loss_after == 5.0
+    assert client.eval_calls == [0, 1, 2, 0, 1, 2]
+
+    lines = metrics.read_text().splitlines()
+    assert len(lines) == steps
+    records = [json.loads(line) for line in lines]
+    for n, record in enumerate(records, start=1):
+        assert set(record) == {"step", "loss", "tokens_per_s", "elapsed_s"}
+        assert record["step"] == n
+        assert record["tokens_per_s"] >= 0 and record["elapsed_s"] >= 0
+    assert [r["loss"] for r in records if r["loss"] is not None] == [0.0, 2.5, 4.5, 8.5]
+    assert json.loads(summary_json(summary))["microbatches_failed"] == len(fail)
+
+
+@pytest.mark.parametrize("in_flight", [1, 4])
+async def test_trainer_concurrency_is_bounded_by_in_flight(in_flight):
+    client = FakeClient(in_flight, fail=set())
+    trainer = Trainer(client, make_batcher(microbatch_size=4), steps=6, samples_per_step=8, in_flight=in_flight, eval_microbatches=1)
+    summary = await run_guarded(trainer)
+    assert client.max_current == in_flight
+    assert summary.microbatches_completed == summary.microbatches_scheduled == 12
+    assert summary.microbatches_failed == 0 and summary.failures == []
+    assert summary.step_losses == [0.5 + 2 * s for s in range(6)]
+    assert summary.tokens_per_s > 0
+
+
+async def test_metrics_file_is_strict_json_when_a_whole_step_failed(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    client = FakeClient(1, fail={0, 1})
+    trainer = Trainer(client, make_batcher(), steps=2, samples_per_step=4, in_flight=1, eval_microbatches=1, metrics_file=str(metrics))
+    await run_guarded(trainer)
+
+    def reject(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    for line in metrics.read_text().splitlines():
+        json.loads(line, parse_constant=reject)

@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             "SWARM_IN_FLIGHT": str(args.in_flight),
             "SWARM_CORPUS": args.corpus,
             "SWARM_METRICS_FILE": str(run_dir / "metrics.jsonl"),
+            "SWARM_SUMMARY_FILE": str(run_dir / "summary.json"),
         }
         trainer = procs.start("trainer", ["services.trainer"], trainer_env, log_to_file=False)
         return trainer.wait()

@@ -96,6 +96,7 @@ class TrainerSettings(ModelSettings):
     max_retries: int = Field(3, ge=0, le=100, description="extra tries of a failed hop before the microbatch fails")
     log_every: int = Field(10, ge=1, description="log a line every N steps")
     metrics_file: str = Field("", description="append one JSON line per step here")
+    summary_file: str = Field("", description="write the run's full summary (per-step losses included) here as JSON")
 
     def stage_urls(self) -> list[list[str]]:
         """Parse ``stages`` into one list of replica URLs per stage."""

@@ -1,6 +1,7 @@
 """``swarm train`` / ``python -m services.trainer``: train through stage servers.
 
-Prints the run's summary as one JSON line on stdout at the end; logs go to stderr.
+Prints the run's summary as one JSON line on stdout at the end (the full one, with
+per-step losses, goes to ``summary_file`` if set); logs go to stderr.
 Exit status: 0 trained, 1 some microbatches failed, 2 bad settings or unusable swarm.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
+from pathlib import Path
 
 import aiohttp
 
@@ -99,7 +101,9 @@ async def train(settings: TrainerSettings) -> int:
         eval_loss_before=round(summary.eval_loss_before, 4),
         eval_loss_after=round(summary.eval_loss_after, 4),
     )
-    print(summary_json(summary), flush=True)
+    if settings.summary_file:
+        Path(settings.summary_file).write_text(summary_json(summary) + "\n")
+    print(summary_json(summary, per_step=False), flush=True)
     return 1 if summary.microbatches_failed else 0
 
 

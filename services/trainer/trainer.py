@@ -125,7 +125,10 @@ def _json_number(x: float, digits: int) -> float | None:
     return None if math.isnan(x) else round(x, digits)
 
 
-def summary_json(summary: TrainSummary) -> str:
+def summary_json(summary: TrainSummary, *, per_step: bool = True) -> str:
+    """The summary as strict JSON; ``per_step=False`` leaves out the per-step lists."""
     record = asdict(summary)
     record["step_losses"] = [_json_number(x, 6) for x in summary.step_losses]
+    if not per_step:
+        del record["step_losses"], record["step_elapsed_s"]
     return json.dumps(record, allow_nan=False)

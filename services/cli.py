@@ -1,7 +1,9 @@
 """The ``swarm`` command: one entry point for every service.
 
+    swarm coordinator  the registry with leases          (python -m services.coordinator)
     swarm server ...   serve one pipeline stage          (python -m services.stage_server)
     swarm train ...    train through stage servers       (python -m services.trainer)
+    swarm status       the live swarm as a table         (python -m services.status)
     swarm up ...       a whole swarm on this machine     (python -m services.local_swarm)
 
 Each sub-command takes ``--help``; every setting is also an environment variable SWARM_*.
@@ -13,15 +15,17 @@ import importlib
 import sys
 
 COMMANDS = {
+    "coordinator": ("services.coordinator.__main__", "keep the registry of a run's stage servers"),
     "server": ("services.stage_server.__main__", "serve one pipeline stage"),
     "train": ("services.trainer.__main__", "train through stage servers"),
-    "up": ("services.local_swarm", "start stage servers and a trainer on loopback and train"),
+    "status": ("services.status", "show the live swarm: stages, replicas, throughput, lease age"),
+    "up": ("services.local_swarm", "run a coordinator, stage servers and trainers on loopback and train"),
 }
 
 
 def usage() -> str:
     lines = ["usage: swarm COMMAND [options]", "", "commands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run 'swarm COMMAND --help' for a command's options."]
     return "\n".join(lines)
 

@@ -1,10 +1,11 @@
 """``swarm up``: a whole swarm on this machine, as separate processes on loopback.
 
-Starts ``stages x replicas`` stage servers (logs under ``--run-dir``), waits until each
-answers ``/health``, runs a trainer in the foreground (its progress on this terminal),
-and stops every process when the trainer is done, on Ctrl-C or on SIGTERM. Children run
-in their own sessions so a Ctrl-C reaches only this supervisor, which then stops them in
-order (SIGTERM, then SIGKILL after a grace period).
+Starts a coordinator, ``stages x replicas`` stage servers that register with it (logs
+under ``--run-dir``), waits until each answers ``/health``, runs ``trainers`` trainers that
+find the servers through the coordinator (their progress on this terminal), and stops
+every process when the trainers are done, on Ctrl-C or on SIGTERM. Children run in their
+own sessions so a Ctrl-C reaches only this supervisor, which then stops them (SIGTERM,
+then SIGKILL after a grace period). mDNS is off: everything is on loopback.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="swarm up", description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, default=4, help="pipeline stages (default 4)")
     p.add_argument("--replicas", type=int, default=1, help="stage servers per stage (default 1)")
+    p.add_argument("--trainers", type=int, default=1, help="trainers (default 1)")
+    p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period of the servers (default 1 s)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps to train (default 200)")
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--wire-codec", default="int8", choices=FLOAT_CODECS)
@@ -101,34 +104,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    common = {"SWARM_NUM_STAGES": str(args.stages), "SWARM_MODEL": args.model, "SWARM_WIRE_CODEC": args.wire_codec, "SWARM_RUN_ID": run_dir.name}
+    common = {
+        "SWARM_RUN_ID": run_dir.name,
+        "SWARM_NUM_STAGES": str(args.stages),
+        "SWARM_MODEL": args.model,
+        "SWARM_WIRE_CODEC": args.wire_codec,
+        "SWARM_MDNS": "false",
+        "SWARM_HEARTBEAT_S": str(args.heartbeat_s),
+    }
     procs = LocalProcesses(run_dir)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        stage_urls: list[list[str]] = []
-        for stage in range(args.stages):
-            stage_urls.append([])
-            for replica in range(args.replicas):
-                port = free_port(args.host)
-                env = {**common, "SWARM_STAGE": str(stage), "SWARM_PORT": str(port), "SWARM_HOST": args.host, "SWARM_LR": str(args.lr), "SWARM_SAMPLES_PER_STEP": str(args.samples_per_step)}
-                procs.start(f"stage{stage}-{replica}", ["services.stage_server"], env)
-                stage_urls[-1].append(f"http://{args.host}:{port}")
-        for name, url in zip(procs.procs, (u for g in stage_urls for u in g)):
+        coordinator = start_coordinator(procs, args, run_dir, common)
+        common["SWARM_COORDINATOR"] = coordinator
+        servers = start_servers(procs, args, common)
+        for name, url in servers.items():
             wait_healthy(url, procs.procs[name], args.ready_timeout_s)
-        print(f"swarm up: {args.stages} stages x {args.replicas} replicas healthy; logs in {run_dir}/", flush=True)
-        trainer_env = {
-            **common,
-            "SWARM_STAGES": ";".join(",".join(g) for g in stage_urls),
-            "SWARM_STEPS": str(args.steps),
-            "SWARM_MICROBATCH_SIZE": str(args.microbatch_size),
-            "SWARM_SEQ_LEN": str(args.seq_len),
-            "SWARM_IN_FLIGHT": str(args.in_flight),
-            "SWARM_CORPUS": args.corpus,
-            "SWARM_METRICS_FILE": str(run_dir / "metrics.jsonl"),
-            "SWARM_SUMMARY_FILE": str(run_dir / "summary.json"),
-        }
-        trainer = procs.start("trainer", ["services.trainer"], trainer_env, log_to_file=False)
-        return trainer.wait()
+        print(f"swarm up: coordinator {coordinator}, {args.stages} stages x {args.replicas} replicas healthy; logs in {run_dir}/", flush=True)
+        trainers = start_trainers(procs, args, run_dir, common)
+        return max(t.wait() for t in trainers)
     except KeyboardInterrupt:
         print("\nswarm up: interrupted, stopping every process", file=sys.stderr, flush=True)
         return 130
@@ -137,6 +131,47 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         procs.stop_all()
+
+
+def start_coordinator(procs: LocalProcesses, args: argparse.Namespace, run_dir: Path, common: dict) -> str:
+    port = free_port(args.host)
+    env = {**common, "SWARM_HOST": args.host, "SWARM_PORT": str(port), "SWARM_STATE_DB": str(run_dir / "coordinator.sqlite")}
+    proc = procs.start("coordinator", ["services.coordinator"], env)
+    url = f"http://{args.host}:{port}"
+    wait_healthy(url, proc, args.ready_timeout_s)
+    return url
+
+
+def start_servers(procs: LocalProcesses, args: argparse.Namespace, common: dict) -> dict[str, str]:
+    """``stages x replicas`` stage servers; returns their URLs by process name."""
+    servers = {}
+    for stage in range(args.stages):
+        for replica in range(args.replicas):
+            port = free_port(args.host)
+            env = {**common, "SWARM_STAGE": str(stage), "SWARM_PORT": str(port), "SWARM_HOST": args.host, "SWARM_LR": str(args.lr), "SWARM_SAMPLES_PER_STEP": str(args.samples_per_step)}
+            name = f"stage{stage}-{replica}"
+            procs.start(name, ["services.stage_server"], env)
+            servers[name] = f"http://{args.host}:{port}"
+    return servers
+
+
+def start_trainers(procs: LocalProcesses, args: argparse.Namespace, run_dir: Path, common: dict) -> list:
+    trainers = []
+    for t in range(args.trainers):
+        suffix = "" if args.trainers == 1 else f"-{t}"
+        env = {
+            **common,
+            "SWARM_SEED": str(t),  # each trainer draws its own microbatches
+            "SWARM_STEPS": str(args.steps),
+            "SWARM_MICROBATCH_SIZE": str(args.microbatch_size),
+            "SWARM_SEQ_LEN": str(args.seq_len),
+            "SWARM_IN_FLIGHT": str(args.in_flight),
+            "SWARM_CORPUS": args.corpus,
+            "SWARM_METRICS_FILE": str(run_dir / f"metrics{suffix}.jsonl"),
+            "SWARM_SUMMARY_FILE": str(run_dir / f"summary{suffix}.json"),
+        }
+        trainers.append(procs.start(f"trainer{suffix}", ["services.trainer"], env, log_to_file=False))
+    return trainers
 
 
 if __name__ == "__main__":

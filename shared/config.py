@@ -41,6 +41,23 @@ class CommonSettings(BaseSettings):
         return v
 
 
+class DiscoverySettings(CommonSettings):
+    """How a service finds the coordinator and keeps its lease."""
+
+    coordinator: str = Field("", description="coordinator URL; empty: find one by mDNS on the LAN")
+    mdns: bool = Field(True, description="announce and browse with mDNS (zeroconf); off across regions")
+    mdns_interfaces: str = Field("all", description="'all' or comma-separated IPv4 addresses of the interfaces mDNS uses")
+    mdns_timeout_s: float = Field(10.0, gt=0, description="how long to look for a coordinator by mDNS")
+    heartbeat_s: float = Field(2.0, gt=0, description="seconds between heartbeats; a lease expires after 3 missed")
+
+    @field_validator("coordinator")
+    @classmethod
+    def _coordinator_url(cls, v: str) -> str:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError(f"SWARM_COORDINATOR must be an http(s) URL, got {v!r}")
+        return v.rstrip("/")
+
+
 class ModelSettings(CommonSettings):
     """What every member of a run must agree on: the model, its cut and the wire."""
 
@@ -68,10 +85,11 @@ class ModelSettings(CommonSettings):
         return config_from_preset(self.model)
 
 
-class StageServerSettings(ModelSettings):
+class StageServerSettings(ModelSettings, DiscoverySettings):
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=0, le=65535)
-    stage: int = Field(0, ge=0)
+    advertise_url: str = Field("", description="URL others reach this server at; default http://HOST:PORT")
+    stage: int | Literal["auto"] = Field(0, description="stage to serve, or 'auto': the coordinator picks the weakest")
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.01, ge=0)
     samples_per_step: int = Field(32, ge=1, description="samples accumulated per optimizer step")
@@ -83,8 +101,18 @@ class StageServerSettings(ModelSettings):
     drain_timeout_s: float = Field(30.0, gt=0)
 
 
-class TrainerSettings(ModelSettings):
-    stages: str = Field("", description="stage server URLs: replicas of a stage separated by ',', stages by ';'")
+class CoordinatorSettings(DiscoverySettings):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    advertise_url: str = Field("", description="URL others reach the coordinator at; default http://HOST:PORT")
+    num_stages: int = Field(4, ge=1, le=1024)
+    state_db: str = Field("coordinator.sqlite", description="SQLite file with the registry and run state")
+    lease_heartbeats: int = Field(3, ge=1, description="missed heartbeats after which a lease expires")
+    max_servers: int = Field(4096, ge=1, description="registry size limit")
+
+
+class TrainerSettings(ModelSettings, DiscoverySettings):
+    stages: str = Field("", description="stage server URLs (replicas ',' stages ';'); empty: ask the coordinator")
     corpus: str = Field("", description="text file to train on; empty: the bundled Shakespeare corpus")
     seq_len: int = Field(128, ge=1)
     microbatch_size: int = Field(8, ge=1)
@@ -110,6 +138,17 @@ class TrainerSettings(ModelSettings):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"SWARM_STAGES: {url!r} is not an http(s) URL")
         return groups
+
+
+def advertised_url(host: str, port: int, advertise_url: str = "") -> str:
+    """The URL peers use to reach a service listening on ``host:port``."""
+    if advertise_url:
+        return advertise_url.rstrip("/")
+    if host in ("0.0.0.0", "::", ""):
+        import socket
+
+        host = socket.gethostbyname(socket.gethostname())
+    return f"http://{host}:{port}"
 
 
 def known_settings_fields() -> set[str]:

@@ -24,7 +24,7 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
     # Libraries that log through the standard logging module: warnings and worse only.
@@ -32,6 +32,16 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     # bitsandbytes warns at import that an optional 4-bit CPU kernel (fetched from a hub,
     # which we never use) is missing; our int8 codec does not need it.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is now (test runners swap it), not the one at set-up."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def get_logger(**bound) -> structlog.typing.FilteringBoundLogger:

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import random
+
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
 from shared.config import StageServerSettings
 from services.stage_server.app import create_app
+from services.trainer.wiring import ReplicaBalancer
+
+
+def balancer_for(urls: list[list[str]], seed: int = 0) -> ReplicaBalancer:
+    """A trainer's balancer that knows exactly these replicas per stage."""
+    balancer = ReplicaBalancer(len(urls), rng=random.Random(seed))
+    for stage, group in enumerate(urls):
+        balancer.set_replicas(stage, group)
+    return balancer
 
 
 def stage_settings(stage: int, num_stages: int = 4, **overrides) -> StageServerSettings:
     """Settings built from keywords only, so the caller's SWARM_* environment does not leak in."""
-    base = dict(model="tiny", num_stages=num_stages, stage=stage, wire_codec="fp32", samples_per_step=10**6, seed=0, run_id="test")
+    base = dict(model="tiny", num_stages=num_stages, stage=stage, wire_codec="fp32", samples_per_step=10**6, seed=0, run_id="test", mdns=False, coordinator="")
     return StageServerSettings(**{**base, **overrides})
 
 

@@ -1,15 +1,42 @@
-"""``swarm server`` / ``python -m services.stage_server``: serve one stage."""
+"""``swarm server`` / ``python -m services.stage_server``: serve one stage.
+
+With a coordinator (``--coordinator URL``, or found by mDNS when none is given) the
+server registers and heartbeats; ``--stage auto`` lets the coordinator pick the stage
+with the least capacity. SIGTERM or Ctrl-C drains: 503 to new work, deregistration,
+then the accepted requests finish before the process exits.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
+import aiohttp
 import torch
 from aiohttp import web
 
 from shared.config import StageServerSettings, parse_settings
-from shared.log import configure_logging
+from shared.log import configure_logging, get_logger
 from services.stage_server.app import create_app
+from services.stage_server.membership import CoordinatorError, assign_stage
+
+
+async def resolve(settings: StageServerSettings, log) -> StageServerSettings:
+    """Fill in the coordinator URL (mDNS) and the stage (``auto``) before the server is built."""
+    coordinator = settings.coordinator
+    if not coordinator and settings.mdns:
+        from shared.discovery import find_coordinator
+
+        coordinator = await find_coordinator(settings.run_id, interfaces_spec=settings.mdns_interfaces, timeout_s=settings.mdns_timeout_s) or ""
+        log.info("coordinator.discovered" if coordinator else "coordinator.not_found", url=coordinator or None)
+    stage = settings.stage
+    if stage == "auto":
+        if not coordinator:
+            raise ValueError("SWARM_STAGE=auto needs a coordinator: set SWARM_COORDINATOR or run one on this LAN with mDNS")
+        async with aiohttp.ClientSession() as session:
+            stage = await assign_stage(session, coordinator, settings.run_id)
+        log.info("stage.assigned", stage=stage)
+    return settings.model_copy(update={"coordinator": coordinator, "stage": stage})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_format, settings.log_level)
     torch.set_num_threads(settings.num_threads)
     try:
+        settings = asyncio.run(resolve(settings, get_logger(service="stage_server", run=settings.run_id)))
         app = create_app(settings)
-    except ValueError as exc:
+    except (ValueError, CoordinatorError) as exc:
         print(f"swarm server: {exc}", file=sys.stderr)
         return 2
     web.run_app(app, host=settings.host, port=settings.port, print=None, shutdown_timeout=settings.drain_timeout_s, access_log=None)

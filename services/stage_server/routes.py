@@ -16,12 +16,11 @@ from __future__ import annotations
 import asyncio
 import functools
 from dataclasses import asdict, dataclass
-from importlib.metadata import PackageNotFoundError, version
 
 import torch
 from aiohttp import web
 
-from shared import WIRE_VERSION
+from shared import WIRE_VERSION, package_version
 from shared.codec import FLOAT_CODECS, decode_tensor, encode_tensor
 from shared.config import StageServerSettings
 from shared.errors import BadPayload, WrongStage
@@ -138,10 +137,6 @@ async def health(request: web.Request) -> web.Response:
 
 async def info(request: web.Request) -> web.Response:
     settings, runtime = request.app[SETTINGS], request.app[RUNTIME]
-    try:
-        pkg_version = version("swarm-mesh")
-    except PackageNotFoundError:
-        pkg_version = "unknown"
     return web.json_response(
         {
             "run_id": settings.run_id,
@@ -156,7 +151,7 @@ async def info(request: web.Request) -> web.Response:
             "wire_version": WIRE_VERSION,
             "samples_per_step": settings.samples_per_step,
             "device": str(runtime.device),
-            "version": pkg_version,
+            "version": package_version(),
         }
     )
 

@@ -22,6 +22,7 @@ class ComputeWorker:
         self.inject_delay_s = inject_delay_s  # fault injection: a slower device
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._pending = 0
+        self.busy_s = 0.0  # wall time spent on jobs (injected delay included)
         self._idle = asyncio.Event()
         self._idle.set()
         self.draining = False
@@ -48,9 +49,13 @@ class ComputeWorker:
                 self._idle.set()
 
     def _call(self, fn: Callable[..., Any], args: tuple, work: float) -> Any:
-        if self.inject_delay_s:
-            time.sleep(self.inject_delay_s * work)
-        return fn(*args)
+        started = time.perf_counter()
+        try:
+            if self.inject_delay_s:
+                time.sleep(self.inject_delay_s * work)
+            return fn(*args)
+        finally:
+            self.busy_s += time.perf_counter() - started
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new jobs and wait for the accepted ones; True if all finished in time."""

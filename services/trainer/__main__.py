@@ -15,11 +15,14 @@ from pathlib import Path
 import aiohttp
 
 from shared.config import TrainerSettings, parse_settings
+from shared.discovery import find_coordinator
 from shared.log import configure_logging, get_logger
 from shared.retry import RetryPolicy
 from services.trainer.data import ByteBatcher, load_corpus
-from services.trainer.pipeline import HopTimeouts, PipelineClient, ReplicaChooser
+from services.trainer.pipeline import HopTimeouts, PipelineClient
+from services.trainer.swarm_view import SwarmView
 from services.trainer.trainer import Trainer, summary_json
+from services.trainer.wiring import ReplicaBalancer
 
 READY_WAIT_S = 60.0
 
@@ -61,23 +64,44 @@ async def _get_info(session: aiohttp.ClientSession, url: str, timeout_s: float) 
             await asyncio.sleep(policy.delay_s(attempt))
 
 
+async def find_swarm(session: aiohttp.ClientSession, settings: TrainerSettings, balancer: ReplicaBalancer, log) -> SwarmView | None:
+    """Static URLs (SWARM_STAGES) or the coordinator's registry (SWARM_COORDINATOR, or mDNS)."""
+    if settings.stages:
+        for stage, urls in enumerate(settings.stage_urls()):
+            balancer.set_replicas(stage, urls)
+        return None
+    coordinator = settings.coordinator
+    if not coordinator and settings.mdns:
+        coordinator = await find_coordinator(settings.run_id, interfaces_spec=settings.mdns_interfaces, timeout_s=settings.mdns_timeout_s) or ""
+    if not coordinator:
+        raise SwarmMismatch("no stage servers: set SWARM_STAGES or SWARM_COORDINATOR (no coordinator found by mDNS either)")
+    log.info("coordinator.using", url=coordinator, discovered=not settings.coordinator)
+    view = SwarmView(session, coordinator, balancer, refresh_s=settings.heartbeat_s, log=log)
+    if not await view.wait_complete(READY_WAIT_S):
+        raise SwarmMismatch(f"the coordinator at {coordinator} lists no replica for some stage after {READY_WAIT_S} s: {view.replicas()}")
+    return view
+
+
 async def train(settings: TrainerSettings) -> int:
     log = get_logger(service="trainer", run=settings.run_id)
-    stage_urls = settings.stage_urls()
     batcher = ByteBatcher(load_corpus(settings.corpus or None), settings.seq_len, settings.microbatch_size, seed=settings.seed)
+    balancer = ReplicaBalancer(settings.num_stages, rng=random.Random(settings.seed))
     connector = aiohttp.TCPConnector(limit=0)  # one keep-alive connection per request in flight
     async with aiohttp.ClientSession(connector=connector) as session:
+        view = await find_swarm(session, settings, balancer, log)
+        stage_urls = [list(balancer.estimates(s)) for s in range(settings.num_stages)]
         info = await check_stages(session, stage_urls, settings, log)
         if settings.seq_len > info["model_config"]["block_size"]:
             raise SwarmMismatch(f"SWARM_SEQ_LEN={settings.seq_len} exceeds the model's block_size {info['model_config']['block_size']}")
         client = PipelineClient(
             session,
-            ReplicaChooser(stage_urls, random.Random(settings.seed)),
+            balancer,
             run_id=settings.run_id,
             codec=settings.wire_codec,
             timeouts=HopTimeouts(settings.forward_timeout_s, settings.backward_timeout_s),
             retry=RetryPolicy(max_retries=settings.max_retries),
             log=log,
+            on_stage_empty=view.stage_empty if view else None,
         )
         trainer = Trainer(
             client,
@@ -91,7 +115,13 @@ async def train(settings: TrainerSettings) -> int:
             log=log,
         )
         log.info("train.start", steps=settings.steps, microbatches_per_step=trainer.microbatches_per_step, in_flight=settings.in_flight, codec=settings.wire_codec)
-        summary = await trainer.run()
+        refresher = asyncio.create_task(view.run()) if view else None
+        try:
+            summary = await trainer.run()
+        finally:
+            if refresher:
+                refresher.cancel()
+                await asyncio.gather(refresher, return_exceptions=True)
     log.info(
         "train.done",
         steps=summary.steps,

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
+import time
+import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 
@@ -26,6 +27,7 @@ from shared.errors import RemoteError
 from shared.http import post_message
 from shared.retry import RetryPolicy
 from services.trainer.data import Microbatch
+from services.trainer.wiring import NoReplica, ReplicaBalancer
 
 
 class MicrobatchFailed(Exception):
@@ -42,85 +44,90 @@ class HopTimeouts:
     backward_s: float = 60.0
 
 
-class ReplicaChooser:
-    """Which replica of a stage gets the next request: uniform among those not tried for this hop."""
-
-    def __init__(self, stage_urls: list[list[str]], rng: random.Random | None = None):
-        self.stage_urls = stage_urls
-        self.rng = rng or random.Random()
-
-    def choose(self, stage: int, tried: list[str]) -> str:
-        fresh = [u for u in self.stage_urls[stage] if u not in tried]
-        return self.rng.choice(fresh or self.stage_urls[stage])
-
-
 class PipelineClient:
     def __init__(
         self,
         session: aiohttp.ClientSession,
-        chooser: ReplicaChooser,
+        balancer: ReplicaBalancer,
         *,
         run_id: str,
         codec: str,
         timeouts: HopTimeouts = HopTimeouts(),
         retry: RetryPolicy = RetryPolicy(),
         log=None,
+        on_stage_empty: Callable[[int], Awaitable[None]] | None = None,
     ):
-        self.session, self.chooser, self.run_id = session, chooser, run_id
+        self.session, self.balancer, self.run_id = session, balancer, run_id
         self.codec, self.timeouts, self.retry, self.log = codec, timeouts, retry, log
-        self.num_stages = len(chooser.stage_urls)
+        self.on_stage_empty = on_stage_empty  # e.g. refresh the registry view at once
+        self.client_id = uuid.uuid4().hex[:8]  # microbatch ids stay unique across trainers
+        self.num_stages = balancer.num_stages
 
     async def train(self, mb: Microbatch, seed: int) -> float:
         """Forward and backward one microbatch; returns its loss (mean over its tokens)."""
-        mb_id = f"{self.run_id}:{mb.index}"
+        mb_id = f"{self.run_id}:{self.client_id}:{mb.index}"
         base = {"run_id": self.run_id, "microbatch_id": mb_id, "seed": seed, "codec": self.codec}
         last = self.num_stages - 1
         targets = encode_tensor(mb.targets, "raw")
         stage_inputs = [encode_tensor(mb.inputs, "raw")]
         for stage in range(last):
             msg = {**base, "stage": stage, "inputs": stage_inputs[stage]}
-            stage_inputs.append(await self._call(mb.index, stage, "/forward", msg, _outputs))
+            stage_inputs.append(await self._call(mb, stage, "/forward", msg, _outputs))
         msg = {**base, "stage": last, "inputs": stage_inputs[last], "targets": targets}
-        loss, grad = await self._call(mb.index, last, "/backward", msg, _loss_and_grad if last else _loss_only)
+        loss, grad = await self._call(mb, last, "/backward", msg, _loss_and_grad if last else _loss_only)
         for stage in range(last - 1, -1, -1):
             stage_inputs[stage + 1] = None  # no longer needed: free it early
             msg = {**base, "stage": stage, "inputs": stage_inputs[stage], "grad_outputs": grad}
-            grad = await self._call(mb.index, stage, "/backward", msg, _grad_inputs if stage else _nothing)
+            grad = await self._call(mb, stage, "/backward", msg, _grad_inputs if stage else _nothing)
         return loss
 
     async def evaluate(self, mb: Microbatch, seed: int) -> float:
         """Forward only (no gradients, nothing cached on the servers); returns the loss."""
-        base = {"run_id": self.run_id, "microbatch_id": f"{self.run_id}:eval:{mb.index}", "seed": seed, "codec": self.codec, "eval": True}
+        base = {"run_id": self.run_id, "microbatch_id": f"{self.run_id}:{self.client_id}:eval:{mb.index}", "seed": seed, "codec": self.codec, "eval": True}
         x = encode_tensor(mb.inputs, "raw")
         for stage in range(self.num_stages - 1):
-            x = await self._call(mb.index, stage, "/forward", {**base, "stage": stage, "inputs": x}, _outputs)
+            x = await self._call(mb, stage, "/forward", {**base, "stage": stage, "inputs": x}, _outputs)
         msg = {**base, "stage": self.num_stages - 1, "inputs": x, "targets": encode_tensor(mb.targets, "raw")}
-        loss, _ = await self._call(mb.index, self.num_stages - 1, "/forward", msg, _loss_only)
+        loss, _ = await self._call(mb, self.num_stages - 1, "/forward", msg, _loss_only)
         return loss
 
-    async def _call(self, index: int, stage: int, path: str, msg: dict, read: Callable[[dict], Any]) -> Any:
+    async def _call(self, mb: Microbatch, stage: int, path: str, msg: dict, read: Callable[[dict], Any]) -> Any:
         """One hop, retried on other replicas of the stage; ``read`` checks the reply and picks
         out what the caller needs. Raises :class:`MicrobatchFailed` when every try failed."""
-        timeout_s = self.timeouts.forward_s if path == "/forward" else self.timeouts.backward_s
+        kind = "forward" if path == "/forward" else "backward"
+        timeout_s = self.timeouts.forward_s if kind == "forward" else self.timeouts.backward_s
+        batch = mb.inputs.shape[0]
         body = pack_message(msg)  # packed once, resent as is on a retry
         tried: list[str] = []
         errors: list[RemoteError] = []
         for attempt in range(self.retry.max_retries + 1):
             if attempt:
                 await asyncio.sleep(self.retry.delay_s(attempt))
-            url = self.chooser.choose(stage, tried)
+            if not self.balancer.has_usable(stage) and self.on_stage_empty:
+                await self.on_stage_empty(stage)
+            try:
+                url = self.balancer.choose(stage, kind=kind, batch_size=batch, exclude=tried)
+            except NoReplica:
+                errors.append(RemoteError(f"stage {stage}", None, "no_replica", "no replica of this stage is known"))
+                continue
+            started = time.monotonic()
             try:
                 reply = await post_message(self.session, url + path, msg, timeout_s=timeout_s, body=body)
-                return read(reply)
+                result = read(reply)
             except RemoteError as err:
                 err.url = url
                 errors.append(err)
                 tried.append(url)
+                if err.retryable:  # the replica's fault (down, overloaded, moved): ban it for a while
+                    self.balancer.report_failure(stage, url)
                 if self.log:
-                    self.log.warning("hop.failed", microbatch=index, stage=stage, path=path, replica=url, status=err.status, code=err.code, attempt=attempt)
+                    self.log.warning("hop.failed", microbatch=mb.index, stage=stage, path=path, replica=url, status=err.status, code=err.code, attempt=attempt)
                 if not err.retryable:
                     break
-        raise MicrobatchFailed(index, stage, path, errors)
+                continue
+            self.balancer.report_success(stage, url, time.monotonic() - started, batch, kind)
+            return result
+        raise MicrobatchFailed(mb.index, stage, path, errors)
 
 
 def _tensor(reply: dict, name: str) -> dict:

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from shared.retry import RetryPolicy
 from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
-from services.trainer.pipeline import HopTimeouts, MicrobatchFailed, PipelineClient, ReplicaChooser
+from services.trainer.pipeline import HopTimeouts, MicrobatchFailed, PipelineClient
 from services.trainer.trainer import Trainer
-from tests.conftest import stage_settings
+from tests.conftest import balancer_for, stage_settings
 
 NUM_STAGES = 4
 
 
 def make_trainer(session, urls, *, steps, in_flight, microbatch_size=1, seq_len=16, samples_per_step=1, retry=RetryPolicy(max_retries=3, base_delay_s=0.01)):
-    client = PipelineClient(session, ReplicaChooser(urls, random.Random(0)), run_id="test", codec="int8", timeouts=HopTimeouts(10, 10), retry=retry)
+    client = PipelineClient(session, balancer_for(urls), run_id="test", codec="int8", timeouts=HopTimeouts(10, 10), retry=retry)
     batcher = ByteBatcher(load_corpus(), seq_len, microbatch_size)
     return Trainer(client, batcher, steps=steps, samples_per_step=samples_per_step, in_flight=in_flight, eval_microbatches=1)
 

@@ -3,8 +3,6 @@ model computes in one process (exactly with the fp32 wire, within bounds with in
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,8 +12,8 @@ from shared.http import post_message
 from shared.model import PRESETS, build_gpt
 from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
-from services.trainer.pipeline import PipelineClient, ReplicaChooser
-from tests.conftest import stage_settings
+from services.trainer.pipeline import PipelineClient
+from tests.conftest import balancer_for, stage_settings
 
 NUM_STAGES = 4
 
@@ -35,7 +33,7 @@ def microbatch():
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
 async def test_split_model_matches_whole_model(codec, microbatch, start_stages, http_session):
     apps, urls = await start_stages([[stage_settings(s, wire_codec=codec)] for s in range(NUM_STAGES)])
-    client = PipelineClient(http_session, ReplicaChooser(urls, random.Random(0)), run_id="test", codec=codec)
+    client = PipelineClient(http_session, balancer_for(urls), run_id="test", codec=codec)
 
     loss = await client.train(microbatch, seed=0)
 

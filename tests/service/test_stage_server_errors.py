@@ -47,6 +47,8 @@ def settings(stage: int, **overrides) -> StageServerSettings:
         backward_cache=16,
         inject_delay_s=0.0,
         drain_timeout_s=5.0,
+        mdns=False,
+        coordinator="",
     )
     return StageServerSettings(**{**fields, **overrides})
 

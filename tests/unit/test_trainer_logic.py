@@ -15,7 +15,7 @@ import torch
 from shared.errors import RemoteError
 from shared.retry import RetryPolicy
 from services.trainer.data import ByteBatcher
-from services.trainer.pipeline import MicrobatchFailed, ReplicaChooser
+from services.trainer.pipeline import MicrobatchFailed
 from services.trainer.trainer import StepTracker, Trainer, summary_json
 
 # --- StepTracker ---------------------------------------------------------------------
@@ -108,45 +108,6 @@ def test_invalid_retry_policy_raises(kwargs):
 def test_valid_edge_retry_policies():
     assert RetryPolicy(max_retries=0).max_retries == 0
     assert RetryPolicy(base_delay_s=0.0, max_delay_s=0.0).delay_s(3, random.Random(0)) == 0.0
-
-
-# --- ReplicaChooser ------------------------------------------------------------------
-
-STAGES = [["http://a0", "http://a1", "http://a2"], ["http://b0"]]
-
-
-def test_chooser_never_repeats_a_replica_while_an_untried_one_exists():
-    for seed in range(20):
-        chooser = ReplicaChooser(STAGES, random.Random(seed))
-        tried: list[str] = []
-        for _ in range(3):
-            url = chooser.choose(0, tried)
-            assert url in STAGES[0] and url not in tried
-            tried.append(url)
-        assert sorted(tried) == sorted(STAGES[0])
-
-
-def test_chooser_falls_back_to_any_replica_once_all_were_tried():
-    chooser = ReplicaChooser(STAGES, random.Random(0))
-    all_tried = list(STAGES[0])
-    picks = {chooser.choose(0, all_tried) for _ in range(200)}
-    assert picks == set(STAGES[0])
-    assert chooser.choose(1, ["http://b0"]) == "http://b0"  # a single replica: retried
-
-
-def test_chooser_spreads_load_uniformly():
-    chooser = ReplicaChooser(STAGES, random.Random(123))
-    counts = Counter(chooser.choose(0, []) for _ in range(3000))
-    assert set(counts) == set(STAGES[0])
-    for url, n in counts.items():
-        assert 0.25 * 3000 <= n <= 0.42 * 3000, (url, n)
-
-
-def test_chooser_spreads_among_the_untried():
-    chooser = ReplicaChooser(STAGES, random.Random(5))
-    counts = Counter(chooser.choose(0, ["http://a1"]) for _ in range(2000))
-    assert set(counts) == {"http://a0", "http://a2"}
-    assert all(800 <= n <= 1200 for n in counts.values())
 
 
 # --- RemoteError.retryable -----------------------------------------------------------

@@ -1,0 +1,27 @@
+"""``python -m services.coordinator``: keep the registry of a run's stage servers."""
+
+from __future__ import annotations
+
+import sys
+
+from aiohttp import web
+
+from shared.config import CoordinatorSettings, parse_settings
+from shared.log import configure_logging
+from services.coordinator.app import create_app
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_settings(CoordinatorSettings, argv, "swarm coordinator", "Keep the registry of a run's stage servers and their leases.")
+    configure_logging(settings.log_format, settings.log_level)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:
+        print(f"swarm coordinator: {exc}", file=sys.stderr)
+        return 2
+    web.run_app(app, host=settings.host, port=settings.port, print=None, access_log=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""App factory of the coordinator: the registry behind a JSON API, and the loop that expires leases."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+
+from aiohttp import web
+
+from shared.config import CoordinatorSettings, advertised_url
+from shared.http import error_middleware
+from shared.log import get_logger
+from services.coordinator.registry import RegisteredServer, Registry
+from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY, SETTINGS, add_routes
+
+
+def build_registry(settings: CoordinatorSettings) -> Registry:
+    try:
+        return Registry(
+            settings.state_db,
+            num_stages=settings.num_stages,
+            heartbeat_s=settings.heartbeat_s,
+            lease_heartbeats=settings.lease_heartbeats,
+            max_servers=settings.max_servers,
+        )
+    except (sqlite3.Error, ValueError) as exc:
+        raise ValueError(f"SWARM_STATE_DB={settings.state_db!r}: {exc}") from exc
+
+
+def expire_leases(registry: Registry, log) -> list[RegisteredServer]:
+    """Remove the servers whose lease ran out, one ``registry.expired`` line each."""
+    expired = registry.expire()
+    for server in expired:
+        log.info("registry.expired", server_id=server.server_id, stage=server.stage, url=server.url, last_heartbeat=server.last_heartbeat)
+    return expired
+
+
+async def _expire_loop(registry: Registry, log) -> None:
+    while True:
+        await asyncio.sleep(registry.heartbeat_s)
+        try:
+            expire_leases(registry, log)
+        except sqlite3.Error as exc:  # e.g. a locked or full disk: try again next period
+            log.exception("registry.expire.failed", error=repr(exc))
+
+
+def create_app(settings: CoordinatorSettings, registry: Registry | None = None) -> web.Application:
+    """The coordinator app; a ``registry`` passed in stays the caller's to close."""
+    log = get_logger(service="coordinator", run=settings.run_id)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware(log)])
+    app[SETTINGS] = settings
+    app[REGISTRY] = registry if registry is not None else build_registry(settings)
+    app[LOG] = log
+    add_routes(app)
+
+    async def lifecycle(app: web.Application):
+        reg = app[REGISTRY]
+        task = asyncio.create_task(_expire_loop(reg, log), name="registry.expire")
+        log.info("coordinator.ready", num_stages=reg.num_stages, lease_s=reg.lease_s, servers=len(reg.live()))
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if registry is None:
+            reg.close()
+        log.info("coordinator.stopped")
+
+    app.cleanup_ctx.append(lifecycle)
+    if settings.mdns:
+        app.cleanup_ctx.append(_announcement(settings))
+    return app
+
+
+def _announcement(settings: CoordinatorSettings):
+    """Announce the coordinator on the LAN (mDNS) so servers and trainers find it unconfigured."""
+
+    async def ctx(app: web.Application):
+        from shared.discovery import COORDINATOR_TYPE, Announcer
+
+        url = advertised_url(settings.host, settings.port, settings.advertise_url)
+        async with Announcer(settings.mdns_interfaces) as announcer:
+            await announcer.start(COORDINATOR_TYPE, f"coordinator-{settings.run_id}-{settings.port}", url, {"run_id": settings.run_id})
+            yield
+
+    return ctx

@@ -1,0 +1,241 @@
+"""The registry of stage servers: who serves which stage, at what URL, and until when.
+
+A server registers, then heartbeats every ``heartbeat_s``; its lease runs
+``lease_heartbeats * heartbeat_s`` seconds from its last heartbeat (or registration).
+A server whose lease has run out is no longer live: it is invisible to every query at
+once and removed from the table by :meth:`Registry.expire`, which returns it so that the
+caller can log it. State lives in SQLite, so a restarted coordinator keeps its servers
+and their lease times (wall-clock seconds, hence ``clock=time.time``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from shared.errors import BadPayload, Overloaded, SwarmError
+
+SERVER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+MAX_URL_LEN = 512
+MAX_VERSION_LEN = 64
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS servers (
+    server_id      TEXT PRIMARY KEY,
+    stage          INTEGER NOT NULL,
+    url            TEXT NOT NULL UNIQUE,
+    version        TEXT NOT NULL,
+    throughput     REAL NOT NULL,
+    queue_length   INTEGER NOT NULL,
+    registered_at  REAL NOT NULL,
+    last_heartbeat REAL NOT NULL
+)
+"""
+_COLUMNS = "server_id, stage, url, version, throughput, queue_length, registered_at, last_heartbeat"
+
+
+class UnknownServer(SwarmError):
+    """No live server has this id (never registered, deregistered or lease expired): re-register."""
+
+    status = 404
+    code = "unknown_server"
+
+
+class StageOutOfRange(SwarmError):
+    """The stage is not one of this run's ``[0, num_stages)``."""
+
+    status = 409
+    code = "stage_out_of_range"
+
+
+class RegistryFull(Overloaded):
+    """``max_servers`` servers are live; room comes back as leases expire."""
+
+    code = "registry_full"
+
+
+@dataclass(frozen=True)
+class RegisteredServer:
+    server_id: str
+    stage: int
+    url: str
+    version: str
+    throughput: float  # what the server reports it can do (e.g. samples/s); capacity sums it
+    queue_length: int
+    registered_at: float  # wall-clock seconds
+    last_heartbeat: float  # wall-clock seconds
+
+    def to_json(self, now: float) -> dict:
+        return {
+            "server_id": self.server_id,
+            "url": self.url,
+            "version": self.version,
+            "throughput": self.throughput,
+            "queue_length": self.queue_length,
+            "lease_age_s": now - self.last_heartbeat,
+            "registered_at": self.registered_at,
+        }
+
+
+class Registry:
+    """Live stage servers of one run, kept in the SQLite file ``db_path`` (":memory:" allowed)."""
+
+    def __init__(
+        self,
+        db_path: str,
+        *,
+        num_stages: int,
+        heartbeat_s: float,
+        lease_heartbeats: int = 3,
+        max_servers: int = 4096,
+        clock: Callable[[], float] = time.time,
+    ):
+        assert num_stages >= 1 and heartbeat_s > 0 and lease_heartbeats >= 1 and max_servers >= 1, "bad registry limits"
+        self.num_stages = num_stages
+        self.heartbeat_s = heartbeat_s
+        self.lease_s = lease_heartbeats * heartbeat_s
+        self.max_servers = max_servers
+        self._clock = clock
+        self._db = sqlite3.connect(db_path)
+        try:
+            self._open_schema()
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _open_schema(self) -> None:
+        self._db.execute("PRAGMA journal_mode=WAL")  # a heartbeat is a write: no fsync of a journal each time
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        with self._db:
+            self._db.execute(_SCHEMA)
+        (top,) = self._db.execute("SELECT MAX(stage) FROM servers").fetchone()
+        if top is not None and top >= self.num_stages:
+            raise ValueError(f"the registry file holds a server of stage {top} but num_stages is {self.num_stages}; use another file for this run")
+
+    def close(self) -> None:
+        self._db.close()
+
+    def register(self, server_id, stage, url, version, throughput, queue_length) -> RegisteredServer:
+        """Add a server, replacing any row with the same id or the same URL."""
+        server_id, url, version = _check_id(server_id), _check_url(url), _check_str("version", version, MAX_VERSION_LEN)
+        throughput, queue_length = _check_throughput(throughput), _check_count("queue_length", queue_length)
+        if type(stage) is not int:
+            raise BadPayload("'stage' must be an int")
+        if not 0 <= stage < self.num_stages:
+            raise StageOutOfRange(f"stage {stage} is not in [0, {self.num_stages}) (this coordinator's SWARM_NUM_STAGES)")
+        now = self._clock()
+        server = RegisteredServer(server_id, stage, url, version, throughput, queue_length, now, now)
+        with self._db:
+            self._check_room(server_id, url, now)
+            self._db.execute("DELETE FROM servers WHERE server_id = ? OR url = ?", (server_id, url))
+            self._db.execute(f"INSERT INTO servers ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", _row(server))
+        return server
+
+    def _check_room(self, server_id: str, url: str, now: float) -> None:
+        (others,) = self._db.execute(
+            "SELECT COUNT(*) FROM servers WHERE last_heartbeat >= ? AND server_id != ? AND url != ?",
+            (now - self.lease_s, server_id, url),
+        ).fetchone()
+        if others >= self.max_servers:
+            raise RegistryFull(f"the registry is full: {others} live servers (raise SWARM_MAX_SERVERS)", retry_after_s=self.lease_s)
+
+    def heartbeat(self, server_id, throughput, queue_length) -> float:
+        """Renew a live server's lease and update its load; returns when the new lease expires."""
+        server_id = _check_id(server_id)
+        throughput, queue_length = _check_throughput(throughput), _check_count("queue_length", queue_length)
+        now = self._clock()
+        with self._db:
+            renewed = self._db.execute(
+                "UPDATE servers SET throughput = ?, queue_length = ?, last_heartbeat = ? WHERE server_id = ? AND last_heartbeat >= ?",
+                (throughput, queue_length, now, server_id, now - self.lease_s),
+            ).rowcount
+        if not renewed:
+            raise UnknownServer(f"no live server {server_id!r} (never registered, deregistered or its lease expired): register again")
+        return now + self.lease_s
+
+    def deregister(self, server_id: str) -> bool:
+        """Remove a server at once; False when there was none with this id."""
+        server_id = _check_id(server_id)
+        with self._db:
+            return self._db.execute("DELETE FROM servers WHERE server_id = ?", (server_id,)).rowcount > 0
+
+    def expire(self) -> list[RegisteredServer]:
+        """Remove and return the servers whose last heartbeat is older than ``lease_s``."""
+        cutoff = self._clock() - self.lease_s
+        with self._db:
+            expired = self._select("WHERE last_heartbeat < ?", (cutoff,))
+            self._db.execute("DELETE FROM servers WHERE last_heartbeat < ?", (cutoff,))
+        return expired
+
+    def live(self) -> list[RegisteredServer]:
+        """Servers whose lease runs, by stage then URL (expired ones are left for :meth:`expire`)."""
+        return self._select("WHERE last_heartbeat >= ?", (self._clock() - self.lease_s,))
+
+    def assign_stage(self) -> int:
+        """The stage most in need of a replica: least capacity, then fewest replicas, then lowest index."""
+        servers = self.live()
+        capacity = [0.0] * self.num_stages
+        replicas = [0] * self.num_stages
+        for s in servers:
+            capacity[s.stage] += s.throughput
+            replicas[s.stage] += 1
+        return min(range(self.num_stages), key=lambda stage: (capacity[stage], replicas[stage], stage))
+
+    def view(self) -> dict:
+        """The swarm as JSON: every stage in order with its capacity and live replicas by URL."""
+        now = self._clock()
+        servers = self._select("WHERE last_heartbeat >= ?", (now - self.lease_s,))
+        stages = [{"stage": i, "capacity": 0.0, "replicas": []} for i in range(self.num_stages)]
+        for s in servers:
+            stages[s.stage]["capacity"] += s.throughput
+            stages[s.stage]["replicas"].append(s.to_json(now))
+        return {"num_stages": self.num_stages, "heartbeat_s": self.heartbeat_s, "lease_s": self.lease_s, "stages": stages}
+
+    def _select(self, where: str, args: tuple) -> list[RegisteredServer]:
+        rows = self._db.execute(f"SELECT {_COLUMNS} FROM servers {where} ORDER BY stage, url", args).fetchall()
+        return [RegisteredServer(*row) for row in rows]
+
+
+def _row(s: RegisteredServer) -> tuple:
+    return (s.server_id, s.stage, s.url, s.version, s.throughput, s.queue_length, s.registered_at, s.last_heartbeat)
+
+
+def _check_id(server_id) -> str:
+    if not isinstance(server_id, str) or not SERVER_ID.fullmatch(server_id):
+        raise BadPayload("'server_id' must be 1..64 characters of A-Z a-z 0-9 . _ -")
+    return server_id
+
+
+def _check_str(name: str, value, max_len: int) -> str:
+    if not isinstance(value, str) or len(value) > max_len:
+        raise BadPayload(f"'{name}' must be a string of at most {max_len} characters")
+    return value
+
+
+def _check_url(url) -> str:
+    url = _check_str("url", url, MAX_URL_LEN)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise BadPayload(f"'url' is not a valid URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BadPayload(f"'url' must be an http(s) URL with a host, got {url!r}")
+    return url.rstrip("/")
+
+
+def _check_throughput(value) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise BadPayload("'throughput' must be a finite number >= 0")
+    return float(value)
+
+
+def _check_count(name: str, value) -> int:
+    if type(value) is not int or not 0 <= value < 2**31:
+        raise BadPayload(f"'{name}' must be an int in [0, 2**31)")
+    return value

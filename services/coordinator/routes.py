@@ -1,0 +1,117 @@
+"""HTTP handlers of the coordinator: decode JSON, call the registry, encode JSON.
+
+Request bodies are JSON objects (``Content-Type: application/json``, at most 64 KiB);
+unknown fields are ignored, so old and new servers interoperate::
+
+    POST /register   {run_id, server_id, stage, url, version, throughput, queue_length}
+                     -> {server_id, stage, heartbeat_s, lease_s}
+    POST /assign     {run_id} -> {stage}                  the stage most in need of a replica
+    POST /heartbeat  {server_id, throughput, queue_length} -> {lease_s}
+                     404 unknown_server: the lease is gone, register again
+    POST /deregister {server_id} -> {removed}
+    GET  /swarm      -> {run_id, num_stages, heartbeat_s, lease_s, stages: [{stage, capacity, replicas}]}
+    GET  /health     -> {status: "ok", servers}
+
+Errors are ``{"error": {"code", "message"}}``: 400 bad_payload, 404 unknown_server,
+409 wrong_run / stage_out_of_range, 413, 415, 503 registry_full.
+"""
+
+from __future__ import annotations
+
+import json
+
+import structlog
+from aiohttp import web
+
+from shared.config import CoordinatorSettings
+from shared.errors import BadPayload, PayloadTooLarge, SwarmError, UnsupportedMediaType
+from services.coordinator.registry import Registry
+
+SETTINGS = web.AppKey("settings", CoordinatorSettings)
+REGISTRY = web.AppKey("registry", Registry)
+LOG = web.AppKey("log", structlog.typing.FilteringBoundLogger)
+
+JSON = "application/json"
+MAX_BODY_BYTES = 64 * 1024
+
+
+class WrongRun(SwarmError):
+    """The request belongs to another run than this coordinator's."""
+
+    status = 409
+    code = "wrong_run"
+
+
+async def read_json(request: web.Request) -> dict:
+    """Read a JSON object, refusing the wrong content type (415) and oversize bodies (413)."""
+    if request.content_type != JSON:
+        raise UnsupportedMediaType(f"expected Content-Type {JSON}, got {request.content_type or 'none'!r}")
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise PayloadTooLarge(f"body of {request.content_length} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"body exceeds the limit of {MAX_BODY_BYTES} bytes") from None
+    try:
+        msg = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadPayload(f"body is not valid JSON: {exc}") from None
+    if not isinstance(msg, dict):
+        raise BadPayload("body must be a JSON object")
+    return msg
+
+
+def _check_run(request: web.Request, msg: dict) -> None:
+    run_id, expected = msg.get("run_id"), request.app[SETTINGS].run_id
+    if not isinstance(run_id, str):
+        raise BadPayload("'run_id' must be a string")
+    if run_id != expected:
+        raise WrongRun(f"this coordinator runs {expected!r}, not {run_id!r} (setting SWARM_RUN_ID)")
+
+
+async def register(request: web.Request) -> web.Response:
+    msg = await read_json(request)
+    _check_run(request, msg)
+    registry = request.app[REGISTRY]
+    fields = ("server_id", "stage", "url", "version", "throughput", "queue_length")
+    server = registry.register(*(msg.get(f) for f in fields))
+    request.app[LOG].info(
+        "registry.registered", server_id=server.server_id, stage=server.stage, url=server.url, version=server.version, throughput=server.throughput
+    )
+    return web.json_response({"server_id": server.server_id, "stage": server.stage, "heartbeat_s": registry.heartbeat_s, "lease_s": registry.lease_s})
+
+
+async def assign(request: web.Request) -> web.Response:
+    _check_run(request, await read_json(request))
+    return web.json_response({"stage": request.app[REGISTRY].assign_stage()})
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    msg = await read_json(request)
+    registry = request.app[REGISTRY]
+    registry.heartbeat(msg.get("server_id"), msg.get("throughput"), msg.get("queue_length"))
+    return web.json_response({"lease_s": registry.lease_s})
+
+
+async def deregister(request: web.Request) -> web.Response:
+    server_id = (await read_json(request)).get("server_id")
+    removed = request.app[REGISTRY].deregister(server_id)
+    request.app[LOG].info("registry.deregistered", server_id=server_id, removed=removed)
+    return web.json_response({"removed": removed})
+
+
+async def swarm(request: web.Request) -> web.Response:
+    return web.json_response({"run_id": request.app[SETTINGS].run_id, **request.app[REGISTRY].view()})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok", "servers": len(request.app[REGISTRY].live())})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/register", register)
+    app.router.add_post("/assign", assign)
+    app.router.add_post("/heartbeat", heartbeat)
+    app.router.add_post("/deregister", deregister)
+    app.router.add_get("/swarm", swarm)
+    app.router.add_get("/health", health)

@@ -1,0 +1,92 @@
+"""Membership: a stage server's lease at the coordinator.
+
+Registers once the server listens, heartbeats every ``heartbeat_s`` with its measured
+throughput and queue length (re-registering if the coordinator forgot it, e.g. after a
+restart), and deregisters first thing on shutdown so trainers stop sending to it. While
+the coordinator is unreachable it keeps trying with the shared backoff policy; the
+server keeps serving meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Callable
+
+import aiohttp
+
+from shared.retry import RetryPolicy
+
+CONTROL_TIMEOUT_S = 5.0
+
+
+class CoordinatorError(Exception):
+    def __init__(self, status: int | None, code: str, message: str):
+        super().__init__(f"coordinator: {status} {code}: {message}")
+        self.status, self.code = status, code
+
+
+async def post_json(session: aiohttp.ClientSession, url: str, body: dict, *, timeout_s: float = CONTROL_TIMEOUT_S) -> dict:
+    """POST a control message to the coordinator; any failure raises :class:`CoordinatorError`."""
+    try:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            payload = await resp.json(content_type=None)
+            if resp.status != 200:
+                err = payload.get("error", {}) if isinstance(payload, dict) else {}
+                raise CoordinatorError(resp.status, str(err.get("code", "http_error")), str(err.get("message", resp.reason)))
+            return payload
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        raise CoordinatorError(None, "unreachable", repr(exc)) from None
+
+
+async def assign_stage(session: aiohttp.ClientSession, coordinator: str, run_id: str) -> int:
+    """Ask the coordinator which stage a server started with ``--stage auto`` should serve."""
+    return int((await post_json(session, coordinator + "/assign", {"run_id": run_id}))["stage"])
+
+
+class Membership:
+    def __init__(self, session: aiohttp.ClientSession, coordinator: str, *, run_id: str, stage: int, url: str, version: str, heartbeat_s: float, load: Callable[[], tuple[float, int]], log):
+        self.session, self.coordinator, self.run_id, self.stage = session, coordinator, run_id, stage
+        self.url, self.version, self.heartbeat_s, self.load, self.log = url, version, heartbeat_s, load, log
+        self.server_id = f"s{stage}-{uuid.uuid4().hex[:12]}"
+        self.registered = asyncio.Event()
+        self._retry = RetryPolicy(max_retries=1_000_000, base_delay_s=0.2, max_delay_s=max(heartbeat_s, 0.2))
+
+    async def run(self) -> None:
+        """Register, then heartbeat until cancelled."""
+        failures = 0
+        while True:
+            try:
+                if not self.registered.is_set():
+                    await self._register()
+                else:
+                    await self._heartbeat()
+                failures = 0
+                await asyncio.sleep(self.heartbeat_s)
+            except CoordinatorError as err:
+                failures += 1
+                if err.status == 404:  # the coordinator forgot us (restart, expired lease)
+                    self.registered.clear()
+                self.log.warning("membership.failed", error=str(err), failures=failures)
+                await asyncio.sleep(self._retry.delay_s(failures))
+
+    async def deregister(self) -> None:
+        if not self.registered.is_set():
+            return
+        try:
+            await post_json(self.session, self.coordinator + "/deregister", {"server_id": self.server_id})
+            self.registered.clear()
+            self.log.info("membership.deregistered", server_id=self.server_id)
+        except CoordinatorError as err:
+            self.log.warning("membership.deregister_failed", error=str(err))
+
+    async def _register(self) -> None:
+        throughput, queue_length = self.load()
+        body = {"run_id": self.run_id, "server_id": self.server_id, "stage": self.stage, "url": self.url, "version": self.version, "throughput": throughput, "queue_length": queue_length}
+        await post_json(self.session, self.coordinator + "/register", body)
+        self.registered.set()
+        self.log.info("membership.registered", server_id=self.server_id, coordinator=self.coordinator, url=self.url)
+
+    async def _heartbeat(self) -> None:
+        throughput, queue_length = self.load()
+        await post_json(self.session, self.coordinator + "/heartbeat", {"server_id": self.server_id, "throughput": throughput, "queue_length": queue_length})

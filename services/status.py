@@ -1,0 +1,67 @@
+"""``swarm status``: the live swarm as the coordinator sees it, as a table.
+
+The coordinator comes from ``--coordinator URL``, ``SWARM_COORDINATOR``, or mDNS.
+Exit status: 0 printed, 2 no coordinator found or reachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+
+
+def render(view: dict) -> str:
+    """A readable table of GET /swarm: stages, their replicas, throughput and lease age."""
+    stages = view["stages"]
+    capacities = [s["capacity"] for s in stages]
+    weakest = capacities.index(min(capacities)) if stages else -1
+    lines = [
+        f"run {view.get('run_id', '?')}: {len(stages)} stages, {sum(len(s['replicas']) for s in stages)} replicas, "
+        f"heartbeat {view['heartbeat_s']:g} s, lease {view['lease_s']:g} s",
+        "",
+        f"{'stage':>5}  {'replicas':>8}  {'capacity':>12}  ",
+    ]
+    for s in stages:
+        mark = "  <- weakest" if s["stage"] == weakest and len(stages) > 1 else ""
+        lines.append(f"{s['stage']:>5}  {len(s['replicas']):>8}  {s['capacity']:>10.1f}/s{mark}")
+        for r in s["replicas"]:
+            lines.append(f"{'':>7}{r['url']:<32} {r['server_id']:<20} {r['throughput']:>8.1f} samples/s  queue {r['queue_length']:>3}  lease age {r['lease_age_s']:>5.1f} s")
+    return "\n".join(lines)
+
+
+def fetch(coordinator: str, timeout_s: float = 5.0) -> dict:
+    with urllib.request.urlopen(coordinator.rstrip("/") + "/swarm", timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="swarm status", description=__doc__.split("\n\n")[0])
+    p.add_argument("--coordinator", default=os.environ.get("SWARM_COORDINATOR", ""), help="coordinator URL (default: SWARM_COORDINATOR, else mDNS)")
+    p.add_argument("--run-id", default=os.environ.get("SWARM_RUN_ID"), help="with mDNS: the run to look for")
+    p.add_argument("--mdns-interfaces", default=os.environ.get("SWARM_MDNS_INTERFACES", "all"))
+    p.add_argument("--json", action="store_true", help="print the raw view as JSON")
+    args = p.parse_args(argv)
+    coordinator = args.coordinator
+    if not coordinator:
+        from shared.discovery import find_coordinator
+
+        coordinator = asyncio.run(find_coordinator(args.run_id, interfaces_spec=args.mdns_interfaces, timeout_s=5.0)) or ""
+    if not coordinator:
+        print("swarm status: no coordinator given (--coordinator, SWARM_COORDINATOR) and none found by mDNS", file=sys.stderr)
+        return 2
+    try:
+        view = fetch(coordinator)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"swarm status: cannot read {coordinator}/swarm: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(view, indent=2) if args.json else render(view))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""SwarmView: the trainer's copy of the coordinator's registry, fed into the balancer.
+
+Refreshed every ``refresh_s`` and at once when a stage has no usable replica. When the
+coordinator cannot be reached the last view stays in use: training goes on with the
+replicas already known, and failed ones are routed around by the balancer's bans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from services.trainer.wiring import ReplicaBalancer
+
+REFRESH_TIMEOUT_S = 5.0
+
+
+class SwarmView:
+    def __init__(self, session: aiohttp.ClientSession, coordinator: str, balancer: ReplicaBalancer, *, refresh_s: float, log=None):
+        self.session, self.coordinator, self.balancer = session, coordinator, balancer
+        self.refresh_s, self.log = refresh_s, log
+        self.refreshes = 0
+        self.failures = 0
+        self._lock = asyncio.Lock()
+
+    async def refresh(self) -> bool:
+        """Fetch GET /swarm and hand every stage's replicas to the balancer; False if unreachable."""
+        async with self._lock:
+            try:
+                async with self.session.get(self.coordinator + "/swarm", timeout=aiohttp.ClientTimeout(total=REFRESH_TIMEOUT_S)) as resp:
+                    resp.raise_for_status()
+                    view = await resp.json()
+                stages = view["stages"]
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+                self.failures += 1
+                if self.log:
+                    self.log.warning("registry.unreachable", coordinator=self.coordinator, error=repr(exc), keeping="last view")
+                return False
+            for entry in stages[: self.balancer.num_stages]:
+                self.balancer.set_replicas(int(entry["stage"]), [r["url"] for r in entry["replicas"]])
+            self.refreshes += 1
+            return True
+
+    def replicas(self) -> list[list[str]]:
+        return [list(self.balancer.estimates(s)) for s in range(self.balancer.num_stages)]
+
+    async def stage_empty(self, stage: int) -> None:
+        """Called by the pipeline when ``stage`` has no usable replica: refresh now."""
+        await self.refresh()
+
+    async def wait_complete(self, timeout_s: float) -> bool:
+        """Refresh until every stage has at least one replica, or ``timeout_s`` passes."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            if await self.refresh() and all(self.replicas()):
+                return True
+            await asyncio.sleep(min(self.refresh_s, 0.5))
+        return False
+
+    async def run(self) -> None:
+        """Refresh every ``refresh_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()

@@ -1,6 +1,7 @@
 """Zero-configuration discovery on a LAN with mDNS (zeroconf's asyncio API).
 
-The coordinator announces ``_swarm-coordinator._tcp`` and stage servers announce
+The coordinator announces ``_swarm-coord._tcp`` (DESIGN.md says ``_swarm-coordinator``,
+but RFC 6763 limits service names to 15 bytes) and stage servers announce
 ``_swarm-stage._tcp``, each with TXT properties (``run_id``, ``stage``, ``version``, and
 always ``url``). A service started without a coordinator URL finds one with
 :func:`find_coordinator`; a trainer may :func:`browse` stage servers while the
@@ -23,7 +24,7 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZerocon
 
 from shared.log import get_logger
 
-COORDINATOR_TYPE = "_swarm-coordinator._tcp.local."
+COORDINATOR_TYPE = "_swarm-coord._tcp.local."
 STAGE_TYPE = "_swarm-stage._tcp.local."
 
 # Probing takes 1.2-1.6 s and goodbyes ~0.3 s; these bound the announcer's awaits.
@@ -92,9 +93,7 @@ class Announcer:
         )
         self._azc = _zeroconf(self._interfaces)
         # The first await queues the registration; the second waits for probing and announcing.
-        # strict=False: "_swarm-coordinator" is longer than RFC 6763's 15 bytes, which
-        # zeroconf enforces only when registering strictly (browsing never checks).
-        registered = await self._azc.async_register_service(self._info, allow_name_change=True, strict=False)
+        registered = await self._azc.async_register_service(self._info, allow_name_change=True)
         await asyncio.wait_for(registered, REGISTER_TIMEOUT_S)
         log.info("mdns.announced", service=self._info.name, url=url)
 

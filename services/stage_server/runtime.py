@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

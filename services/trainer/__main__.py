@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
+import uuid
 from pathlib import Path
 
 import aiohttp
@@ -83,7 +84,8 @@ async def find_swarm(session: aiohttp.ClientSession, settings: TrainerSettings, 
 
 
 async def train(settings: TrainerSettings) -> int:
-    log = get_logger(service="trainer", run=settings.run_id)
+    trainer_id = uuid.uuid4().hex[:8]
+    log = get_logger(service="trainer", run=settings.run_id, trainer=trainer_id)
     batcher = ByteBatcher(load_corpus(settings.corpus or None), settings.seq_len, settings.microbatch_size, seed=settings.seed)
     balancer = ReplicaBalancer(settings.num_stages, rng=random.Random(settings.seed))
     connector = aiohttp.TCPConnector(limit=0)  # one keep-alive connection per request in flight
@@ -102,6 +104,7 @@ async def train(settings: TrainerSettings) -> int:
             retry=RetryPolicy(max_retries=settings.max_retries),
             log=log,
             on_stage_empty=view.stage_empty if view else None,
+            client_id=trainer_id,
         )
         trainer = Trainer(
             client,

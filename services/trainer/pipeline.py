@@ -56,11 +56,12 @@ class PipelineClient:
         retry: RetryPolicy = RetryPolicy(),
         log=None,
         on_stage_empty: Callable[[int], Awaitable[None]] | None = None,
+        client_id: str = "",
     ):
         self.session, self.balancer, self.run_id = session, balancer, run_id
         self.codec, self.timeouts, self.retry, self.log = codec, timeouts, retry, log
         self.on_stage_empty = on_stage_empty  # e.g. refresh the registry view at once
-        self.client_id = uuid.uuid4().hex[:8]  # microbatch ids stay unique across trainers
+        self.client_id = client_id or uuid.uuid4().hex[:8]  # microbatch ids stay unique across trainers
         self.num_stages = balancer.num_stages
 
     async def train(self, mb: Microbatch, seed: int) -> float:

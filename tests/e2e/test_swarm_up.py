@@ -3,35 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import SWARM, processes_of_run
+
 pytestmark = pytest.mark.e2e
-
-SWARM = [str(Path(sys.executable).with_name("swarm"))] if Path(sys.executable).with_name("swarm").exists() else [sys.executable, "-m", "services.cli"]
-
-
-def processes_of_run(run_id: str) -> list[int]:
-    """PIDs of live processes started for this run (their environment names the run id)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            env = (proc / "environ").read_bytes().split(b"\0")
-            state = next((l for l in (proc / "status").read_text().splitlines() if l.startswith("State:")), "")
-        except OSError:
-            continue
-        if f"SWARM_RUN_ID={run_id}".encode() in env and "zombie" not in state:
-            pids.append(int(proc.name))
-    return pids
 
 
 def test_swarm_up_trains_a_four_stage_model_for_200_steps(tmp_path):

@@ -7,7 +7,6 @@ import asyncio
 import json
 import math
 import random
-from collections import Counter
 
 import pytest
 import torch

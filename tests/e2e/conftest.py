@@ -1,0 +1,100 @@
+"""Real processes on loopback, each stopped by the test that started it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from services.local_swarm import free_port, wait_healthy
+
+SWARM = [str(Path(sys.executable).with_name("swarm"))] if Path(sys.executable).with_name("swarm").exists() else [sys.executable, "-m", "services.cli"]
+
+
+def processes_of_run(run_id: str) -> list[int]:
+    """PIDs of live processes started for this run (their environment names the run id)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            state = next((l for l in (proc / "status").read_text().splitlines() if l.startswith("State:")), "")
+        except OSError:
+            continue
+        if f"SWARM_RUN_ID={run_id}".encode() in env and "zombie" not in state:
+            pids.append(int(proc.name))
+    return pids
+
+
+def get_json(url: str, timeout_s: float = 5.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+def wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.05):
+    """Poll ``condition()`` until it returns something truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class Processes:
+    """Start ``python -m <module>`` children with SWARM_* settings; stop them all at the end."""
+
+    def __init__(self, run_id: str, log_dir: Path):
+        self.run_id, self.log_dir = run_id, log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, module: str, env: dict[str, str]) -> subprocess.Popen:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+        log = open(self.log_dir / f"{name}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", module], env={**clean, "SWARM_RUN_ID": self.run_id, **env}, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def coordinator(self, *, heartbeat_s: float, mdns: bool = False, num_stages: int = 4) -> tuple[subprocess.Popen, str]:
+        port = free_port()
+        env = {"SWARM_PORT": str(port), "SWARM_HEARTBEAT_S": str(heartbeat_s), "SWARM_NUM_STAGES": str(num_stages), "SWARM_STATE_DB": str(self.log_dir / "coordinator.sqlite"), "SWARM_MDNS": str(mdns).lower(), "SWARM_MDNS_INTERFACES": "127.0.0.1"}
+        proc = self.start("coordinator", "services.coordinator", env)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, 60)
+        return proc, url
+
+    def server(self, stage: int | str, *, coordinator: str = "", heartbeat_s: float = 1.0, extra: dict | None = None) -> tuple[subprocess.Popen, str]:
+        port = free_port()
+        env = {"SWARM_STAGE": str(stage), "SWARM_PORT": str(port), "SWARM_HEARTBEAT_S": str(heartbeat_s), "SWARM_COORDINATOR": coordinator, "SWARM_MDNS": "false", **(extra or {})}
+        proc = self.start(f"server-{stage}-{port}", "services.stage_server", env)
+        return proc, f"http://127.0.0.1:{port}"
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def processes(tmp_path, request):
+    run_id = f"e2e-{request.node.name[:40]}-{os.getpid()}".replace("[", "-").replace("]", "")
+    procs = Processes(run_id, tmp_path)
+    yield procs
+    procs.stop_all()
+    assert processes_of_run(run_id) == [], "a process of this test outlived it"

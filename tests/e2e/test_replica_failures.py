@@ -1,0 +1,77 @@
+"""Replicas come and go, training goes on: `swarm up` with 4 stages x 2 replicas and 2
+trainers; one replica of every stage is killed with SIGKILL while they train."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import SWARM, get_json, processes_of_run, wait_until
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 60
+
+
+def stage_server_pids(run_id: str) -> dict[int, list[int]]:
+    """PIDs of this run's stage servers, by stage."""
+    by_stage: dict[int, list[int]] = {}
+    for pid in processes_of_run(run_id):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"services.stage_server" in cmdline:
+            by_stage.setdefault(int(env[b"SWARM_STAGE"]), []).append(pid)
+    return by_stage
+
+
+def test_training_goes_on_when_a_replica_of_every_stage_is_killed(tmp_path):
+    run_dir = tmp_path / "e2e-kill"
+    args = [*SWARM, "up", "--stages", "4", "--replicas", "2", "--trainers", "2", "--steps", str(STEPS), "--heartbeat-s", "1", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    output: list[str] = []
+    threading.Thread(target=lambda: [(lines.put(l), output.append(l)) for l in proc.stdout], daemon=True).start()
+    try:
+        coordinator = None
+        trainers_past_step_10 = set()
+        while len(trainers_past_step_10) < 2:  # both trainers are training
+            line = lines.get(timeout=240)
+            if found := re.search(r"coordinator (http://\S+),", line):
+                coordinator = found[1]
+            if "train.step" in line and "step=10 " in line:
+                trainers_past_step_10.add(re.search(r"trainer=(\w+)", line)[1])
+        assert coordinator, "swarm up did not print the coordinator URL"
+        servers = stage_server_pids(run_dir.name)
+        assert sorted(servers) == [0, 1, 2, 3] and all(len(p) == 2 for p in servers.values())
+        for stage, pids in servers.items():
+            os.kill(pids[0], signal.SIGKILL)
+        # the registry drops the killed replicas (leases of 3 heartbeats of 1 s)
+        wait_until(lambda: all(len(s["replicas"]) == 1 for s in get_json(coordinator + "/swarm")["stages"]), 15, "the registry to drop the killed replicas")
+        assert proc.wait(timeout=400) == 0, "".join(output[-40:])
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+
+    for t in (0, 1):
+        summary = json.loads((run_dir / f"summary-{t}.json").read_text())
+        # every scheduled microbatch completed: the hops that hit a killed replica were retried
+        assert summary["microbatches_completed"] == summary["microbatches_scheduled"] == STEPS * 4
+        assert summary["microbatches_failed"] == 0 and summary["steps"] == STEPS
+        losses = summary["step_losses"]
+        after_kill = losses[15:]
+        assert sum(after_kill[-10:]) / 10 < sum(after_kill[:10]) / 10 - 0.2, "the loss stopped falling after the kills"
+        assert summary["eval_loss_after"] < summary["eval_loss_before"] - 1.0
+    assert any("hop.failed" in l for l in output), "no hop hit a killed replica: the test did not test anything"
+    assert processes_of_run(run_dir.name) == []

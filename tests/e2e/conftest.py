@@ -50,6 +50,17 @@ def wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.05):
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+def stop_swarm_up(proc: subprocess.Popen) -> None:
+    """Stop a `swarm up` the way a user would (Ctrl-C), so it stops its children; kill as a last resort."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Processes:
     """Start ``python -m <module>`` children with SWARM_* settings; stop them all at the end."""
 

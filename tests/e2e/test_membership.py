@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import torch
 from shared.codec import decode_tensor, encode_tensor, pack_message, unpack_message
 from shared.http import MSGPACK
 from services.local_swarm import wait_healthy
-from tests.e2e.conftest import SWARM, get_json, wait_until
+from tests.e2e.conftest import SWARM, get_json, processes_of_run, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -205,24 +206,48 @@ def test_swarm_status_prints_the_live_swarm(processes):
 
 
 def test_mdns_server_and_trainer_find_the_coordinator(processes, tmp_path):
-    _, coord = processes.coordinator(heartbeat_s=1.0, mdns=True, num_stages=2)
-    discover = {"SWARM_COORDINATOR": "", "SWARM_MDNS": "true", "SWARM_MDNS_INTERFACES": "127.0.0.1", "SWARM_NUM_STAGES": "2", **FAST}
-    servers = [processes.server(stage, extra={**discover, "SWARM_SAMPLES_PER_STEP": "8"}) for stage in (0, 1)]
-    summary_file = tmp_path / "summary.json"
-    trainer = processes.start(
-        "trainer",
-        "services.trainer",
-        {**discover, "SWARM_STEPS": "5", "SWARM_MICROBATCH_SIZE": "4", "SWARM_SEQ_LEN": "32", "SWARM_HEARTBEAT_S": "1.0", "SWARM_SUMMARY_FILE": str(summary_file)},
-    )
-    assert trainer.wait(timeout=180) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+    # A short run id: with the fixture's (~52 characters) the coordinator cannot announce
+    # itself at all, see test_mdns_discovery_works_with_a_long_valid_run_id below.
+    run_id = processes.run_id = f"mdns-{os.getpid()}"
+    try:
+        _, coord = processes.coordinator(heartbeat_s=1.0, mdns=True, num_stages=2)
+        discover = {"SWARM_COORDINATOR": "", "SWARM_MDNS": "true", "SWARM_MDNS_INTERFACES": "127.0.0.1", "SWARM_NUM_STAGES": "2", **FAST}
+        servers = [processes.server(stage, extra={**discover, "SWARM_SAMPLES_PER_STEP": "8"}) for stage in (0, 1)]
+        summary_file = tmp_path / "summary.json"
+        trainer = processes.start(
+            "trainer",
+            "services.trainer",
+            {**discover, "SWARM_STEPS": "5", "SWARM_MICROBATCH_SIZE": "4", "SWARM_SEQ_LEN": "32", "SWARM_HEARTBEAT_S": "1.0", "SWARM_SUMMARY_FILE": str(summary_file)},
+        )
+        assert trainer.wait(timeout=180) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
 
-    summary = json.loads(summary_file.read_text())
-    assert summary["steps"] == 5
-    assert summary["microbatches_failed"] == 0 and summary["microbatches_completed"] == summary["microbatches_scheduled"] > 0
-    assert replicas(coord) == {servers[0][1]: 0, servers[1][1]: 1}  # they registered where mDNS led them
-    for _, url in servers:
-        port = url.rsplit(":", 1)[1]
-        log = next(tmp_path.glob(f"server-*-{port}.log")).read_text()
-        assert "coordinator.discovered" in log and coord in log, log[-2000:]
-    trainer_log = (tmp_path / "trainer.log").read_text()
-    assert "coordinator.using" in trainer_log and coord in trainer_log, trainer_log[-2000:]
+        summary = json.loads(summary_file.read_text())
+        assert summary["steps"] == 5
+        assert summary["microbatches_failed"] == 0 and summary["microbatches_completed"] == summary["microbatches_scheduled"] > 0
+        assert replicas(coord) == {servers[0][1]: 0, servers[1][1]: 1}  # they registered where mDNS led them
+        for _, url in servers:
+            port = url.rsplit(":", 1)[1]
+            log = next(tmp_path.glob(f"server-*-{port}.log")).read_text()
+            assert "coordinator.discovered" in log and coord in log, log[-2000:]
+        trainer_log = (tmp_path / "trainer.log").read_text()
+        assert "coordinator.using" in trainer_log and coord in trainer_log, trainer_log[-2000:]
+    finally:
+        processes.stop_all()  # the fixture checks for leftovers of its own run id, not of this one
+    assert processes_of_run(run_id) == [], "a process of this test outlived it"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG: mDNS instance names exceed the 63-byte DNS label limit for valid run ids (SWARM_RUN_ID allows 64 "
+        "characters): 'coordinator-{run_id}-{port}' (coordinator/app.py) past 45 characters of run id, "
+        "'stage{N}-{port}-{run_id}' (stage_server/app.py) past 50; zeroconf raises "
+        "BadTypeInNameException('Too long: ...') in the startup context and the process exits with status 1"
+    ),
+)
+def test_mdns_discovery_works_with_a_long_valid_run_id(processes):
+    assert 45 < len(processes.run_id) <= 64, processes.run_id  # valid (the fixture's, ~50 characters), too long for the names
+    _, coord = processes.coordinator(heartbeat_s=1.0, mdns=True, num_stages=1)
+    discover = {"SWARM_COORDINATOR": "", "SWARM_MDNS": "true", "SWARM_MDNS_INTERFACES": "127.0.0.1", "SWARM_NUM_STAGES": "1", **FAST}
+    proc, url = processes.server(0, extra=discover)
+    wait_registered(coord, [(proc, url)])

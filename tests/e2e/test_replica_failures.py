@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import SWARM, get_json, processes_of_run, wait_until
+from tests.e2e.conftest import SWARM, get_json, processes_of_run, stop_swarm_up, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +36,7 @@ def stage_server_pids(run_id: str) -> dict[int, list[int]]:
 
 
 def test_training_goes_on_when_a_replica_of_every_stage_is_killed(tmp_path):
-    run_dir = tmp_path / "e2e-kill"
+    run_dir = tmp_path / f"e2e-kill-{os.getpid()}"
     args = [*SWARM, "up", "--stages", "4", "--replicas", "2", "--trainers", "2", "--steps", str(STEPS), "--heartbeat-s", "1", "--run-dir", str(run_dir)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
@@ -60,9 +60,7 @@ def test_training_goes_on_when_a_replica_of_every_stage_is_killed(tmp_path):
         wait_until(lambda: all(len(s["replicas"]) == 1 for s in get_json(coordinator + "/swarm")["stages"]), 15, "the registry to drop the killed replicas")
         assert proc.wait(timeout=400) == 0, "".join(output[-40:])
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
+        stop_swarm_up(proc)
 
     for t in (0, 1):
         summary = json.loads((run_dir / f"summary-{t}.json").read_text())

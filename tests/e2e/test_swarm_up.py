@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -10,13 +11,13 @@ import threading
 
 import pytest
 
-from tests.e2e.conftest import SWARM, processes_of_run
+from tests.e2e.conftest import SWARM, processes_of_run, stop_swarm_up
 
 pytestmark = pytest.mark.e2e
 
 
 def test_swarm_up_trains_a_four_stage_model_for_200_steps(tmp_path):
-    run_dir = tmp_path / "e2e-200"
+    run_dir = tmp_path / f"e2e-200-{os.getpid()}"
     result = subprocess.run([*SWARM, "up", "--stages", "4", "--steps", "200", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -34,7 +35,7 @@ def test_swarm_up_trains_a_four_stage_model_for_200_steps(tmp_path):
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
-    run_dir = tmp_path / "e2e-ctrl-c"
+    run_dir = tmp_path / f"e2e-ctrl-c-{os.getpid()}"
     proc = subprocess.Popen([*SWARM, "up", "--stages", "4", "--steps", "100000", "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True)
@@ -44,11 +45,9 @@ def test_ctrl_c_stops_every_process(tmp_path):
             line = lines.get(timeout=180)
             if "train.step" in line:
                 break
-        assert len(processes_of_run(run_dir.name)) == 5  # 4 stage servers + 1 trainer
+        assert len(processes_of_run(run_dir.name)) == 6  # coordinator + 4 stage servers + 1 trainer
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_swarm_up(proc)
     assert processes_of_run(run_dir.name) == []

@@ -45,17 +45,21 @@ def error_middleware(log):
     return middleware
 
 
-async def read_message(request: web.Request, max_bytes: int) -> dict:
-    """Read a msgpack body, refusing the wrong content type (415) and oversize bodies (413)."""
-    if request.content_type != MSGPACK:
-        raise UnsupportedMediaType(f"expected Content-Type {MSGPACK}, got {request.content_type or 'none'!r}")
+async def read_body(request: web.Request, content_type: str, max_bytes: int, setting: str = "SWARM_MAX_BODY_MB") -> bytes:
+    """Read a request body, refusing another content type (415) and oversize bodies (413)."""
+    if request.content_type != content_type:
+        raise UnsupportedMediaType(f"expected Content-Type {content_type}, got {request.content_type or 'none'!r}")
     if request.content_length is not None and request.content_length > max_bytes:
-        raise PayloadTooLarge(f"body of {request.content_length} bytes exceeds the limit of {max_bytes} (setting SWARM_MAX_BODY_MB)")
+        raise PayloadTooLarge(f"body of {request.content_length} bytes exceeds the limit of {max_bytes} (setting {setting})")
     try:
-        body = await request.read()
+        return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLarge(f"body exceeds the limit of {max_bytes} bytes (setting SWARM_MAX_BODY_MB)") from None
-    return unpack_message(body)
+        raise PayloadTooLarge(f"body exceeds the limit of {max_bytes} bytes (setting {setting})") from None
+
+
+async def read_message(request: web.Request, max_bytes: int) -> dict:
+    """Read a msgpack message (see :func:`read_body` for the refusals)."""
+    return unpack_message(await read_body(request, MSGPACK, max_bytes))
 
 
 def msgpack_response(msg: dict) -> web.Response:

@@ -24,7 +24,8 @@ import structlog
 from aiohttp import web
 
 from shared.config import CoordinatorSettings
-from shared.errors import BadPayload, PayloadTooLarge, SwarmError, UnsupportedMediaType
+from shared.errors import BadPayload, SwarmError
+from shared.http import read_body
 from services.coordinator.registry import Registry
 
 SETTINGS = web.AppKey("settings", CoordinatorSettings)
@@ -44,14 +45,7 @@ class WrongRun(SwarmError):
 
 async def read_json(request: web.Request) -> dict:
     """Read a JSON object, refusing the wrong content type (415) and oversize bodies (413)."""
-    if request.content_type != JSON:
-        raise UnsupportedMediaType(f"expected Content-Type {JSON}, got {request.content_type or 'none'!r}")
-    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-        raise PayloadTooLarge(f"body of {request.content_length} bytes exceeds the limit of {MAX_BODY_BYTES}")
-    try:
-        body = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLarge(f"body exceeds the limit of {MAX_BODY_BYTES} bytes") from None
+    body = await read_body(request, JSON, MAX_BODY_BYTES, setting="the coordinator's fixed limit")
     try:
         msg = json.loads(body)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

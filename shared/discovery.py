@@ -15,6 +15,7 @@ Whether a server is alive comes from the coordinator's leases (heartbeats) alone
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ipaddress
 import socket
 from urllib.parse import urlsplit
@@ -69,6 +70,14 @@ async def _announced_address(url: str) -> tuple[ipaddress.IPv4Address, int]:
     return address, parts.port
 
 
+def _dns_label(name: str) -> str:
+    """``name`` as a DNS label (at most 63 bytes): a long one is cut and made unique by a hash."""
+    if len(name.encode()) <= 63:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    return name.encode()[:52].decode("ascii", "ignore") + "-" + digest
+
+
 class Announcer:
     """Announces one service by mDNS from ``start`` until ``stop`` (which sends the goodbye).
 
@@ -86,7 +95,7 @@ class Announcer:
         address, port = await _announced_address(url)
         self._info = AsyncServiceInfo(
             service_type,
-            f"{instance_name}.{service_type}",
+            f"{_dns_label(instance_name)}.{service_type}",
             addresses=[address.packed],
             port=port,
             properties={**properties, "url": url},

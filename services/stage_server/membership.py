@@ -50,12 +50,13 @@ class Membership:
         self.url, self.version, self.heartbeat_s, self.load, self.log = url, version, heartbeat_s, load, log
         self.server_id = f"s{stage}-{uuid.uuid4().hex[:12]}"
         self.registered = asyncio.Event()
+        self.leaving = False  # set by deregister(): never register again
         self._retry = RetryPolicy(max_retries=1_000_000, base_delay_s=0.2, max_delay_s=max(heartbeat_s, 0.2))
 
     async def run(self) -> None:
-        """Register, then heartbeat until cancelled."""
+        """Register, then heartbeat until deregistered or cancelled."""
         failures = 0
-        while True:
+        while not self.leaving:
             try:
                 if not self.registered.is_set():
                     await self._register()
@@ -71,6 +72,8 @@ class Membership:
                 await asyncio.sleep(self._retry.delay_s(failures))
 
     async def deregister(self) -> None:
+        """Leave the registry for good (a draining server must not come back)."""
+        self.leaving = True
         if not self.registered.is_set():
             return
         try:
@@ -81,10 +84,15 @@ class Membership:
             self.log.warning("membership.deregister_failed", error=str(err))
 
     async def _register(self) -> None:
+        if self.leaving:
+            return
         throughput, queue_length = self.load()
         body = {"run_id": self.run_id, "server_id": self.server_id, "stage": self.stage, "url": self.url, "version": self.version, "throughput": throughput, "queue_length": queue_length}
         await post_json(self.session, self.coordinator + "/register", body)
         self.registered.set()
+        if self.leaving:  # deregister() ran while this registration was on its way
+            await self.deregister()
+            return
         self.log.info("membership.registered", server_id=self.server_id, coordinator=self.coordinator, url=self.url)
 
     async def _heartbeat(self) -> None:

@@ -20,6 +20,7 @@ COMMANDS = {
     "train": ("services.trainer.__main__", "train through stage servers"),
     "status": ("services.status", "show the live swarm: stages, replicas, throughput, lease age"),
     "up": ("services.local_swarm", "run a coordinator, stage servers and trainers on loopback and train"),
+    "export": ("services.export", "write the whole model from a checkpoint as one safetensors file"),
 }
 
 

@@ -11,6 +11,7 @@ then SIGKILL after a grace period). mDNS is off: everything is on loopback.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from shared import checkpoint
 from shared.codec import FLOAT_CODECS
 from shared.model import PRESETS
 
@@ -97,13 +99,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-dir", default="", help="logs and metrics go here (default runs/<time>)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--ready-timeout-s", type=float, default=120.0)
+    p.add_argument("--checkpoint-every-s", type=float, default=30.0, help="seconds between checkpoints (default 30)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.resume and not args.run_dir:
+        print("swarm up: --resume needs --run-dir of the run to continue", file=sys.stderr)
+        return 2
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
+    start_step = 0
+    if args.resume:
+        ckpt = checkpoint.latest_checkpoint(run_dir / "checkpoints")
+        if ckpt is None:
+            print(f"swarm up: --resume: no checkpoint in {run_dir / 'checkpoints'}", file=sys.stderr)
+            return 2
+        start_step = checkpoint.read_meta(ckpt)["step"]
+        print(f"swarm up: resuming {run_dir.name} from {ckpt} (step {start_step})", flush=True)
+    # the registry of an earlier session lists servers that are gone: start it afresh
+    (run_dir / "coordinator.sqlite").unlink(missing_ok=True)
     common = {
         "SWARM_RUN_ID": run_dir.name,
         "SWARM_NUM_STAGES": str(args.stages),
@@ -111,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "SWARM_WIRE_CODEC": args.wire_codec,
         "SWARM_MDNS": "false",
         "SWARM_HEARTBEAT_S": str(args.heartbeat_s),
+        "SWARM_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
     }
     procs = LocalProcesses(run_dir)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -121,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, url in servers.items():
             wait_healthy(url, procs.procs[name], args.ready_timeout_s)
         print(f"swarm up: coordinator {coordinator}, {args.stages} stages x {args.replicas} replicas healthy; logs in {run_dir}/", flush=True)
-        trainers = start_trainers(procs, args, run_dir, common)
-        return max(t.wait() for t in trainers)
+        trainers = start_trainers(procs, args, run_dir, {**common, "SWARM_START_STEP": str(start_step)})
+        status = max(t.wait() for t in trainers)
+        save_checkpoint(coordinator)
+        return status
     except KeyboardInterrupt:
         print("\nswarm up: interrupted, stopping every process", file=sys.stderr, flush=True)
         return 130
@@ -135,11 +155,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def start_coordinator(procs: LocalProcesses, args: argparse.Namespace, run_dir: Path, common: dict) -> str:
     port = free_port(args.host)
-    env = {**common, "SWARM_HOST": args.host, "SWARM_PORT": str(port), "SWARM_STATE_DB": str(run_dir / "coordinator.sqlite")}
+    env = {**common, "SWARM_HOST": args.host, "SWARM_PORT": str(port), "SWARM_STATE_DB": str(run_dir / "coordinator.sqlite"), "SWARM_CHECKPOINT_EVERY_S": str(args.checkpoint_every_s)}
     proc = procs.start("coordinator", ["services.coordinator"], env)
     url = f"http://{args.host}:{port}"
     wait_healthy(url, proc, args.ready_timeout_s)
     return url
+
+
+def save_checkpoint(coordinator: str) -> None:
+    """Ask the coordinator for a checkpoint of the run as it is now (the end of training)."""
+    request = urllib.request.Request(coordinator + "/checkpoint", data=b"{}", method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            saved = json.loads(resp.read())
+        print(f"swarm up: checkpoint of step {saved['step']} in {saved['path']}", flush=True)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"swarm up: final checkpoint failed: {exc}", file=sys.stderr, flush=True)
 
 
 def start_servers(procs: LocalProcesses, args: argparse.Namespace, common: dict) -> dict[str, str]:

@@ -99,6 +99,8 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     backward_cache: int = Field(16, ge=0, description="forward graphs kept to skip the backward recompute")
     inject_delay_s: float = Field(0.0, ge=0, description="fault injection: extra seconds per request and forward pass of work (a backward counts 2, the last stage's 3)")
     drain_timeout_s: float = Field(30.0, gt=0)
+    checkpoint_dir: str = Field("", description="resume from the latest checkpoint here when no live replica of the stage has state to give")
+    join_timeout_s: float = Field(60.0, gt=0, description="timeout of the state download when joining a stage")
 
 
 class CoordinatorSettings(DiscoverySettings):
@@ -109,6 +111,12 @@ class CoordinatorSettings(DiscoverySettings):
     state_db: str = Field("coordinator.sqlite", description="SQLite file with the registry and run state")
     lease_heartbeats: int = Field(3, ge=1, description="missed heartbeats after which a lease expires")
     max_servers: int = Field(4096, ge=1, description="registry size limit")
+    average_every_s: float = Field(30.0, ge=0, description="seconds between averaging rounds of each stage's replicas; 0: never")
+    averaging_codec: Codec = Field("fp32", description="wire codec of the parts exchanged in averaging rounds")
+    averaging_timeout_s: float = Field(20.0, gt=0, description="an averaging round never waits longer than this")
+    checkpoint_dir: str = Field("", description="directory for checkpoints; empty: no checkpoints")
+    checkpoint_every_s: float = Field(60.0, gt=0, description="seconds between checkpoints")
+    keep_checkpoints: int = Field(3, ge=1, description="checkpoints kept on disk")
 
 
 class TrainerSettings(ModelSettings, DiscoverySettings):
@@ -118,6 +126,7 @@ class TrainerSettings(ModelSettings, DiscoverySettings):
     microbatch_size: int = Field(8, ge=1)
     in_flight: int = Field(4, ge=1, le=1024, description="microbatches in flight at once")
     steps: int = Field(200, ge=1, description="optimizer steps (of samples_per_step samples each) to train")
+    start_step: int = Field(0, ge=0, description="resume: the steps already trained (the run continues at this step)")
     forward_timeout_s: float = Field(30.0, gt=0)
     backward_timeout_s: float = Field(60.0, gt=0)
     info_timeout_s: float = Field(5.0, gt=0, description="timeout of each GET /info when checking the swarm at start")

@@ -6,11 +6,15 @@ import asyncio
 import contextlib
 import sqlite3
 
+import aiohttp
 from aiohttp import web
 
+from shared import checkpoint
+from shared.errors import Overloaded
 from shared.config import CoordinatorSettings, advertised_url
 from shared.http import error_middleware
 from shared.log import get_logger
+from services.coordinator.checkpointer import Checkpointer
 from services.coordinator.registry import RegisteredServer, Registry
 from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY, SETTINGS, add_routes
 
@@ -67,9 +71,39 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
         log.info("coordinator.stopped")
 
     app.cleanup_ctx.append(lifecycle)
+    if settings.checkpoint_dir:
+        app.cleanup_ctx.append(_checkpoints(settings, log))
+        app.router.add_post("/checkpoint", checkpoint_now)
     if settings.mdns:
         app.cleanup_ctx.append(_announcement(settings))
     return app
+
+
+CHECKPOINTER = web.AppKey("checkpointer", Checkpointer)
+
+
+async def checkpoint_now(request: web.Request) -> web.Response:
+    """``POST /checkpoint``: save the run now; 200 {path, step}, or 503 if a stage had no state."""
+    path = await request.app[CHECKPOINTER].checkpoint_once()
+    if path is None:
+        raise Overloaded("no checkpoint: some stage has no live replica that gave its state", retry_after_s=5)
+    return web.json_response({"path": str(path), "step": checkpoint.read_meta(path)["step"]})
+
+
+def _checkpoints(settings: CoordinatorSettings, log):
+    """Save the run every ``checkpoint_every_s`` (and on ``POST /checkpoint``)."""
+
+    async def ctx(app: web.Application):
+        async with aiohttp.ClientSession() as session:
+            checkpointer = Checkpointer(session, app[REGISTRY], root=settings.checkpoint_dir, run_id=settings.run_id, keep=settings.keep_checkpoints, timeout_s=settings.checkpoint_every_s, log=log)
+            app[CHECKPOINTER] = checkpointer
+            task = asyncio.create_task(checkpointer.run(settings.checkpoint_every_s), name="checkpoints")
+            yield
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    return ctx
 
 
 def _announcement(settings: CoordinatorSettings):

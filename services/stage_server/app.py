@@ -7,13 +7,17 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from shared import codec, package_version
+from shared import checkpoint, codec, package_version
+from shared.errors import RemoteError
 from shared.config import StageServerSettings, advertised_url
 from shared.http import error_middleware
 from shared.log import get_logger
+from services.stage_server.averaging_routes import add_averaging_routes
 from services.stage_server.membership import Membership
 from services.stage_server.routes import RUNTIME, SETTINGS, WORKER, add_routes
 from services.stage_server.runtime import OptimizerConfig, StageRuntime
+from services.stage_server.state import load_stage_state
+from services.stage_server.state_routes import add_state_routes, download_state
 from services.stage_server.worker import ComputeWorker
 
 MEMBERSHIP = web.AppKey("membership", Membership)
@@ -45,6 +49,8 @@ def create_app(settings: StageServerSettings, runtime: StageRuntime | None = Non
     app[RUNTIME] = runtime if runtime is not None else build_runtime(settings)
     app[WORKER] = ComputeWorker(settings.max_queue, inject_delay_s=settings.inject_delay_s)
     add_routes(app)
+    add_averaging_routes(app)
+    add_state_routes(app)
 
     async def lifecycle(app: web.Application):
         spec = app[RUNTIME].spec
@@ -57,6 +63,7 @@ def create_app(settings: StageServerSettings, runtime: StageRuntime | None = Non
         log.info("server.stopped", drained=drained, stats=app[RUNTIME].stats.__dict__)
 
     app.cleanup_ctx.append(lifecycle)
+    app.cleanup_ctx.append(_join(settings, log))
     if settings.coordinator:
         app.cleanup_ctx.append(_membership(settings, log))
     if settings.mdns:
@@ -87,6 +94,44 @@ def _membership(settings: StageServerSettings, log):
             await membership.deregister()  # no-op if the drain already did it
 
     return ctx
+
+
+def _join(settings: StageServerSettings, log):
+    """Before serving (and registering): take the stage's current state from a live replica
+    (weights and optimizer state), else from the latest checkpoint, else start fresh."""
+
+    async def ctx(app: web.Application):
+        runtime = app[RUNTIME]
+        state = await _state_from_peers(settings, log) if settings.coordinator else None
+        source = "peer" if state else None
+        if state is None and settings.checkpoint_dir and (ckpt := checkpoint.latest_checkpoint(settings.checkpoint_dir)):
+            state = await asyncio.to_thread(checkpoint.state_from_bytes, checkpoint.read_stage_file(ckpt, settings.stage))
+            source = str(ckpt)
+        if state is not None:
+            await app[WORKER].run(load_stage_state, runtime, *state)
+            log.info("stage.joined", source=source, optimizer_steps=runtime.stats.optimizer_steps)
+        yield
+
+    return ctx
+
+
+async def _state_from_peers(settings: StageServerSettings, log):
+    """The state of the first live replica of this stage that gives it, or None."""
+    async with aiohttp.ClientSession() as session:
+        try:
+            async with session.get(settings.coordinator + "/swarm", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                resp.raise_for_status()
+                view = await resp.json()
+            peers = [r["url"] for r in view["stages"][settings.stage]["replicas"]]
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError) as exc:
+            log.warning("stage.join.no_view", error=repr(exc))
+            return None
+        for url in peers:
+            try:
+                return await download_state(session, url, settings.join_timeout_s)
+            except RemoteError as exc:
+                log.warning("stage.join.download_failed", replica=url, error=str(exc))
+    return None
 
 
 def _announcement(settings: StageServerSettings):

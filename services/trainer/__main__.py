@@ -32,25 +32,35 @@ class SwarmMismatch(ValueError):
     """A stage server that does not belong to this run as configured."""
 
 
-async def check_stages(session: aiohttp.ClientSession, stage_urls: list[list[str]], settings: TrainerSettings, log) -> dict:
-    """GET /info of every replica (waiting up to READY_WAIT_S for it to come up) and check
-    that it serves the stage, model, cut and run this trainer expects. Returns stage 0's info."""
+async def check_stages(session: aiohttp.ClientSession, stage_urls: list[list[str]], settings: TrainerSettings, log, *, wait_s: float = READY_WAIT_S) -> dict:
+    """GET /info of every replica (waiting up to ``wait_s`` for it to come up) and check
+    that it serves the stage, model, cut and run this trainer expects. A replica that does
+    not answer is skipped (the balancer routes around it) as long as its stage has another
+    that does. Returns the info of a stage-0 replica."""
     expected = {"run_id": settings.run_id, "model": settings.model, "num_stages": settings.num_stages}
     first = None
     for stage, urls in enumerate(stage_urls):
+        answered = 0
         for url in urls:
-            info = await _get_info(session, url, settings.info_timeout_s)
+            try:
+                info = await _get_info(session, url, settings.info_timeout_s, wait_s)
+            except SwarmMismatch as exc:
+                log.warning("swarm.replica_unreachable", stage=stage, replica=url, error=str(exc))
+                continue
             wrong = {k: info.get(k) for k, v in {**expected, "stage": stage}.items() if info.get(k) != v}
             if wrong:
                 raise SwarmMismatch(f"{url} serves {wrong}, expected {({**expected, 'stage': stage})}")
+            answered += 1
             first = first or info
+        if not answered:
+            raise SwarmMismatch(f"no replica of stage {stage} answered GET /info within {wait_s} s: {urls}")
     log.info("swarm.checked", stages=len(stage_urls), replicas=sum(map(len, stage_urls)), samples_per_step=first["samples_per_step"])
     return first
 
 
-async def _get_info(session: aiohttp.ClientSession, url: str, timeout_s: float) -> dict:
+async def _get_info(session: aiohttp.ClientSession, url: str, timeout_s: float, wait_s: float) -> dict:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + READY_WAIT_S
+    deadline = loop.time() + wait_s
     policy = RetryPolicy(max_retries=1000, base_delay_s=0.1, max_delay_s=2.0)
     attempt = 0
     while True:
@@ -61,7 +71,7 @@ async def _get_info(session: aiohttp.ClientSession, url: str, timeout_s: float) 
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             attempt += 1
             if loop.time() > deadline:
-                raise SwarmMismatch(f"{url}/info did not answer within {READY_WAIT_S} s: {exc!r}") from None
+                raise SwarmMismatch(f"{url}/info did not answer within {wait_s} s: {exc!r}") from None
             await asyncio.sleep(policy.delay_s(attempt))
 
 
@@ -92,7 +102,8 @@ async def train(settings: TrainerSettings) -> int:
     async with aiohttp.ClientSession(connector=connector) as session:
         view = await find_swarm(session, settings, balancer, log)
         stage_urls = [list(balancer.estimates(s)) for s in range(settings.num_stages)]
-        info = await check_stages(session, stage_urls, settings, log)
+        # registry entries are live servers: a short wait suffices; fixed URLs may still be starting
+        info = await check_stages(session, stage_urls, settings, log, wait_s=settings.info_timeout_s if view else READY_WAIT_S)
         if settings.seq_len > info["model_config"]["block_size"]:
             raise SwarmMismatch(f"SWARM_SEQ_LEN={settings.seq_len} exceeds the model's block_size {info['model_config']['block_size']}")
         client = PipelineClient(
@@ -116,6 +127,7 @@ async def train(settings: TrainerSettings) -> int:
             log_every=settings.log_every,
             metrics_file=settings.metrics_file,
             log=log,
+            start_step=settings.start_step,
         )
         log.info("train.start", steps=settings.steps, microbatches_per_step=trainer.microbatches_per_step, in_flight=settings.in_flight, codec=settings.wire_codec)
         refresher = asyncio.create_task(view.run()) if view else None

@@ -36,11 +36,11 @@ class TrainSummary:
 class StepTracker:
     """Collects microbatch results (out of order) and releases steps in order once complete."""
 
-    def __init__(self, microbatches_per_step: int):
+    def __init__(self, microbatches_per_step: int, first_step: int = 0):
         self.per_step = microbatches_per_step
         self._losses: dict[int, list[float]] = {}
         self._resolved: dict[int, int] = {}
-        self.next_step = 0
+        self.next_step = first_step
 
     def record(self, index: int, loss: float | None) -> list[tuple[int, float]]:
         """Record microbatch ``index`` (loss None if it failed); return the steps now complete."""
@@ -58,9 +58,11 @@ class StepTracker:
 
 
 class Trainer:
-    def __init__(self, client: PipelineClient, batcher: ByteBatcher, *, steps: int, samples_per_step: int, in_flight: int, seed: int = 0, log_every: int = 10, eval_microbatches: int = 4, metrics_file: str = "", log=None):
+    def __init__(self, client: PipelineClient, batcher: ByteBatcher, *, steps: int, samples_per_step: int, in_flight: int, seed: int = 0, log_every: int = 10, eval_microbatches: int = 4, metrics_file: str = "", log=None, start_step: int = 0):
+        """Trains steps ``start_step`` .. ``steps - 1`` (a resumed run starts past 0)."""
         self.client, self.batcher, self.log = client, batcher, log
         self.steps, self.in_flight, self.seed, self.log_every = steps, in_flight, seed, log_every
+        self.start_step = start_step
         self.eval_microbatches, self.metrics_file = eval_microbatches, metrics_file
         self.microbatches_per_step = max(1, math.ceil(samples_per_step / batcher.microbatch_size))
 
@@ -71,12 +73,13 @@ class Trainer:
         return sum(losses) / len(losses)
 
     async def run(self) -> TrainSummary:
-        summary = TrainSummary(microbatches_scheduled=self.steps * self.microbatches_per_step)
+        first = self.start_step * self.microbatches_per_step
+        summary = TrainSummary(steps=self.start_step, microbatches_scheduled=max(0, self.steps - self.start_step) * self.microbatches_per_step)
         summary.eval_loss_before = await self.evaluate()
         self._emit("train.eval", when="before", loss=round(summary.eval_loss_before, 4))
-        tracker = StepTracker(self.microbatches_per_step)
+        tracker = StepTracker(self.microbatches_per_step, first_step=self.start_step)
         queue: asyncio.Queue[int] = asyncio.Queue()
-        for i in range(summary.microbatches_scheduled):
+        for i in range(first, first + summary.microbatches_scheduled):
             queue.put_nowait(i)
         started = time.perf_counter()
 

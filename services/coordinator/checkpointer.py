@@ -1,0 +1,69 @@
+"""Checkpointer: every ``checkpoint_every_s``, one live replica's state per stage into the
+checkpoint directory (safetensors + JSON, see ``shared.checkpoint``).
+
+The coordinator pulls the bytes (``GET /state`` on a replica) and writes them; it never
+decodes a tensor. A checkpoint is committed only when every stage was saved; its step is
+the smallest optimizer step count among the saved stages, so a resumed run never claims
+progress some stage did not make.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+
+from shared import checkpoint
+from shared.errors import BadPayload
+from services.coordinator.registry import Registry
+
+
+class Checkpointer:
+    def __init__(self, session: aiohttp.ClientSession, registry: Registry, *, root: str, run_id: str, keep: int, timeout_s: float, log):
+        self.session, self.registry, self.root, self.run_id = session, registry, root, run_id
+        self.keep, self.timeout_s, self.log = keep, timeout_s, log
+        self.saved = 0
+
+    async def checkpoint_once(self) -> Path | None:
+        """Save every stage; the committed checkpoint's path, or None if a stage had no state to give."""
+        by_stage: dict[int, list[str]] = {s: [] for s in range(self.registry.num_stages)}
+        for server in self.registry.live():
+            by_stage[server.stage].append(server.url)
+        states = {}
+        for stage, urls in by_stage.items():
+            data = await self._download(stage, urls)
+            if data is None:
+                self.log.warning("checkpoint.skipped", stage=stage, reason="no live replica gave its state")
+                return None
+            states[stage] = data
+        metas = {stage: checkpoint.state_metadata(data) for stage, data in states.items()}
+        step = min(int(m.get("optimizer_steps", 0)) for m in metas.values())
+        for stage, data in states.items():
+            checkpoint.write_stage_file(self.root, step, stage, data)
+        meta = {"run_id": self.run_id, "num_stages": self.registry.num_stages, "model_config": metas[0].get("model_config"), "stage_steps": {str(s): m.get("optimizer_steps") for s, m in metas.items()}}
+        path = checkpoint.commit_checkpoint(self.root, step, meta)
+        checkpoint.prune(self.root, self.keep)
+        self.saved += 1
+        self.log.info("checkpoint.saved", path=str(path), step=step, bytes=sum(map(len, states.values())))
+        return path
+
+    async def _download(self, stage: int, urls: list[str]) -> bytes | None:
+        for url in urls:
+            try:
+                async with self.session.get(url + "/state", timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
+                    resp.raise_for_status()
+                    data = await resp.read()
+                checkpoint.state_metadata(data)  # a readable state, not an error page
+                return data
+            except (aiohttp.ClientError, asyncio.TimeoutError, BadPayload) as exc:
+                self.log.warning("checkpoint.download_failed", stage=stage, replica=url, error=repr(exc))
+        return None
+
+    async def run(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.checkpoint_once()
+            except OSError as exc:  # a full or read-only disk: say so, try again next period
+                self.log.error("checkpoint.failed", error=repr(exc))

@@ -1,0 +1,589 @@
+"""Averaging: a butterfly all-reduce of one stage's weights among its replicas.
+
+Plain logic, no aiohttp: ``averaging_routes.py`` is the HTTP edge; it hands this module
+decoded values and a :class:`Transport` that posts packed messages to peers.
+
+A round as member ``i`` of ``k`` runs it (``T`` = the round's ``timeout_s``; times count
+from the moment this member accepted ``/average/start``):
+
+1. On the compute worker: snapshot the flat fp32 parameter vector and the weight ``w_i`` =
+   samples processed since this member's last completed round, or ``EPSILON_WEIGHT`` if
+   none (an idle replica still counts, next to nothing beside a busy one; a round of idle
+   replicas is a plain mean).
+2. Split the vector into ``k`` contiguous parts (sizes differ by at most 1); post part
+   ``j`` to member ``j``; keep part ``i``.
+3. As reducer of part ``i``: once all ``k`` parts are in, or at ``REDUCE_AT * T`` with what
+   arrived, compute ``sum(w x) / sum(w)`` and serve it to whoever asks.
+4. Fetch reduced part ``j`` from member ``j`` (by ``FETCH_BY * T``). If member ``j`` cannot
+   be reached or fails, re-send the ORIGINAL part ``j`` with its weight to a backup reducer
+   (the first member after ``j`` in cyclic index order not seen failing) under round id
+   ``"<round_id>/retry-<j>"`` and fetch its reduction (by ``RETRY_FETCH_BY * T``). The
+   backup reduces once every member whose part reached it in step 3 (but ``j``) re-sent
+   part ``j``, or at ``RETRY_REDUCE_AT * T``. If that fails too, part ``j`` keeps the
+   local values (``averaging.part.failed``).
+5. On the compute worker: load the concatenated parts (bumps the weights' version and
+   drops the backward cache). Optimizer state stays local.
+
+Every member, the reducer included, loads a reduced part as it comes out of the round's
+codec, so the members of a round end with identical values. Nothing waits past ``T``: at
+the deadline the round closes here and later messages for it are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import re
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from shared.codec import FLOAT_CODECS, decode_tensor, encode_tensor, pack_message, unpack_message
+from shared.errors import BadPayload, RemoteError, SwarmError, WrongStage
+
+EPSILON_WEIGHT = 1e-3  # the weight of a replica that processed no sample since its last round
+REDUCE_AT, FETCH_BY, RETRY_REDUCE_AT, RETRY_FETCH_BY = 0.4, 0.6, 0.8, 0.95  # fractions of timeout_s
+START_WAIT_S = 5.0  # how long a result request waits for a round whose parts came before its start
+MAX_MEMBERS = 256
+MAX_TIMEOUT_S = 3600.0
+MAX_WEIGHT = 1e15
+OFF_LOOP_VALUES = 64 * 1024  # codec and reduction work on larger parts runs in a thread
+RETRY_SEP = "/retry-"
+_ROUND_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class RoundConflict(SwarmError):
+    """The message does not fit this server's round: busy, unknown, over, or not its part."""
+
+    status = 409
+    code = "round_conflict"
+
+
+class Transport(Protocol):
+    async def post(self, url: str, body: bytes, *, timeout_s: float) -> dict:
+        """POST a packed message, return the decoded reply; raise :class:`RemoteError` on any failure."""
+
+
+# ------------------------------------------------------------------ pure pieces
+def split_bounds(n: int, k: int) -> list[tuple[int, int]]:
+    """``k`` contiguous ``[start, stop)`` ranges covering ``range(n)``; sizes differ by at most 1."""
+    assert k >= 1 and n >= 0, f"cannot split {n} values into {k} parts"
+    base, extra = divmod(n, k)
+    bounds, start = [], 0
+    for j in range(k):
+        stop = start + base + (j < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def weighted_mean(contributions: Mapping[int, tuple[float, torch.Tensor]]) -> torch.Tensor:
+    """``sum(w x) / sum(w)`` over ``{member: (w, x)}``, summed in member order in float64; fp32."""
+    total = sum(w for w, _ in contributions.values())
+    assert contributions and total > 0, "a weighted mean needs at least one positive weight"
+    acc = None
+    for member in sorted(contributions):
+        w, x = contributions[member]
+        if acc is None:
+            acc = x.to(torch.float64) * (w / total)
+        else:
+            acc.add_(x.to(torch.float64), alpha=w / total)
+    return acc.to(torch.float32)
+
+
+def sample_weight(samples: int, samples_at_last_round: int) -> float:
+    """A member's weight in a round: samples since its last completed round, else ``EPSILON_WEIGHT``."""
+    return float(samples - samples_at_last_round) if samples > samples_at_last_round else EPSILON_WEIGHT
+
+
+def backup_reducer(part: int, k: int, dead: set[int]) -> int | None:
+    """The member that reduces ``part`` when its reducer failed: the next one after it, cyclically, not in ``dead``."""
+    return next((b for b in ((part + s) % k for s in range(1, k)) if b not in dead), None)
+
+
+def values_sent(num_params: int, k: int, index: int) -> int:
+    """Values member ``index`` sends in a round without failures: its k-1 other parts, then its
+    reduced part to k-1 members; ``P + (k-2) * |part|``, about ``2 P (k-1) / k``."""
+    start, stop = split_bounds(num_params, k)[index]
+    return num_params + (k - 2) * (stop - start)
+
+
+def retry_round_id(round_id: str, part: int) -> str:
+    return f"{round_id}{RETRY_SEP}{part}"
+
+
+def flat_parameters(params: list[torch.Tensor]) -> torch.Tensor:
+    """Every parameter, in order, as one fp32 CPU vector (a copy)."""
+    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params]) if params else torch.empty(0)
+
+
+def snapshot(runtime) -> tuple[torch.Tensor, int]:
+    """(flat parameters, samples processed so far); run on the compute worker."""
+    return flat_parameters(runtime.params), runtime.stats.samples
+
+
+def load_flat_parameters(runtime, flat: torch.Tensor) -> None:
+    """Copy ``flat`` into the runtime's parameters in place; run on the compute worker. Bumps
+    ``runtime.version`` and drops the cached forward graphs, which hold the old weights."""
+    total = sum(p.numel() for p in runtime.params)
+    assert flat.dim() == 1 and flat.numel() == total, f"expected {total} values, got shape {list(flat.shape)}"
+    offset = 0
+    with torch.no_grad():
+        for p in runtime.params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+    runtime.version += 1
+    runtime._cache.clear()
+
+
+# ------------------------------------------------------------------ messages
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise BadPayload(message)
+
+
+def _is_number(x: Any) -> bool:
+    return type(x) in (int, float) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    """``/average/start``: the round, its members in index order, this member's index."""
+
+    round_id: str
+    stage: int
+    members: tuple[str, ...]
+    index: int
+    codec: str
+    timeout_s: float
+
+    @property
+    def k(self) -> int:
+        return len(self.members)
+
+    @classmethod
+    def from_message(cls, msg: dict, stage: int) -> RoundSpec:
+        round_id, members, index = msg.get("round_id"), msg.get("members"), msg.get("index")
+        _require(isinstance(round_id, str) and bool(_ROUND_ID.fullmatch(round_id)), "'round_id' must be 1..128 characters of [A-Za-z0-9._:-]")
+        _require(type(msg.get("stage")) is int, "'stage' must be an int")
+        _require(isinstance(members, list) and 1 <= len(members) <= MAX_MEMBERS, f"'members' must be a list of 1..{MAX_MEMBERS} URLs")
+        _require(all(isinstance(u, str) and u.startswith(("http://", "https://")) and len(u) <= 2048 for u in members), "'members' must be http(s) URLs")
+        _require(len(set(members)) == len(members), "'members' lists a URL twice")
+        _require(type(index) is int and 0 <= index < len(members), f"'index' must be an int in [0, {len(members)})")
+        _require(isinstance(msg.get("codec"), str) and msg["codec"] in FLOAT_CODECS, f"'codec' must be one of {FLOAT_CODECS}")
+        timeout_s = msg.get("timeout_s")
+        _require(_is_number(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S, f"'timeout_s' must be a number in (0, {MAX_TIMEOUT_S}]")
+        if msg["stage"] != stage:
+            raise WrongStage(f"this server holds stage {stage}, not {msg['stage']}")
+        return cls(round_id, stage, tuple(u.rstrip("/") for u in members), index, msg["codec"], float(timeout_s))
+
+
+@dataclass(frozen=True)
+class PartMessage:
+    """``/average/part`` without its values: member ``sender`` contributes ``part`` with ``weight``."""
+
+    round_id: str
+    sender: int
+    part: int
+    weight: float
+
+    @classmethod
+    def from_message(cls, msg: dict) -> PartMessage:
+        round_id, part = parse_part_request(msg)
+        sender, weight = msg.get("from"), msg.get("weight")
+        _require(type(sender) is int and 0 <= sender < MAX_MEMBERS, f"'from' must be an int in [0, {MAX_MEMBERS})")
+        _require(_is_number(weight) and 0 < weight <= MAX_WEIGHT, f"'weight' must be a number in (0, {MAX_WEIGHT:g}]")
+        return cls(round_id, sender, part, float(weight))
+
+
+def parse_part_request(msg: dict) -> tuple[str, int]:
+    """(round_id, part) of a ``/average/part`` or ``/average/result`` message."""
+    round_id, part = msg.get("round_id"), msg.get("part")
+    base, _, _ = round_id.partition(RETRY_SEP) if isinstance(round_id, str) else ("", "", "")
+    _require(bool(_ROUND_ID.fullmatch(base)) and len(round_id) <= 160, "'round_id' must name a round")
+    _require(type(part) is int and 0 <= part < MAX_MEMBERS, f"'part' must be an int in [0, {MAX_MEMBERS})")
+    return round_id, part
+
+
+def decode_values(obj: Any, max_numel: int) -> torch.Tensor:
+    """A part's values off the wire: a finite 1-D float tensor, as fp32."""
+    values = decode_tensor(obj, name="data", max_numel=max_numel)
+    _require(values.dim() == 1 and values.is_floating_point(), f"'data' must be a 1-D float tensor, got {values.dtype} {list(values.shape)}")
+    _require(bool(torch.isfinite(values).all()), "'data' contains non-finite values")
+    return values.float()
+
+
+@dataclass(frozen=True)
+class ReducedPart:
+    values: torch.Tensor  # fp32, as every member loads it (after the round codec)
+    contributors: tuple[int, ...]
+    weight: float
+    body: bytes = b""  # the packed /average/result reply (reducer side)
+
+
+def parse_reduced(reply: dict, size: int) -> ReducedPart:
+    values = decode_values(reply.get("data"), size)
+    contributors, weight = reply.get("contributors"), reply.get("weight")
+    _require(values.numel() == size, f"reduced part has {values.numel()} values, expected {size}")
+    _require(isinstance(contributors, list) and all(type(c) is int for c in contributors), "'contributors' must be a list of ints")
+    _require(_is_number(weight), "'weight' must be a number")
+    return ReducedPart(values, tuple(contributors), float(weight))
+
+
+async def _off_loop(numel: int, fn: Callable, *args: Any) -> Any:
+    return await asyncio.to_thread(fn, *args) if numel >= OFF_LOOP_VALUES else fn(*args)
+
+
+# ------------------------------------------------------------------ reducers and rounds
+class PartReducer:
+    """Collects ``{member: (weight, values)}`` for one part of one round and reduces them once."""
+
+    def __init__(self, round_id: str, part: int, size: int, codec: str, int8_block: int, expected: set[int] | None):
+        self.round_id, self.part, self.size, self.codec, self.int8_block = round_id, part, size, codec, int8_block
+        self.expected = expected  # None: not known yet (a backup reducer before its own round reduced)
+        self.contributions: dict[int, tuple[float, torch.Tensor]] = {}
+        self.closed = False
+        self._complete = asyncio.Event()
+        self._reduction: asyncio.Future | None = None
+
+    def add(self, member: int, weight: float, values: torch.Tensor) -> None:
+        if self.closed or self._reduction is not None:
+            raise RoundConflict(f"part {self.part} of round {self.round_id!r} is already reduced")
+        if member in self.contributions:
+            raise RoundConflict(f"member {member} already sent part {self.part} of round {self.round_id!r}")
+        _require(values.numel() == self.size, f"part {self.part} has {self.size} values, got {values.numel()}")
+        self.contributions[member] = (weight, values)
+        self._check_complete()
+
+    def expect(self, members: set[int]) -> None:
+        self.expected = set(members)
+        self._check_complete()
+
+    def _check_complete(self) -> None:
+        if self.expected is not None and self.expected <= self.contributions.keys():
+            self._complete.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.contributions = {}
+        self._complete.set()  # wakes the waiters, who find the part closed
+
+    async def reduced(self, reduce_at: float) -> ReducedPart:
+        """The reduction, as soon as every expected member contributed, else at ``reduce_at``
+        (loop time) with what arrived. Raises :class:`RoundConflict` once the round closed."""
+        if self._reduction is None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._complete.wait(), max(0.0, reduce_at - asyncio.get_running_loop().time()))
+            if self.closed:
+                raise RoundConflict(f"round {self.round_id!r} is over")
+            if self._reduction is None:
+                contributions, self.contributions = self.contributions, {}
+                if not contributions:
+                    raise RoundConflict(f"nothing arrived for part {self.part} of round {self.round_id!r}")
+                self._reduction = asyncio.ensure_future(_off_loop(self.size * len(contributions), self._reduce, contributions))
+        return await asyncio.shield(self._reduction)
+
+    def _reduce(self, contributions: dict[int, tuple[float, torch.Tensor]]) -> ReducedPart:
+        mean = weighted_mean(contributions)
+        contributors, weight = sorted(contributions), sum(w for w, _ in contributions.values())
+        wire = encode_tensor(mean, self.codec, int8_block=self.int8_block)
+        body = pack_message({"round_id": self.round_id, "part": self.part, "data": wire, "contributors": contributors, "weight": weight})
+        values = decode_values(unpack_message(body)["data"], self.size)  # what every fetcher will load
+        return ReducedPart(values, tuple(contributors), weight, body)
+
+
+class AveragingRound:
+    """One round as one member runs it: deadlines, snapshot, the reducers it serves, bytes sent."""
+
+    def __init__(self, spec: RoundSpec, num_params: int, int8_block: int, started_at: float):
+        self.spec, self.int8_block, self.started_at = spec, int8_block, started_at
+        self.deadline = started_at + spec.timeout_s
+        self.bounds = split_bounds(num_params, spec.k)
+        self.main = self._reducer(spec.round_id, spec.index, set(range(spec.k)))
+        self.retries: dict[int, PartReducer] = {}
+        self.main_contributors: set[int] | None = None
+        self.snapshot: torch.Tensor | None = None
+        self.weight = 0.0
+        self.dead: set[int] = set()
+        self.bytes_sent = 0
+        self.closed = False
+        self.outcome: dict = {"contributors": [], "part_contributors": [], "parts_failed": [], "seconds": None, "ok": False}
+
+    def at(self, fraction: float) -> float:
+        return self.started_at + fraction * self.spec.timeout_s
+
+    def _reducer(self, round_id: str, part: int, expected: set[int] | None) -> PartReducer:
+        start, stop = self.bounds[part]
+        return PartReducer(round_id, part, stop - start, self.spec.codec, self.int8_block, expected)
+
+    def reducer(self, round_id: str, part: int) -> tuple[PartReducer, float]:
+        """The reducer of ``part`` under ``round_id`` (the round's or one of its retries) and its reduce time."""
+        spec = self.spec
+        if self.closed:
+            raise RoundConflict(f"round {spec.round_id!r} is over")
+        if round_id == spec.round_id:
+            if part != spec.index:
+                raise RoundConflict(f"member {spec.index} reduces part {spec.index} of round {spec.round_id!r}, not part {part}")
+            return self.main, self.at(REDUCE_AT)
+        if round_id != retry_round_id(spec.round_id, part) or part >= spec.k or part == spec.index:
+            raise RoundConflict(f"{round_id!r} is no retry this member can reduce in round {spec.round_id!r}")
+        if part not in self.retries:
+            expected = None if self.main_contributors is None else self.main_contributors - {part}
+            self.retries[part] = self._reducer(round_id, part, expected)
+            if self.snapshot is not None:
+                self.retries[part].add(spec.index, self.weight, self.own_part(part))
+        return self.retries[part], self.at(RETRY_REDUCE_AT)
+
+    def accept(self, msg: PartMessage, values: torch.Tensor) -> None:
+        _require(msg.sender < self.spec.k and msg.sender != self.spec.index, f"'from' must be another member's index in [0, {self.spec.k})")
+        reducer, _ = self.reducer(msg.round_id, msg.part)
+        reducer.add(msg.sender, msg.weight, values)
+
+    def own_part(self, part: int) -> torch.Tensor:
+        start, stop = self.bounds[part]
+        return self.snapshot[start:stop]
+
+    def set_snapshot(self, flat: torch.Tensor, weight: float) -> None:
+        """Our own contributions go to every reducer still collecting (a slow snapshot may miss one)."""
+        self.snapshot, self.weight = flat, weight
+        for part, reducer in [(self.spec.index, self.main), *self.retries.items()]:
+            with contextlib.suppress(RoundConflict):
+                reducer.add(self.spec.index, weight, self.own_part(part))
+
+    def set_main_contributors(self, contributors: tuple[int, ...]) -> None:
+        """A backup reducer of part j waits for the members that reached us, but j."""
+        self.main_contributors = set(contributors)
+        for part, reducer in self.retries.items():
+            reducer.expect(self.main_contributors - {part})
+
+    def finish(self, parts: list[ReducedPart | None], seconds: float) -> None:
+        reached = [set(p.contributors) for p in parts if p is not None]
+        self.outcome = {
+            "contributors": sorted(set.intersection(*reached)) if reached else [],
+            "part_contributors": [list(p.contributors) if p is not None else None for p in parts],
+            "parts_failed": [j for j, p in enumerate(parts) if p is None],
+            "seconds": round(seconds, 4),
+            "ok": all(p is not None for p in parts),
+        }
+
+    def close(self) -> None:
+        """At the deadline (or on shutdown): refuse everything for this round and free its tensors."""
+        self.closed = True
+        self.snapshot = None
+        for reducer in (self.main, *self.retries.values()):
+            reducer.close()
+
+    def summary(self) -> dict:
+        spec = self.spec
+        return {"round_id": spec.round_id, "members": list(spec.members), "index": spec.index, "codec": spec.codec,
+                "weight": self.weight, "bytes_sent": self.bytes_sent, **self.outcome}
+
+
+# ------------------------------------------------------------------ one server's side
+class Averager:
+    """A stage server's part in averaging: runs at most one round at a time and serves the
+    reductions it owes. ``run_compute`` is the compute worker's ``run``; ``transport`` is set
+    once the server has a client session."""
+
+    def __init__(self, runtime, run_compute: Callable[..., Awaitable[Any]], *, int8_block: int, log):
+        self.runtime, self.run_compute, self.int8_block, self.log = runtime, run_compute, int8_block, log
+        self.num_params = sum(p.numel() for p in runtime.params)
+        self.transport: Transport | None = None
+        self.round: AveragingRound | None = None  # the latest round started here
+        self.last_round: AveragingRound | None = None  # the latest round that ended here
+        self.rounds_completed = 0
+        self.samples_at_last_round = 0
+        self._task: asyncio.Task | None = None
+        self._close_handle: asyncio.TimerHandle | None = None
+        self._early: tuple[str, dict[int, tuple[PartMessage, torch.Tensor]]] = ("", {})  # parts that beat their round's start
+        self._refused = ""  # the last round whose start this server refused (another stage)
+        self._started = asyncio.Event()
+        self._closing = False
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def status(self) -> dict:
+        return {
+            "rounds_completed": self.rounds_completed,
+            "running": self.round.spec.round_id if self.running else None,
+            "last_round": self.last_round.summary() if self.last_round else None,
+        }
+
+    def start(self, spec: RoundSpec) -> None:
+        """Start ``spec`` in the background; refused while a round runs (one at a time)."""
+        if self._closing or self.transport is None:
+            raise RoundConflict("this server is not taking averaging rounds (starting up or shutting down)")
+        if self.running:
+            raise RoundConflict(f"round {self.round.spec.round_id!r} is still running here; one round at a time")
+        self._retire()
+        loop = asyncio.get_running_loop()
+        rnd = AveragingRound(spec, self.num_params, self.int8_block, loop.time())
+        early_id, early = self._early
+        self._early = ("", {})
+        for msg, values in early.values() if early_id == spec.round_id else ():
+            try:
+                rnd.accept(msg, values)
+            except SwarmError as exc:
+                self.log.warning("averaging.part.dropped", round_id=spec.round_id, sender=msg.sender, reason=exc.message)
+        self.round = rnd
+        self._close_handle = loop.call_at(rnd.deadline, rnd.close)
+        self._task = asyncio.create_task(self._run(rnd), name=f"averaging-{spec.round_id}")
+        self._wake_result_waiters()
+
+    def refuse(self, round_id: str) -> None:
+        """A start for another stage came: drop its parts sent ahead, refuse its messages from now on."""
+        self._refused = round_id
+        if self._early[0] == round_id:
+            self._early = ("", {})
+        self._wake_result_waiters()
+
+    def _wake_result_waiters(self) -> None:
+        self._started.set()
+        self._started = asyncio.Event()
+
+    def accept_part(self, msg: PartMessage, values: torch.Tensor) -> None:
+        rnd = self.round
+        if rnd is not None and _of_round(msg.round_id, rnd.spec.round_id):
+            rnd.accept(msg, values)
+        elif self.running or self._closing:
+            raise RoundConflict(f"busy with round {rnd.spec.round_id!r}, not {msg.round_id!r}" if self.running else "shutting down")
+        elif RETRY_SEP in msg.round_id or msg.round_id == self._refused:
+            raise RoundConflict(f"round {msg.round_id.partition(RETRY_SEP)[0]!r} is unknown here")
+        else:  # the part beat its round's start here: keep it (one round's worth) until the start comes
+            early_id, early = self._early
+            if early_id != msg.round_id:
+                early_id, early = msg.round_id, {}
+            if msg.sender in early:
+                raise RoundConflict(f"member {msg.sender} already sent its part of round {msg.round_id!r}")
+            if values.numel() + sum(v.numel() for _, v in early.values()) > self.num_params:
+                raise RoundConflict(f"too many values sent ahead of round {msg.round_id!r}")
+            early[msg.sender] = (msg, values)
+            self._early = (early_id, early)
+
+    async def result(self, round_id: str, part: int) -> ReducedPart:
+        """The reduction of ``part`` this member owes in ``round_id``, once ready; counts the bytes served."""
+        rnd = self.round
+        if (rnd is None or not _of_round(round_id, rnd.spec.round_id)) and self._early[0] == round_id:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._started.wait(), START_WAIT_S)
+            rnd = self.round
+        if rnd is None or not _of_round(round_id, rnd.spec.round_id):
+            raise RoundConflict(f"round {round_id.partition(RETRY_SEP)[0]!r} is unknown here")
+        reducer, reduce_at = rnd.reducer(round_id, part)
+        reduced = await reducer.reduced(reduce_at)
+        rnd.bytes_sent += len(reduced.body)
+        return reduced
+
+    async def close(self) -> None:
+        """Stop the running round (others leave this member out) and refuse new ones."""
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._retire()
+        self._wake_result_waiters()
+
+    def _retire(self) -> None:
+        if self._close_handle is not None:
+            self._close_handle.cancel()
+        if self.round is not None:
+            self.round.close()
+
+    # -------------------------------------------------------------- the round itself
+    async def _run(self, rnd: AveragingRound) -> None:
+        spec, started = rnd.spec, time.perf_counter()
+        log = self.log.bind(round_id=spec.round_id, index=spec.index, members=spec.k)
+        try:
+            flat, samples = await self.run_compute(snapshot, self.runtime)
+            rnd.set_snapshot(flat, sample_weight(samples, self.samples_at_last_round))
+            log.info("averaging.round.started", weight=rnd.weight, codec=spec.codec, parameters=self.num_params)
+            parts = await asyncio.gather(*(self._obtain(rnd, flat, j, log) for j in range(spec.k)))
+            averaged = flat.clone()
+            for (start, stop), part in zip(rnd.bounds, parts):
+                if part is not None:
+                    averaged[start:stop] = part.values
+            await self.run_compute(load_flat_parameters, self.runtime, averaged)
+            self.samples_at_last_round = samples
+            self.rounds_completed += 1
+            rnd.finish(parts, time.perf_counter() - started)
+            log.info("averaging.round.done", **{k: v for k, v in rnd.summary().items() if k not in ("round_id", "index", "members")})
+        except asyncio.CancelledError:
+            log.warning("averaging.round.failed", reason="cancelled (server shutting down)")
+            raise
+        except SwarmError as exc:  # e.g. the compute queue is full or the server is draining
+            log.warning("averaging.round.failed", reason=exc.message)
+        except Exception as exc:  # a bug: log it whole; the server keeps serving
+            log.exception("averaging.round.failed", reason=repr(exc))
+        finally:
+            rnd.outcome["seconds"] = round(time.perf_counter() - started, 4)
+            self.last_round = rnd
+
+    async def _obtain(self, rnd: AveragingRound, flat: torch.Tensor, j: int, log) -> ReducedPart | None:
+        """Reduced part ``j``: reduced here, fetched from member ``j``, or from a backup reducer; None: keep ours."""
+        spec = rnd.spec
+        try:
+            if j == spec.index:
+                reduced = await rnd.main.reduced(rnd.at(REDUCE_AT))
+                rnd.set_main_contributors(reduced.contributors)
+                return reduced
+            reduced = await self._exchange(rnd, flat, spec.members[j], spec.round_id, j, rnd.at(REDUCE_AT), rnd.at(FETCH_BY), log)
+            if reduced is not None:
+                return reduced
+            rnd.dead.add(j)
+            backup = backup_reducer(j, spec.k, rnd.dead)
+            log.info("averaging.part.retry", part=j, backup=backup)
+            if backup == spec.index:
+                reducer, reduce_at = rnd.reducer(retry_round_id(spec.round_id, j), j)
+                return await reducer.reduced(reduce_at)
+            if backup is not None:
+                url = spec.members[backup]
+                reduced = await self._exchange(rnd, flat, url, retry_round_id(spec.round_id, j), j, rnd.at(RETRY_REDUCE_AT), rnd.at(RETRY_FETCH_BY), log)
+                if reduced is None:
+                    rnd.dead.add(backup)
+        except RoundConflict as exc:  # the round closed under us (deadline or shutdown)
+            log.warning("averaging.part.failed", part=j, reason=exc.message)
+            return None
+        if reduced is None:
+            log.warning("averaging.part.failed", part=j, reason="its reducer and backup failed; keeping the local values")
+        return reduced
+
+    async def _exchange(self, rnd, flat, url, round_id, part, send_by, fetch_by, log) -> ReducedPart | None:
+        """Post our original ``part`` to the reducer at ``url`` under ``round_id``, then fetch
+        its reduction; None on any failure. Bytes of posts that reached the peer are counted."""
+        spec, (start, stop) = rnd.spec, rnd.bounds[part]
+        msg = {"round_id": round_id, "from": spec.index, "part": part, "weight": rnd.weight}
+        body = await _off_loop(stop - start, _pack_part, msg, flat[start:stop], spec.codec, self.int8_block)
+        try:
+            try:
+                await self.transport.post(url + "/average/part", body, timeout_s=_left(send_by))
+            except RemoteError as exc:
+                rnd.bytes_sent += 0 if exc.code == "unreachable" else len(body)  # unreachable: nothing went out
+                raise
+            rnd.bytes_sent += len(body)
+            request = pack_message({"round_id": round_id, "part": part})
+            reply = await self.transport.post(url + "/average/result", request, timeout_s=_left(fetch_by))
+            return await _off_loop(stop - start, parse_reduced, reply, stop - start)
+        except RemoteError as exc:
+            log.info("averaging.member.failed", url=url, round_id=round_id, part=part, status=exc.status, code=exc.code, reason=exc.message)
+        except BadPayload as exc:
+            log.warning("averaging.member.failed", url=url, round_id=round_id, part=part, code="bad_reply", reason=exc.message)
+        return None
+
+
+def _of_round(round_id: str, base: str) -> bool:
+    return round_id == base or round_id.startswith(base + RETRY_SEP)
+
+
+def _pack_part(msg: dict, values: torch.Tensor, codec: str, int8_block: int) -> bytes:
+    return pack_message({**msg, "data": encode_tensor(values, codec, int8_block=int8_block)})
+
+
+def _left(until: float) -> float:
+    """Seconds left until loop time ``until``; never 0, which aiohttp reads as 'no timeout'."""
+    return max(until - asyncio.get_running_loop().time(), 0.01)

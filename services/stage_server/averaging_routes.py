@@ -1,0 +1,100 @@
+"""HTTP edge of averaging (the round itself is ``averaging.py``): decode, call the
+:class:`Averager`, encode. Bodies are msgpack maps, like ``/forward``::
+
+    POST /average/start  {round_id, stage, members, index, codec, timeout_s} -> {round_id, accepted}
+                         answered at once; the round runs in the background
+    POST /average/part   {round_id, from, part, weight, data} -> {round_id, part}
+    POST /average/result {round_id, part} -> {round_id, part, data, contributors, weight}
+                         waits (at most until the round's deadline) for the reduction
+    GET  /average/status -> JSON {rounds_completed, running, last_round: {round_id, members,
+                         contributors, bytes_sent, seconds, ok, ...}}
+
+Errors are JSON: 400 bad_payload (malformed), 409 wrong_stage (another stage's round) or
+round_conflict (busy, unknown or finished round, not this member's part, duplicate part).
+No request here touches the weights; only a round's own last step loads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from shared.errors import WrongStage
+from shared.http import MSGPACK, msgpack_response, post_message, read_message
+from shared.log import get_logger
+from services.stage_server.averaging import OFF_LOOP_VALUES, Averager, PartMessage, RoundSpec, decode_values, parse_part_request
+from services.stage_server.routes import RUNTIME, SETTINGS, WORKER
+
+AVERAGER = web.AppKey("averager", Averager)
+
+CONTROL_BYTES = 1 << 20  # /average/start and /average/result carry no tensors
+
+
+class HttpTransport:
+    """The :class:`~services.stage_server.averaging.Transport` of a running server."""
+
+    def __init__(self, session: aiohttp.ClientSession):
+        self.session = session
+
+    async def post(self, url: str, body: bytes, *, timeout_s: float) -> dict:
+        return await post_message(self.session, url, {}, timeout_s=timeout_s, body=body)
+
+
+async def start(request: web.Request) -> web.Response:
+    msg, averager = await read_message(request, CONTROL_BYTES), request.app[AVERAGER]
+    try:
+        spec = RoundSpec.from_message(msg, stage=request.app[SETTINGS].stage)
+    except WrongStage:
+        averager.refuse(msg["round_id"])  # so that peers find out at once that we are not in it
+        raise
+    averager.start(spec)
+    return msgpack_response({"round_id": spec.round_id, "accepted": True})
+
+
+async def part(request: web.Request) -> web.Response:
+    averager, settings = request.app[AVERAGER], request.app[SETTINGS]
+    msg = await read_message(request, int(settings.max_body_mb * 2**20))
+    header = PartMessage.from_message(msg)
+    nbytes = request.content_length or 0
+    if nbytes >= 4 * OFF_LOOP_VALUES:
+        values = await asyncio.to_thread(decode_values, msg.get("data"), averager.num_params)
+    else:
+        values = decode_values(msg.get("data"), averager.num_params)
+    averager.accept_part(header, values)
+    return msgpack_response({"round_id": header.round_id, "part": header.part})
+
+
+async def result(request: web.Request) -> web.Response:
+    round_id, part_index = parse_part_request(await read_message(request, CONTROL_BYTES))
+    reduced = await request.app[AVERAGER].result(round_id, part_index)
+    return web.Response(body=reduced.body, content_type=MSGPACK)
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[AVERAGER].status())
+
+
+def add_averaging_routes(app: web.Application) -> None:
+    """Routes and lifecycle of averaging; call after ``RUNTIME``, ``WORKER`` and ``SETTINGS`` are set."""
+    settings = app[SETTINGS]
+    log = get_logger(service="stage_server", run=settings.run_id, stage=settings.stage)
+    averager = Averager(app[RUNTIME], app[WORKER].run, int8_block=settings.int8_block, log=log)
+    app[AVERAGER] = averager
+    app.router.add_post("/average/start", start)
+    app.router.add_post("/average/part", part)
+    app.router.add_post("/average/result", result)
+    app.router.add_get("/average/status", status)
+
+    async def client_session(app: web.Application):
+        async with aiohttp.ClientSession() as session:
+            averager.transport = HttpTransport(session)
+            yield
+            await averager.close()
+
+    async def stop_round(app: web.Application) -> None:
+        await averager.close()  # before the drain: peers leave this member out of the round
+
+    app.cleanup_ctx.append(client_session)
+    app.on_shutdown.append(stop_round)

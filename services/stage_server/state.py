@@ -1,0 +1,121 @@
+"""A stage's whole state (weights and AdamW moments) out of and into a StageRuntime.
+
+Plain logic, no networking. Both functions touch the parameters, so the server calls them
+on its compute worker, where they never race a step. The byte format (safetensors) lives
+in :mod:`shared.checkpoint`, shared with checkpoints and ``swarm export``.
+
+Tensors: parameters by their model names and ``optim/<name>/exp_avg``,
+``optim/<name>/exp_avg_sq`` for every parameter the optimizer has stepped. Metadata::
+
+    {stage, num_stages, layers: [start, stop], model_config, weights_version,
+     optimizer_steps, samples, adam_step: {param name: AdamW step count}}
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.checkpoint import OPTIM_PREFIX, state_from_bytes, state_to_bytes
+from shared.errors import BadPayload, WrongStage
+from services.stage_server.runtime import StageRuntime
+
+__all__ = ["load_stage_state", "stage_state", "state_from_bytes", "state_to_bytes"]
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def stage_state(runtime: StageRuntime) -> tuple[dict[str, torch.Tensor], dict]:
+    """A snapshot of the stage: CPU, contiguous copies that later steps do not change."""
+    tensors: dict[str, torch.Tensor] = {}
+    adam_step: dict[str, int] = {}
+    for name, p in _named_params(runtime):
+        tensors[name] = _snapshot(p)
+        state = runtime.optimizer.state.get(p)
+        if state:
+            for moment in _MOMENTS:
+                tensors[f"{OPTIM_PREFIX}{name}/{moment}"] = _snapshot(state[moment])
+            adam_step[name] = int(state["step"])
+    spec = runtime.spec
+    metadata = {
+        "stage": spec.index,
+        "num_stages": spec.num_stages,
+        "layers": [spec.layers.start, spec.layers.stop],
+        "model_config": runtime.cfg.to_dict(),
+        "weights_version": runtime.version,
+        "optimizer_steps": runtime.stats.optimizer_steps,
+        "samples": runtime.stats.samples,
+        "adam_step": adam_step,
+    }
+    return tensors, metadata
+
+
+def load_stage_state(runtime: StageRuntime, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
+    """Replace the stage's weights and optimizer state with ``tensors``/``metadata``.
+
+    Everything is checked first: a state of another stage or model raises
+    :class:`WrongStage`, a malformed one :class:`BadPayload`, and either leaves the
+    runtime untouched. Loading drops the accumulated gradients and cached forward graphs
+    (they belong to the old weights) and bumps ``runtime.version``.
+    """
+    adam_step = _validate(runtime, tensors, metadata)
+    with torch.no_grad():
+        for name, p in _named_params(runtime):
+            p.copy_(tensors[name])
+    runtime.optimizer.state.clear()
+    for name, p in _named_params(runtime):
+        if name in adam_step:
+            # the entries AdamW creates on its first step, holding the peer's values
+            runtime.optimizer.state[p] = {
+                "step": torch.tensor(float(adam_step[name]), dtype=torch.float32),
+                **{m: tensors[f"{OPTIM_PREFIX}{name}/{m}"].to(device=p.device, dtype=p.dtype, copy=True) for m in _MOMENTS},
+            }
+    for acc in runtime._grad_sum:
+        acc.zero_()
+    runtime._pending_samples = 0
+    runtime._cache.clear()
+    runtime.stats.optimizer_steps = metadata["optimizer_steps"]
+    runtime.version += 1
+
+
+# ---------------------------------------------------------------- validation
+def _validate(runtime: StageRuntime, tensors: dict[str, torch.Tensor], metadata: dict) -> dict[str, int]:
+    """Raise unless the state fits this runtime exactly; returns the AdamW step per parameter."""
+    spec = runtime.spec
+    for key, kind in (("stage", int), ("num_stages", int), ("layers", list), ("model_config", dict), ("optimizer_steps", int), ("adam_step", dict)):
+        _check(type(metadata.get(key)) is kind, f"state metadata needs {key!r} of type {kind.__name__}")
+    _check(metadata["optimizer_steps"] >= 0, "'optimizer_steps' must be >= 0")
+    if metadata["model_config"] != runtime.cfg.to_dict():
+        raise WrongStage(f"state is of model {metadata['model_config']}, this server runs {runtime.cfg.to_dict()}")
+    theirs = (metadata["stage"], metadata["num_stages"], metadata["layers"])
+    ours = (spec.index, spec.num_stages, [spec.layers.start, spec.layers.stop])
+    if theirs != ours:
+        raise WrongStage(f"state is of stage {theirs[0]}/{theirs[1]} (layers {theirs[2]}), this server holds stage {ours[0]}/{ours[1]} (layers {ours[2]})")
+
+    params = dict(_named_params(runtime))
+    adam_step = metadata["adam_step"]
+    unknown = sorted(set(adam_step) - set(params))
+    _check(not unknown, f"'adam_step' names parameters this stage does not have: {unknown[:5]}")
+    _check(all(type(s) is int and s >= 1 for s in adam_step.values()), "'adam_step' values must be ints >= 1")
+    expected = set(params) | {f"{OPTIM_PREFIX}{n}/{m}" for n in adam_step for m in _MOMENTS}
+    missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    _check(not missing, f"state lacks {len(missing)} tensors of this stage, e.g. {missing[:5]}")
+    _check(not extra, f"state has {len(extra)} tensors this stage does not have, e.g. {extra[:5]}")
+    for name, t in tensors.items():
+        p = params[name if name in params else name[len(OPTIM_PREFIX) :].rsplit("/", 1)[0]]
+        _check(t.shape == p.shape, f"{name!r} has shape {list(t.shape)}, this stage needs {list(p.shape)}")
+        _check(t.dtype == p.dtype, f"{name!r} has dtype {t.dtype}, this stage needs {p.dtype}")
+        _check(bool(torch.isfinite(t).all()), f"{name!r} contains non-finite values")
+    return adam_step
+
+
+def _named_params(runtime: StageRuntime) -> list[tuple[str, torch.nn.Parameter]]:
+    return list(runtime.model.named_parameters())
+
+
+def _snapshot(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(device="cpu", copy=True, memory_format=torch.contiguous_format)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise BadPayload(message)

@@ -1,0 +1,76 @@
+"""State transfer endpoints of the stage server, and the client side of a join.
+
+    GET  /state  -> application/octet-stream: the stage's weights and optimizer state
+                    (safetensors, see ``shared.checkpoint``)
+    POST /state  <- the same bytes (Content-Type application/octet-stream, at most
+                    SWARM_MAX_BODY_MB): load them -> {stage, weights_version, optimizer_steps}
+
+Both run their tensor work on the compute worker, so a snapshot or a load never races a
+backward or an optimizer step. A state of another stage or model is refused with 409, a
+malformed one with 400, another content type with 415, an oversize body with 413; a
+refused state leaves the weights as they were.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import torch
+from aiohttp import web
+
+from shared.errors import BadPayload, RemoteError
+from shared.http import read_body
+from services.stage_server.routes import RUNTIME, SETTINGS, WORKER
+from services.stage_server.state import load_stage_state, stage_state, state_from_bytes, state_to_bytes
+
+OCTET_STREAM = "application/octet-stream"
+
+
+async def get_state(request: web.Request) -> web.Response:
+    tensors, metadata = await request.app[WORKER].run(stage_state, request.app[RUNTIME])
+    body = await asyncio.to_thread(state_to_bytes, tensors, metadata)  # the snapshot is a copy: no worker needed
+    return web.Response(body=body, content_type=OCTET_STREAM)
+
+
+async def post_state(request: web.Request) -> web.Response:
+    settings, runtime = request.app[SETTINGS], request.app[RUNTIME]
+    data = await read_body(request, OCTET_STREAM, int(settings.max_body_mb * 2**20))
+    tensors, metadata = await asyncio.to_thread(state_from_bytes, data)
+    await request.app[WORKER].run(load_stage_state, runtime, tensors, metadata)
+    return web.json_response({"stage": settings.stage, "weights_version": runtime.version, "optimizer_steps": runtime.stats.optimizer_steps})
+
+
+def add_state_routes(app: web.Application) -> None:
+    app.router.add_get("/state", get_state)
+    app.router.add_post("/state", post_state)
+
+
+async def download_state(session: aiohttp.ClientSession, url: str, timeout_s: float) -> tuple[dict[str, torch.Tensor], dict]:
+    """GET ``url``/state of a peer replica; any failure raises :class:`RemoteError`."""
+    target = url.rstrip("/") + "/state"
+    try:
+        async with session.get(target, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            payload = await resp.read()
+            if resp.status != 200:
+                raise RemoteError(target, resp.status, *_error_of(payload, resp.reason))
+            if resp.content_type != OCTET_STREAM:
+                raise RemoteError(target, resp.status, "bad_reply", f"reply has Content-Type {resp.content_type!r}")
+    except asyncio.TimeoutError:
+        raise RemoteError(target, None, "timeout", f"no reply within {timeout_s} s") from None
+    except aiohttp.ClientError as exc:
+        raise RemoteError(target, None, "unreachable", repr(exc)) from None
+    try:
+        return await asyncio.to_thread(state_from_bytes, payload)
+    except BadPayload as exc:
+        raise RemoteError(target, 200, "bad_reply", exc.message) from None
+
+
+def _error_of(payload: bytes, reason: str | None) -> tuple[str, str]:
+    """(code, message) of a JSON error reply, or the best description of another body."""
+    try:
+        err = json.loads(payload)["error"]
+        return str(err["code"]), str(err["message"])
+    except (ValueError, KeyError, TypeError):
+        return "http_error", reason or payload[:200].decode("utf-8", "replace")

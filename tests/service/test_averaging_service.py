@@ -1,0 +1,340 @@
+"""Averaging rounds among replicas of one stage, through real stage servers on loopback.
+
+Replicas differ in their weights (``seed=``) and in the samples they processed since the
+last round, which the tests set directly (``app[RUNTIME].stats.samples``) rather than by
+training: the round's weight is that counter, and a backward would also move the weights
+the test wants to average. The round is started by the coordinator's ``start_round``;
+completion is polled on ``GET /average/status`` under a bounded deadline.
+
+Faults: a member that dies right after accepting the round (before sending anything), a
+member whose ``/average/result`` fails (a real server behind a fault-injecting middleware),
+a real server closed right after the start, and a member of another stage that refuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from shared.codec import decode_tensor, encode_tensor, pack_message, unpack_message
+from services.coordinator.averaging import start_round
+from services.stage_server.app import create_app
+from services.stage_server.averaging import flat_parameters, split_bounds
+from services.stage_server.routes import RUNTIME, WORKER
+from tests.conftest import stage_settings
+
+STAGE = 1
+MSGPACK = "application/msgpack"
+
+
+@pytest.fixture
+async def serve():
+    """``await serve(app)`` -> (TestServer, URL); every server is closed at the end."""
+    servers: list[TestServer] = []
+
+    async def _serve(app: web.Application):
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        servers.append(server)
+        return server, str(server.make_url("")).rstrip("/")
+
+    yield _serve
+    for server in servers:
+        await server.close()
+
+
+async def replicas(serve, seeds, samples, **overrides):
+    """Stage servers of STAGE with these seeds and sample counts -> (apps, servers, urls)."""
+    apps, servers, urls = [], [], []
+    for seed, n in zip(seeds, samples):
+        app = create_app(stage_settings(STAGE, seed=seed, **overrides))
+        app[RUNTIME].stats.samples = n
+        server, url = await serve(app)
+        apps.append(app), servers.append(server), urls.append(url)
+    return apps, servers, urls
+
+
+async def params_of(app) -> torch.Tensor:
+    return await app[WORKER].run(flat_parameters, app[RUNTIME].params)
+
+
+def weighted_mean(vectors, weights) -> torch.Tensor:
+    acc = sum(v.double() * w for v, w in zip(vectors, weights))
+    return (acc / sum(weights)).float()
+
+
+async def status_of(session, url) -> dict:
+    async with session.get(url + "/average/status") as resp:
+        assert resp.status == 200
+        return await resp.json()
+
+
+async def wait_for_round(session, urls, round_id, within_s) -> list[dict]:
+    """Poll each member's status until its last round is ``round_id``; fail past ``within_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        statuses = [await status_of(session, url) for url in urls]
+        if all((s["last_round"] or {}).get("round_id") == round_id for s in statuses):
+            return [s["last_round"] for s in statuses]
+        assert loop.time() < deadline, f"round {round_id} not done within {within_s} s: {statuses}"
+        await asyncio.sleep(0.02)
+
+
+async def post_raw(session, url, msg=None, *, body=None, content_type=MSGPACK):
+    async with session.post(url, data=pack_message(msg) if body is None else body, headers={"Content-Type": content_type}) as resp:
+        return resp.status, resp.content_type, await resp.read()
+
+
+# --------------------------------------------------------------------------- healthy rounds
+async def test_fp32_round_gives_every_member_the_sample_weighted_mean(serve, http_session):
+    samples = [10, 30, 60]
+    apps, _, urls = await replicas(serve, [1, 2, 3], samples)
+    before = [await params_of(app) for app in apps]
+    assert not torch.equal(before[0], before[1])
+    expected = weighted_mean(before, samples)
+
+    round_id = await start_round(http_session, STAGE, urls, codec="fp32", timeout_s=10.0)
+    summaries = await wait_for_round(http_session, urls, round_id, within_s=10.0)
+
+    P, k = before[0].numel(), len(urls)
+    bound = 1.1 * 2 * P * (k - 1) / k * 4
+    for app, summary in zip(apps, summaries):
+        assert (await params_of(app) - expected).abs().max().item() <= 1e-6
+        assert app[RUNTIME].version == 1 and not app[RUNTIME]._cache
+        assert summary["ok"] and summary["contributors"] == [0, 1, 2] and summary["parts_failed"] == []
+        assert summary["members"] == urls and summary["seconds"] < 10.0
+        assert summary["bytes_sent"] <= bound, (summary["bytes_sent"], bound)
+    print(f"\nfp32 round, P={P}, k={k}: bytes_sent per member {[s['bytes_sent'] for s in summaries]}, bound {bound:.0f}")
+    assert all(s["rounds_completed"] == 1 for s in [await status_of(http_session, u) for u in urls])
+
+    # The next round with no new samples: equal (epsilon) weights of equal vectors changes nothing.
+    round_id = await start_round(http_session, STAGE, urls, codec="fp32", timeout_s=10.0)
+    await wait_for_round(http_session, urls, round_id, within_s=10.0)
+    for app in apps:
+        assert (await params_of(app) - expected).abs().max().item() <= 1e-6
+
+
+async def test_int8_round_leaves_members_identical_and_close_to_the_mean(serve, http_session):
+    samples = [5, 20, 15]
+    apps, _, urls = await replicas(serve, [4, 5, 6], samples, wire_codec="int8")  # int8: bitsandbytes loads at start
+    before = [await params_of(app) for app in apps]
+    expected = weighted_mean(before, samples)
+
+    round_id = await start_round(http_session, STAGE, urls, codec="int8", timeout_s=10.0)
+    summaries = await wait_for_round(http_session, urls, round_id, within_s=10.0)
+
+    after = [await params_of(app) for app in apps]
+    assert torch.equal(after[0], after[1]) and torch.equal(after[0], after[2])
+    rel_error = ((after[0] - expected).norm() / expected.norm()).item()
+    assert rel_error < 0.02, rel_error
+    P = before[0].numel()
+    assert all(s["ok"] and s["bytes_sent"] <= 1.1 * 2 * P * 2 / 3 * 1.01 for s in summaries)  # ~1 byte a value
+    print(f"\nint8 round, P={P}: relative error {rel_error:.4f}, bytes_sent per member {[s['bytes_sent'] for s in summaries]}")
+
+
+# --------------------------------------------------------------------------- failures
+def fake_member() -> web.Application:
+    """A member that accepts the round and then sends nothing itself."""
+
+    async def accept(request: web.Request) -> web.Response:
+        return web.Response(body=pack_message({"accepted": True}), content_type=MSGPACK)
+
+    app = web.Application(client_max_size=64 * 2**20)
+    app.router.add_post("/average/start", accept)
+    return app
+
+
+@web.middleware
+async def failing_results(request: web.Request, handler):
+    """Fault injection: a reducer that takes parts but never serves its reduction."""
+    if request.path == "/average/result":
+        return web.json_response({"error": {"code": "internal", "message": "injected fault"}}, status=500)
+    return await handler(request)
+
+
+async def test_member_dead_before_sending_is_left_out(serve, http_session):
+    samples = [10, 0, 40]
+    apps, _, urls = await replicas(serve, [1, 3], [samples[0], samples[2]])
+    dead_server, dead_url = await serve(fake_member())
+    members = [urls[0], dead_url, urls[1]]  # the dead member reduces part 1; its backup is member 2
+    before = [await params_of(app) for app in apps]
+    expected = weighted_mean(before, [samples[0], samples[2]])
+    timeout_s = 3.0
+
+    started = asyncio.get_running_loop().time()
+    round_id = await start_round(http_session, STAGE, members, codec="fp32", timeout_s=timeout_s)
+    await dead_server.close()
+    summaries = await wait_for_round(http_session, urls, round_id, within_s=timeout_s)
+
+    assert asyncio.get_running_loop().time() - started < timeout_s
+    for app, summary in zip(apps, summaries):
+        assert (await params_of(app) - expected).abs().max().item() <= 1e-6
+        assert summary["ok"] and summary["contributors"] == [0, 2], summary
+
+
+async def test_dead_reducer_is_replaced_by_a_backup(serve, http_session):
+    samples = [10, 20, 30]
+    apps, _, urls = await replicas(serve, [1, 2], samples[:2])
+    faulty = create_app(stage_settings(STAGE, seed=3))
+    faulty[RUNTIME].stats.samples = samples[2]
+    faulty.middlewares.append(failing_results)
+    _, faulty_url = await serve(faulty)
+    members = [*urls, faulty_url]
+    before = [await params_of(app) for app in [*apps, faulty]]
+    all_three, survivors = weighted_mean(before, samples), weighted_mean(before[:2], samples[:2])
+    timeout_s = 3.0
+
+    started = asyncio.get_running_loop().time()
+    round_id = await start_round(http_session, STAGE, members, codec="fp32", timeout_s=timeout_s)
+    summaries = await wait_for_round(http_session, urls, round_id, within_s=timeout_s)
+
+    assert asyncio.get_running_loop().time() - started < timeout_s
+    bounds = split_bounds(before[0].numel(), 3)
+    expected = torch.cat([all_three[slice(*bounds[0])], all_three[slice(*bounds[1])], survivors[slice(*bounds[2])]])
+    for app, summary in zip(apps, summaries):
+        assert (await params_of(app) - expected).abs().max().item() <= 1e-6
+        assert summary["ok"] and summary["part_contributors"] == [[0, 1, 2], [0, 1, 2], [0, 1]], summary
+
+
+async def test_server_closed_right_after_the_start(serve, http_session):
+    samples = [10, 20, 30]
+    apps, servers, urls = await replicas(serve, [1, 2, 3], samples)
+    before = [await params_of(app) for app in apps]
+    all_three, survivors = weighted_mean(before, samples), weighted_mean(before[:2], samples[:2])
+    timeout_s = 3.0
+
+    started = asyncio.get_running_loop().time()
+    round_id = await start_round(http_session, STAGE, urls, codec="fp32", timeout_s=timeout_s)
+    await servers[2].close()
+    summaries = await wait_for_round(http_session, urls[:2], round_id, within_s=timeout_s)
+
+    assert asyncio.get_running_loop().time() - started < timeout_s
+    # Member 2 may or may not have sent some parts before it died: each part of a survivor is
+    # the mean of all three or of the two survivors, whichever reducer's view it got.
+    for app, summary in zip(apps[:2], summaries):
+        after = await params_of(app)
+        for start, stop in split_bounds(after.numel(), 3):
+            part = after[start:stop]
+            assert min((part - m[start:stop]).abs().max().item() for m in (all_three, survivors)) <= 1e-6
+        assert summary["ok"], summary
+
+
+async def test_member_of_another_stage_refuses_and_is_left_out(serve, http_session):
+    samples = [7, 21]
+    apps, _, urls = await replicas(serve, [1, 2], samples)
+    _, other_url = await serve(create_app(stage_settings(STAGE + 1, seed=9)))
+    expected = weighted_mean([await params_of(app) for app in apps], samples)
+
+    round_id = await start_round(http_session, STAGE, [*urls, other_url], codec="fp32", timeout_s=3.0)
+    summaries = await wait_for_round(http_session, urls, round_id, within_s=3.0)
+    for app, summary in zip(apps, summaries):
+        assert (await params_of(app) - expected).abs().max().item() <= 1e-6
+        assert summary["contributors"] == [0, 1]
+    assert (await status_of(http_session, other_url))["last_round"] is None
+
+
+# --------------------------------------------------------------------------- bad input
+def start_msg(url, **overrides):
+    return {"round_id": "r1", "stage": STAGE, "members": [url, "http://127.0.0.1:9"], "index": 0, "codec": "fp32", "timeout_s": 2.0, **overrides}
+
+
+def part_msg(values, **overrides):
+    return {"round_id": "r1", "from": 1, "part": 0, "weight": 3.0, "data": encode_tensor(values, "fp32"), **overrides}
+
+
+async def expect_error(session, url, msg, status, *, body=None, content_type=MSGPACK):
+    got, ctype, payload = await post_raw(session, url, msg, body=body, content_type=content_type)
+    assert got == status, (msg if body is None else body[:50], got, payload[:300])
+    assert ctype == "application/json" and b'"error"' in payload
+
+
+async def test_bad_requests_are_refused_and_leave_the_weights_alone(serve, http_session):
+    (app,), _, (url,) = await replicas(serve, [1], [12])
+    before = await params_of(app)
+    P = before.numel()
+    start, part, result = url + "/average/start", url + "/average/part", url + "/average/result"
+
+    for bad in [
+        {"round_id": "r1"},
+        start_msg(url, round_id="has/slash"),
+        start_msg(url, index=2),
+        start_msg(url, members=[]),
+        start_msg(url, members=[url, url]),
+        start_msg(url, members=[url, "ftp://x"]),
+        start_msg(url, codec="zip"),
+        start_msg(url, timeout_s=0),
+        start_msg(url, timeout_s=math.inf),
+        start_msg(url, stage="1"),
+    ]:
+        await expect_error(http_session, start, bad, 400)
+    await expect_error(http_session, start, start_msg(url, stage=STAGE + 1), 409)
+    await expect_error(http_session, start, None, 400, body=b"\x93not a map")
+    await expect_error(http_session, start, None, 415, body=b"{}", content_type="application/json")
+
+    half = torch.zeros(P // 2)
+    for bad in [
+        part_msg(half, weight=-1.0),
+        part_msg(half, weight=math.nan),
+        part_msg(half, weight="3"),
+        part_msg(half, **{"from": -1}),
+        part_msg(half, part=None),
+        part_msg(half, data={"codec": "fp32", "dtype": "float32", "shape": [3], "data": b"\x00"}),
+        part_msg(half, data=encode_tensor(torch.zeros(2, 2), "fp32")),
+        part_msg(half, data=encode_tensor(torch.zeros(P + 1), "fp32")),
+        part_msg(half, data=encode_tensor(torch.tensor([1.0, math.inf]), "fp32")),
+    ]:
+        await expect_error(http_session, part, bad, 400)
+    await expect_error(http_session, part, part_msg(half, round_id="r0/retry-1", part=1), 409)  # retry of an unknown round
+    await expect_error(http_session, result, {"round_id": "r0"}, 400)
+    await expect_error(http_session, result, {"round_id": "r0", "part": 0}, 409)
+    assert app[RUNTIME].version == 0 and torch.equal(await params_of(app), before)
+
+    # A round with a member that never answers: it runs for ~0.4 * timeout_s.
+    status, _, _ = await post_raw(http_session, start, start_msg(url))
+    assert status == 200
+    await expect_error(http_session, start, start_msg(url, round_id="r2"), 409)  # one round at a time
+    size0 = split_bounds(P, 2)[0][1]
+    await expect_error(http_session, part, part_msg(torch.zeros(size0 - 1)), 400)  # wrong size
+    await expect_error(http_session, part, part_msg(torch.zeros(size0), **{"from": 0}), 400)  # from itself
+    await expect_error(http_session, part, part_msg(torch.zeros(size0), **{"from": 5}), 400)  # not a member
+    await expect_error(http_session, part, part_msg(torch.zeros(P - size0), part=1), 409)  # not its part
+    await expect_error(http_session, part, part_msg(torch.zeros(size0), round_id="r2"), 409)  # busy with r1
+    await expect_error(http_session, result, {"round_id": "r1", "part": 1}, 409)  # not its part
+    (summary,) = await wait_for_round(http_session, [url], "r1", within_s=2.0)
+
+    # Nothing bad reached the average: the lone member's weights are its own.
+    assert summary["contributors"] == [0] and summary["ok"]
+    assert torch.equal(await params_of(app), before)
+
+
+async def test_part_and_fetch_that_come_before_the_start_are_kept(serve, http_session):
+    """A member may hear from a peer before its own /average/start: the part waits for the
+    round, and so does the peer's fetch of the reduction. The test plays member 1."""
+    (app,), _, (url,) = await replicas(serve, [1], [30])
+    _, gone_url = await serve(fake_member())  # member 1's URL: the test speaks for it
+    before = await params_of(app)
+    P = before.numel()
+    (start0, stop0), _ = split_bounds(P, 2)
+    ours = torch.linspace(-1, 1, stop0 - start0)
+    status, _, _ = await post_raw(http_session, url + "/average/part", part_msg(ours, weight=10.0))
+    assert status == 200
+    fetch = asyncio.ensure_future(post_raw(http_session, url + "/average/result", {"round_id": "r1", "part": 0}))
+    status, _, _ = await post_raw(http_session, url + "/average/start", start_msg(url, members=[url, gone_url]))
+    assert status == 200
+
+    status, _, body = await fetch
+    assert status == 200
+    reply = unpack_message(body)
+    expected0 = weighted_mean([before[start0:stop0], ours], [30, 10])
+    assert reply["contributors"] == [0, 1] and reply["weight"] == 40.0
+    assert (decode_tensor(reply["data"]) - expected0).abs().max().item() <= 1e-6
+    (summary,) = await wait_for_round(http_session, [url], "r1", within_s=2.0)
+    after = await params_of(app)
+    assert (after[start0:stop0] - expected0).abs().max().item() <= 1e-6 and torch.equal(after[stop0:], before[stop0:])
+    assert summary["part_contributors"] == [[0, 1], [0]]  # member 1 never sent its part 1 to its backup (us)

@@ -39,6 +39,9 @@ class Checkpointer:
             states[stage] = data
         metas = {stage: checkpoint.state_metadata(data) for stage, data in states.items()}
         step = min(int(m.get("optimizer_steps", 0)) for m in metas.values())
+        latest = checkpoint.latest_checkpoint(self.root)
+        if latest is not None and checkpoint.read_meta(latest)["step"] == step:
+            return latest  # nothing new; never rewrite the files of a committed checkpoint
         for stage, data in states.items():
             checkpoint.write_stage_file(self.root, step, stage, data)
         meta = {"run_id": self.run_id, "num_stages": self.registry.num_stages, "model_config": metas[0].get("model_config"), "stage_steps": {str(s): m.get("optimizer_steps") for s, m in metas.items()}}

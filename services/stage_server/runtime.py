@@ -169,6 +169,14 @@ class StageRuntime:
         n = max(self._pending_samples, 1)
         return {name: acc / n for (name, _), acc in zip(self.model.named_parameters(), self._grad_sum)}
 
+    def reset_accumulation(self) -> None:
+        """Drop the accumulated gradients and cached forward graphs (the weights were replaced)."""
+        for acc in self._grad_sum:
+            acc.zero_()
+        self._pending_samples = 0
+        self._cache.clear()
+        self.version += 1
+
     @property
     def pending_samples(self) -> int:
         return self._pending_samples

@@ -69,12 +69,8 @@ def load_stage_state(runtime: StageRuntime, tensors: dict[str, torch.Tensor], me
                 "step": torch.tensor(float(adam_step[name]), dtype=torch.float32),
                 **{m: tensors[f"{OPTIM_PREFIX}{name}/{m}"].to(device=p.device, dtype=p.dtype, copy=True) for m in _MOMENTS},
             }
-    for acc in runtime._grad_sum:
-        acc.zero_()
-    runtime._pending_samples = 0
-    runtime._cache.clear()
     runtime.stats.optimizer_steps = metadata["optimizer_steps"]
-    runtime.version += 1
+    runtime.reset_accumulation()
 
 
 # ---------------------------------------------------------------- validation

@@ -100,6 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--ready-timeout-s", type=float, default=120.0)
     p.add_argument("--checkpoint-every-s", type=float, default=30.0, help="seconds between checkpoints (default 30)")
+    p.add_argument("--average-every-s", type=float, default=5.0, help="seconds between averaging rounds of a stage's replicas (default 5)")
+    p.add_argument("--rebalance-every-s", type=float, default=10.0, help="seconds between rebalancing checks; 0: never (default 10)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
     return p.parse_args(argv)
 
@@ -155,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def start_coordinator(procs: LocalProcesses, args: argparse.Namespace, run_dir: Path, common: dict) -> str:
     port = free_port(args.host)
-    env = {**common, "SWARM_HOST": args.host, "SWARM_PORT": str(port), "SWARM_STATE_DB": str(run_dir / "coordinator.sqlite"), "SWARM_CHECKPOINT_EVERY_S": str(args.checkpoint_every_s)}
+    env = {**common, "SWARM_HOST": args.host, "SWARM_PORT": str(port), "SWARM_STATE_DB": str(run_dir / "coordinator.sqlite"), "SWARM_CHECKPOINT_EVERY_S": str(args.checkpoint_every_s),
+           "SWARM_AVERAGE_EVERY_S": str(args.average_every_s), "SWARM_REBALANCE_EVERY_S": str(args.rebalance_every_s)}
     proc = procs.start("coordinator", ["services.coordinator"], env)
     url = f"http://{args.host}:{port}"
     wait_healthy(url, proc, args.ready_timeout_s)

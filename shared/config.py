@@ -114,6 +114,8 @@ class CoordinatorSettings(DiscoverySettings):
     average_every_s: float = Field(30.0, ge=0, description="seconds between averaging rounds of each stage's replicas; 0: never")
     averaging_codec: Codec = Field("fp32", description="wire codec of the parts exchanged in averaging rounds")
     averaging_timeout_s: float = Field(20.0, gt=0, description="an averaging round never waits longer than this")
+    rebalance_every_s: float = Field(30.0, ge=0, description="seconds between rebalancing checks; 0: never move servers")
+    rebalance_min_gain: float = Field(1 / 0.75, ge=1.0, description="move a server only if the weakest stage's capacity grows by this factor")
     checkpoint_dir: str = Field("", description="directory for checkpoints; empty: no checkpoints")
     checkpoint_every_s: float = Field(60.0, gt=0, description="seconds between checkpoints")
     keep_checkpoints: int = Field(3, ge=1, description="checkpoints kept on disk")

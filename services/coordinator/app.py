@@ -10,10 +10,12 @@ import aiohttp
 from aiohttp import web
 
 from shared import checkpoint
-from shared.errors import Overloaded
+from shared.errors import Overloaded, RemoteError
 from shared.config import CoordinatorSettings, advertised_url
-from shared.http import error_middleware
+from shared.http import error_middleware, post_message
 from shared.log import get_logger
+from services.coordinator.assignment import Rebalancer
+from services.coordinator.averaging import start_round
 from services.coordinator.checkpointer import Checkpointer
 from services.coordinator.registry import RegisteredServer, Registry
 from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY, SETTINGS, add_routes
@@ -71,12 +73,70 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
         log.info("coordinator.stopped")
 
     app.cleanup_ctx.append(lifecycle)
+    if settings.average_every_s > 0:
+        app.cleanup_ctx.append(_averaging(settings, log))
+    if settings.rebalance_every_s > 0:
+        app.cleanup_ctx.append(_rebalancing(settings, log))
     if settings.checkpoint_dir:
         app.cleanup_ctx.append(_checkpoints(settings, log))
         app.router.add_post("/checkpoint", checkpoint_now)
     if settings.mdns:
         app.cleanup_ctx.append(_announcement(settings))
     return app
+
+
+def _averaging(settings: CoordinatorSettings, log):
+    """Every ``average_every_s``, one averaging round per stage with two or more live replicas."""
+
+    async def rounds(registry: Registry, session: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.sleep(settings.average_every_s)
+            by_stage: dict[int, list[str]] = {}
+            for server in registry.live():
+                by_stage.setdefault(server.stage, []).append(server.url)
+            for stage, urls in sorted(by_stage.items()):
+                if len(urls) >= 2:
+                    await start_round(session, stage, urls, codec=settings.averaging_codec, timeout_s=settings.averaging_timeout_s, log=log)
+
+    async def ctx(app: web.Application):
+        async with aiohttp.ClientSession() as session:
+            task = asyncio.create_task(rounds(app[REGISTRY], session), name="averaging")
+            yield
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    return ctx
+
+
+def _rebalancing(settings: CoordinatorSettings, log):
+    """Every ``rebalance_every_s``: the planner's move (confirmed on consecutive checks), if
+    any, is ordered: the server drains, switches stage, loads that stage's state, rejoins."""
+
+    async def loop(registry: Registry, session: aiohttp.ClientSession) -> None:
+        rebalancer = Rebalancer(min_gain=settings.rebalance_min_gain)
+        while True:
+            await asyncio.sleep(settings.rebalance_every_s)
+            live = registry.live()
+            move = rebalancer.check({s.server_id: (s.stage, s.throughput) for s in live}, registry.num_stages)
+            if move is None:
+                continue
+            url = next(s.url for s in live if s.server_id == move.server_id)
+            log.info("rebalance.move", server_id=move.server_id, replica=url, from_stage=move.from_stage, to_stage=move.to_stage, capacity_before=round(move.capacity_before, 1), capacity_after=round(move.capacity_after, 1))
+            try:
+                await post_message(session, url + "/move", {"run_id": settings.run_id, "stage": move.from_stage, "to_stage": move.to_stage}, timeout_s=10)
+            except RemoteError as exc:
+                log.warning("rebalance.move.failed", server_id=move.server_id, error=str(exc))
+
+    async def ctx(app: web.Application):
+        async with aiohttp.ClientSession() as session:
+            task = asyncio.create_task(loop(app[REGISTRY], session), name="rebalancing")
+            yield
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    return ctx
 
 
 CHECKPOINTER = web.AppKey("checkpointer", Checkpointer)

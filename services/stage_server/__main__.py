@@ -9,6 +9,8 @@ then the accepted requests finish before the process exits.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 
 import aiohttp
@@ -18,6 +20,7 @@ from aiohttp import web
 from shared.config import StageServerSettings, parse_settings
 from shared.log import configure_logging, get_logger
 from services.stage_server.app import create_app
+from services.stage_server.routes import MOVE
 from services.stage_server.membership import CoordinatorError, assign_stage
 
 
@@ -49,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, CoordinatorError) as exc:
         print(f"swarm server: {exc}", file=sys.stderr)
         return 2
+    order = app[MOVE]
+    order.on_order = lambda: os.kill(os.getpid(), signal.SIGTERM)  # drain, deregister, then restart below
     web.run_app(app, host=settings.host, port=settings.port, print=None, shutdown_timeout=settings.drain_timeout_s, access_log=None)
+    if order.to_stage is not None:  # moved by the coordinator: start again as a server of the new stage
+        argv = [a for a in (sys.argv[1:] if argv is None else argv)]
+        os.execv(sys.executable, [sys.executable, "-m", "services.stage_server", *argv, "--stage", str(order.to_stage)])
     return 0
 
 

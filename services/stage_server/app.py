@@ -14,7 +14,7 @@ from shared.http import error_middleware
 from shared.log import get_logger
 from services.stage_server.averaging_routes import add_averaging_routes
 from services.stage_server.membership import Membership
-from services.stage_server.routes import RUNTIME, SETTINGS, WORKER, add_routes
+from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, WORKER, MoveOrder, add_routes
 from services.stage_server.runtime import OptimizerConfig, StageRuntime
 from services.stage_server.state import load_stage_state
 from services.stage_server.state_routes import add_state_routes, download_state
@@ -48,6 +48,7 @@ def create_app(settings: StageServerSettings, runtime: StageRuntime | None = Non
     app[SETTINGS] = settings
     app[RUNTIME] = runtime if runtime is not None else build_runtime(settings)
     app[WORKER] = ComputeWorker(settings.max_queue, inject_delay_s=settings.inject_delay_s)
+    app[MOVE] = MoveOrder()
     add_routes(app)
     add_averaging_routes(app)
     add_state_routes(app)

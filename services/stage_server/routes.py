@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 from aiohttp import web
@@ -28,9 +29,21 @@ from shared.http import msgpack_response, read_message
 from services.stage_server.runtime import StageRuntime
 from services.stage_server.worker import ComputeWorker
 
+@dataclass
+class MoveOrder:
+    """A move ordered by the coordinator: the server drains, then restarts on ``to_stage``.
+
+    ``on_order`` starts the shutdown (``swarm server`` sends itself SIGTERM; an app in a
+    test records the order only)."""
+
+    to_stage: int | None = None
+    on_order: Callable[[], None] = lambda: None
+
+
 SETTINGS = web.AppKey("settings", StageServerSettings)
 RUNTIME = web.AppKey("runtime", StageRuntime)
 WORKER = web.AppKey("worker", ComputeWorker)
+MOVE = web.AppKey("move", MoveOrder)
 
 MAX_ID_LEN = 128
 OFF_LOOP_BYTES = 256 * 1024
@@ -156,8 +169,25 @@ async def info(request: web.Request) -> web.Response:
     )
 
 
+async def move(request: web.Request) -> web.Response:
+    """``POST /move`` {run_id, stage, to_stage} from the coordinator: leave this stage for another."""
+    settings = request.app[SETTINGS]
+    msg = await read_message(request, 64 * 1024)
+    if msg.get("run_id") != settings.run_id or msg.get("stage") != settings.stage:
+        raise WrongStage(f"this server holds stage {settings.stage} of run {settings.run_id!r}")
+    to_stage = msg.get("to_stage")
+    if type(to_stage) is not int or not 0 <= to_stage < settings.num_stages or to_stage == settings.stage:
+        raise BadPayload(f"'to_stage' must be another stage in [0, {settings.num_stages}), got {to_stage!r}")
+    order = request.app[MOVE]
+    if order.to_stage is None:
+        order.to_stage = to_stage
+        asyncio.get_running_loop().call_soon(order.on_order)  # after this answer is sent
+    return msgpack_response({"stage": settings.stage, "to_stage": order.to_stage})
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/forward", forward)
     app.router.add_post("/backward", backward)
     app.router.add_get("/health", health)
     app.router.add_get("/info", info)
+    app.router.add_post("/move", move)

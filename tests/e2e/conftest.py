@@ -76,9 +76,10 @@ class Processes:
         self.procs.append(proc)
         return proc
 
-    def coordinator(self, *, heartbeat_s: float, mdns: bool = False, num_stages: int = 4) -> tuple[subprocess.Popen, str]:
+    def coordinator(self, *, heartbeat_s: float, mdns: bool = False, num_stages: int = 4, extra: dict | None = None) -> tuple[subprocess.Popen, str]:
+        """A coordinator; averaging and rebalancing are off unless ``extra`` turns them on."""
         port = free_port()
-        env = {"SWARM_PORT": str(port), "SWARM_HEARTBEAT_S": str(heartbeat_s), "SWARM_NUM_STAGES": str(num_stages), "SWARM_STATE_DB": str(self.log_dir / "coordinator.sqlite"), "SWARM_MDNS": str(mdns).lower(), "SWARM_MDNS_INTERFACES": "127.0.0.1"}
+        env = {"SWARM_PORT": str(port), "SWARM_HEARTBEAT_S": str(heartbeat_s), "SWARM_NUM_STAGES": str(num_stages), "SWARM_STATE_DB": str(self.log_dir / "coordinator.sqlite"), "SWARM_MDNS": str(mdns).lower(), "SWARM_MDNS_INTERFACES": "127.0.0.1", "SWARM_AVERAGE_EVERY_S": "0", "SWARM_REBALANCE_EVERY_S": "0", **(extra or {})}
         proc = self.start("coordinator", "services.coordinator", env)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, 60)

@@ -21,7 +21,9 @@ def test_swarm_up_trains_a_four_stage_model_for_200_steps(tmp_path):
     result = subprocess.run([*SWARM, "up", "--stages", "4", "--steps", "200", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert json.loads(result.stdout.strip().splitlines()[-1])["steps"] == 200  # the short form on stdout
+    short = next(line for line in reversed(result.stdout.splitlines()) if line.startswith("{"))
+    assert json.loads(short)["steps"] == 200  # the short form on stdout
+    assert "swarm up: checkpoint of step 200" in result.stdout  # the run is saved at the end
     assert summary["steps"] == 200
     assert summary["microbatches_completed"] == summary["microbatches_scheduled"] and summary["microbatches_failed"] == 0
     assert summary["eval_loss_before"] > 5.0  # ~ln(256): an untrained byte-level model

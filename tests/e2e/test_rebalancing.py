@@ -1,0 +1,48 @@
+"""Rebalancing end to end: 2 stages, 3 equal replicas on stage 0 and 1 on stage 1. The
+coordinator moves one replica to stage 1, and the swarm's measured throughput rises."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.e2e.conftest import get_json, wait_until
+
+pytestmark = pytest.mark.e2e
+
+DELAY_S = 0.02  # injected seconds per forward of work: the servers' speed, independent of CPU contention
+
+
+def replicas_per_stage(coordinator: str) -> list[int]:
+    return [len(s["replicas"]) for s in get_json(coordinator + "/swarm")["stages"]]
+
+
+def steps_per_s(metrics_file, since_s: float, until_s: float) -> float:
+    """Trainer steps per second completed between two times (seconds since the trainer started)."""
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    window = [r for r in records if since_s <= r["elapsed_s"] <= until_s]
+    assert len(window) >= 5, f"too few steps between {since_s} and {until_s} s: {len(window)}"
+    return (window[-1]["step"] - window[0]["step"]) / (window[-1]["elapsed_s"] - window[0]["elapsed_s"])
+
+
+def test_coordinator_moves_a_replica_to_the_weak_stage_and_throughput_rises(processes, tmp_path):
+    _, coordinator = processes.coordinator(heartbeat_s=0.5, num_stages=2, extra={"SWARM_REBALANCE_EVERY_S": "2", "SWARM_AVERAGE_EVERY_S": "0"})
+    server_env = {"SWARM_NUM_STAGES": "2", "SWARM_INJECT_DELAY_S": str(DELAY_S), "SWARM_SAMPLES_PER_STEP": "8", "SWARM_WIRE_CODEC": "fp32"}
+    for stage in (0, 0, 0, 1):
+        processes.server(stage, coordinator=coordinator, heartbeat_s=0.5, extra=server_env)
+    wait_until(lambda: replicas_per_stage(coordinator) == [3, 1], 120, "3 replicas on stage 0 and 1 on stage 1")
+    metrics = tmp_path / "metrics.jsonl"
+    trainer_env = {"SWARM_NUM_STAGES": "2", "SWARM_COORDINATOR": coordinator, "SWARM_MDNS": "false", "SWARM_STEPS": "100000", "SWARM_MICROBATCH_SIZE": "4", "SWARM_SEQ_LEN": "32", "SWARM_IN_FLIGHT": "12", "SWARM_HEARTBEAT_S": "0.5", "SWARM_METRICS_FILE": str(metrics), "SWARM_LOG_EVERY": "1000", "SWARM_WIRE_CODEC": "fp32"}
+    processes.start("trainer", "services.trainer", trainer_env)
+    wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) > 0, 120, "the trainer's first step")
+    started = time.monotonic() - json.loads(metrics.read_text().splitlines()[0])["elapsed_s"]
+
+    wait_until(lambda: replicas_per_stage(coordinator) == [2, 2], 90, "the coordinator to move a replica to stage 1")
+    moved_at = time.monotonic() - started
+    wait_until(lambda: time.monotonic() - started > moved_at + 6, 30, "six seconds of training after the move", poll_s=0.5)
+    before = steps_per_s(metrics, 0.0, moved_at - 3.0)
+    after = steps_per_s(metrics, moved_at + 1.0, moved_at + 6.0)
+    assert after > 1.4 * before, f"throughput {before:.2f} -> {after:.2f} steps/s"
+    assert "rebalance.move" in (tmp_path / "coordinator.log").read_text()

@@ -1,0 +1,37 @@
+"""Replicas kept in sync by averaging train as well as one replica per stage: the same
+samples and the same total batch give a final loss within 5%."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+
+from tests.e2e.conftest import SWARM, processes_of_run
+
+pytestmark = pytest.mark.e2e
+
+SAMPLES = 1920
+
+
+def train(run_dir, *, replicas: int, samples_per_step: int) -> tuple[dict, str]:
+    args = [*SWARM, "up", "--stages", "4", "--replicas", str(replicas), "--samples-per-step", str(samples_per_step), "--steps", str(SAMPLES // samples_per_step), "--average-every-s", "2", "--rebalance-every-s", "0", "--run-dir", str(run_dir)]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert processes_of_run(run_dir.name) == []
+    coordinator_log = (run_dir / "coordinator.log").read_text()
+    return json.loads((run_dir / "summary.json").read_text()), coordinator_log
+
+
+def test_two_averaged_replicas_per_stage_train_as_well_as_one(tmp_path):
+    one, _ = train(tmp_path / f"e2e-one-{os.getpid()}", replicas=1, samples_per_step=32)
+    # two replicas, each stepping on half the batch: together the same 32 samples per step
+    two, coordinator_log = train(tmp_path / f"e2e-two-{os.getpid()}", replicas=2, samples_per_step=16)
+    assert one["microbatches_failed"] == two["microbatches_failed"] == 0
+    assert one["tokens"] == two["tokens"]  # the same samples
+    rounds = len(re.findall(r"averaging.round.started", coordinator_log))
+    assert rounds >= 4, f"only {rounds} averaging rounds ran"
+    assert two["eval_loss_after"] <= 1.05 * one["eval_loss_after"], (one["eval_loss_after"], two["eval_loss_after"])

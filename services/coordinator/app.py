@@ -23,13 +23,15 @@ from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY, SETTINGS,
 
 def build_registry(settings: CoordinatorSettings) -> Registry:
     try:
-        return Registry(
+        registry = Registry(
             settings.state_db,
             num_stages=settings.num_stages,
             heartbeat_s=settings.heartbeat_s,
             lease_heartbeats=settings.lease_heartbeats,
             max_servers=settings.max_servers,
         )
+        registry.bind_run(settings.run_id)
+        return registry
     except (sqlite3.Error, ValueError) as exc:
         raise ValueError(f"SWARM_STATE_DB={settings.state_db!r}: {exc}") from exc
 

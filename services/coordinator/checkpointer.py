@@ -46,6 +46,7 @@ class Checkpointer:
             checkpoint.write_stage_file(self.root, step, stage, data)
         meta = {"run_id": self.run_id, "num_stages": self.registry.num_stages, "model_config": metas[0].get("model_config"), "stage_steps": {str(s): m.get("optimizer_steps") for s, m in metas.items()}}
         path = checkpoint.commit_checkpoint(self.root, step, meta)
+        self.registry.record_checkpoint(step, str(path))
         checkpoint.prune(self.root, self.keep)
         self.saved += 1
         self.log.info("checkpoint.saved", path=str(path), step=step, bytes=sum(map(len, states.values())))

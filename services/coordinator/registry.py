@@ -10,6 +10,7 @@ and their lease times (wall-clock seconds, hence ``clock=time.time``).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sqlite3
@@ -113,12 +114,39 @@ class Registry:
         self._db.execute("PRAGMA synchronous=NORMAL")
         with self._db:
             self._db.execute(_SCHEMA)
+            self._db.execute("CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
         (top,) = self._db.execute("SELECT MAX(stage) FROM servers").fetchone()
         if top is not None and top >= self.num_stages:
             raise ValueError(f"the registry file holds a server of stage {top} but num_stages is {self.num_stages}; use another file for this run")
 
     def close(self) -> None:
         self._db.close()
+
+    # ------------------------------------------------------------ run state
+    def bind_run(self, run_id: str) -> None:
+        """Tie the file to ``run_id``: the first run that opens it owns it; another is refused."""
+        with self._db:
+            self._db.execute("INSERT OR IGNORE INTO run (key, value) VALUES ('run_id', ?)", (json.dumps(run_id),))
+        owner = self._run_value("run_id")
+        if owner != run_id:
+            raise ValueError(f"the registry file belongs to run {owner!r}, not {run_id!r}; use another file for this run")
+
+    def record_checkpoint(self, step: int, path: str) -> None:
+        """The run's progress: the step and place of its latest checkpoint."""
+        with self._db:
+            self._db.executemany("INSERT OR REPLACE INTO run (key, value) VALUES (?, ?)", [("step", json.dumps(step)), ("checkpoint", json.dumps(path))])
+
+    def run_state(self) -> dict:
+        """{run_id, step, checkpoint, assignment: server ids per stage}: what a restarted
+        coordinator (or an operator) needs to know about the run."""
+        assignment = [[] for _ in range(self.num_stages)]
+        for server in self.live():
+            assignment[server.stage].append(server.server_id)
+        return {"run_id": self._run_value("run_id"), "step": self._run_value("step", 0), "checkpoint": self._run_value("checkpoint"), "assignment": assignment}
+
+    def _run_value(self, key: str, default=None):
+        row = self._db.execute("SELECT value FROM run WHERE key = ?", (key,)).fetchone()
+        return json.loads(row[0]) if row else default
 
     def register(self, server_id, stage, url, version, throughput, queue_length) -> RegisteredServer:
         """Add a server, replacing any row with the same id or the same URL."""

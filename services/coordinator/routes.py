@@ -102,10 +102,16 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "servers": len(request.app[REGISTRY].live())})
 
 
+async def run(request: web.Request) -> web.Response:
+    """``GET /run``: the run's id, step and latest checkpoint, and the stage assignment."""
+    return web.json_response(request.app[REGISTRY].run_state())
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/register", register)
     app.router.add_post("/assign", assign)
     app.router.add_post("/heartbeat", heartbeat)
     app.router.add_post("/deregister", deregister)
     app.router.add_get("/swarm", swarm)
+    app.router.add_get("/run", run)
     app.router.add_get("/health", health)

@@ -260,3 +260,19 @@ def test_max_servers(clock):
     add(reg, 3), add(reg, 4)
     assert ids(reg) == ["s3", "s4"]
     reg.close()
+
+
+def test_run_state_is_kept_in_the_file_and_tied_to_one_run(tmp_path, clock):
+    path = str(tmp_path / "coordinator.sqlite")
+    first = Registry(path, num_stages=2, heartbeat_s=1.0, clock=clock)
+    first.bind_run("run-a")
+    first.register("s0", 0, "http://127.0.0.1:1000", "v", 1.0, 0)
+    first.record_checkpoint(120, "/ckpt/step-00000120")
+    first.close()
+
+    again = Registry(path, num_stages=2, heartbeat_s=1.0, clock=clock)
+    again.bind_run("run-a")  # the same run comes back: allowed
+    assert again.run_state() == {"run_id": "run-a", "step": 120, "checkpoint": "/ckpt/step-00000120", "assignment": [["s0"], []]}
+    with pytest.raises(ValueError, match="belongs to run 'run-a'"):
+        again.bind_run("run-b")
+    again.close()

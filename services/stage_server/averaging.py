@@ -136,8 +136,7 @@ def load_flat_parameters(runtime, flat: torch.Tensor) -> None:
         for p in runtime.params:
             p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
-    runtime.version += 1
-    runtime._cache.clear()
+    runtime.weights_changed()
 
 
 # ------------------------------------------------------------------ messages

@@ -169,13 +169,18 @@ class StageRuntime:
         n = max(self._pending_samples, 1)
         return {name: acc / n for (name, _), acc in zip(self.model.named_parameters(), self._grad_sum)}
 
+    def weights_changed(self) -> None:
+        """Call after the weights were changed from outside (averaging, a loaded state):
+        a new version, and the cached forward graphs, which hold the old weights, dropped."""
+        self.version += 1
+        self._cache.clear()
+
     def reset_accumulation(self) -> None:
-        """Drop the accumulated gradients and cached forward graphs (the weights were replaced)."""
+        """Drop the accumulated gradients too (a state replaced the stage's training)."""
         for acc in self._grad_sum:
             acc.zero_()
         self._pending_samples = 0
-        self._cache.clear()
-        self.version += 1
+        self.weights_changed()
 
     @property
     def pending_samples(self) -> int:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import math
 
+import aiohttp
+
 import pytest
 import torch
 from aiohttp import web
@@ -63,6 +65,10 @@ async def params_of(app) -> torch.Tensor:
     return await app[WORKER].run(flat_parameters, app[RUNTIME].params)
 
 
+async def _count(total: list[int], chunk: bytes) -> None:
+    total.append(len(chunk))
+
+
 def weighted_mean(vectors, weights) -> torch.Tensor:
     acc = sum(v.double() * w for v, w in zip(vectors, weights))
     return (acc / sum(weights)).float()
@@ -99,10 +105,17 @@ async def test_fp32_round_gives_every_member_the_sample_weighted_mean(serve, htt
     assert not torch.equal(before[0], before[1])
     expected = weighted_mean(before, samples)
 
-    round_id = await start_round(http_session, STAGE, urls, codec="fp32", timeout_s=10.0)
+    # the coordinator's side of the round, measured: every byte it sends and receives
+    coordinator_bytes = []
+    trace = aiohttp.TraceConfig()
+    trace.on_request_chunk_sent.append(lambda _s, _c, params: _count(coordinator_bytes, params.chunk))
+    trace.on_response_chunk_received.append(lambda _s, _c, params: _count(coordinator_bytes, params.chunk))
+    async with aiohttp.ClientSession(trace_configs=[trace]) as coordinator_session:
+        round_id = await start_round(coordinator_session, STAGE, urls, codec="fp32", timeout_s=10.0)
     summaries = await wait_for_round(http_session, urls, round_id, within_s=10.0)
 
     P, k = before[0].numel(), len(urls)
+    assert 0 < sum(coordinator_bytes) < 4096, "the coordinator sends control messages only, never tensors"
     bound = 1.1 * 2 * P * (k - 1) / k * 4
     for app, summary in zip(apps, summaries):
         assert (await params_of(app) - expected).abs().max().item() <= 1e-6

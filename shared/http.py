@@ -66,21 +66,31 @@ def msgpack_response(msg: dict) -> web.Response:
     return web.Response(body=pack_message(msg), content_type=MSGPACK)
 
 
-async def post_message(session: aiohttp.ClientSession, url: str, msg: dict, *, timeout_s: float, body: bytes | None = None) -> dict:
-    """POST a message and return the decoded reply; any failure raises :class:`RemoteError`."""
-    data = pack_message(msg) if body is None else body
+async def request_bytes(session: aiohttp.ClientSession, method: str, url: str, *, expect: str, timeout_s: float, data: bytes | None = None, content_type: str | None = None) -> bytes:
+    """One HTTP request whose 200 reply must have Content-Type ``expect``; returns the body.
+
+    Any failure (transport, timeout, an error status with its JSON error, another content
+    type) raises :class:`RemoteError`.
+    """
+    headers = {"Content-Type": content_type} if content_type else None
     try:
-        async with session.post(url, data=data, headers={"Content-Type": MSGPACK}, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.request(method, url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             payload = await resp.read()
             if resp.status != 200:
-                code, message = _error_of(payload, resp.reason)
-                raise RemoteError(url, resp.status, code, message)
-            if resp.content_type != MSGPACK:
+                raise RemoteError(url, resp.status, *_error_of(payload, resp.reason))
+            if resp.content_type != expect:
                 raise RemoteError(url, resp.status, "bad_reply", f"reply has Content-Type {resp.content_type!r}")
+            return payload
     except asyncio.TimeoutError:
         raise RemoteError(url, None, "timeout", f"no reply within {timeout_s} s") from None
     except aiohttp.ClientError as exc:
         raise RemoteError(url, None, "unreachable", repr(exc)) from None
+
+
+async def post_message(session: aiohttp.ClientSession, url: str, msg: dict, *, timeout_s: float, body: bytes | None = None) -> dict:
+    """POST a message and return the decoded reply; any failure raises :class:`RemoteError`."""
+    data = pack_message(msg) if body is None else body
+    payload = await request_bytes(session, "POST", url, expect=MSGPACK, timeout_s=timeout_s, data=data, content_type=MSGPACK)
     try:
         return unpack_message(payload)
     except SwarmError as exc:
@@ -88,6 +98,7 @@ async def post_message(session: aiohttp.ClientSession, url: str, msg: dict, *, t
 
 
 def _error_of(payload: bytes, reason: str | None) -> tuple[str, str]:
+    """(code, message) of a JSON error reply, or the best description of another body."""
     try:
         err = json.loads(payload)["error"]
         return str(err["code"]), str(err["message"])

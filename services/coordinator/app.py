@@ -53,6 +53,9 @@ async def _expire_loop(registry: Registry, log) -> None:
             log.exception("registry.expire.failed", error=repr(exc))
 
 
+CHECKPOINTER = web.AppKey("checkpointer", Checkpointer)
+
+
 def create_app(settings: CoordinatorSettings, registry: Registry | None = None) -> web.Application:
     """The coordinator app; a ``registry`` passed in stays the caller's to close."""
     log = get_logger(service="coordinator", run=settings.run_id)
@@ -80,7 +83,10 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     if settings.rebalance_every_s > 0:
         app.cleanup_ctx.append(_rebalancing(settings, log))
     if settings.checkpoint_dir:
-        app.cleanup_ctx.append(_checkpoints(settings, log))
+        app[CHECKPOINTER] = Checkpointer(
+            app[REGISTRY], root=settings.checkpoint_dir, run_id=settings.run_id, keep=settings.keep_checkpoints, timeout_s=settings.checkpoint_every_s, log=log
+        )
+        app.cleanup_ctx.append(_checkpoints(settings))
         app.router.add_post("/checkpoint", checkpoint_now)
     if settings.mdns:
         app.cleanup_ctx.append(_announcement(settings))
@@ -100,15 +106,7 @@ def _averaging(settings: CoordinatorSettings, log):
                 if len(urls) >= 2:
                     await start_round(session, stage, urls, codec=settings.averaging_codec, timeout_s=settings.averaging_timeout_s, log=log)
 
-    async def ctx(app: web.Application):
-        async with aiohttp.ClientSession() as session:
-            task = asyncio.create_task(rounds(app[REGISTRY], session), name="averaging")
-            yield
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    return ctx
+    return _background("averaging", lambda app, session: rounds(app[REGISTRY], session))
 
 
 def _rebalancing(settings: CoordinatorSettings, log):
@@ -130,18 +128,7 @@ def _rebalancing(settings: CoordinatorSettings, log):
             except RemoteError as exc:
                 log.warning("rebalance.move.failed", server_id=move.server_id, error=str(exc))
 
-    async def ctx(app: web.Application):
-        async with aiohttp.ClientSession() as session:
-            task = asyncio.create_task(loop(app[REGISTRY], session), name="rebalancing")
-            yield
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    return ctx
-
-
-CHECKPOINTER = web.AppKey("checkpointer", Checkpointer)
+    return _background("rebalancing", lambda app, session: loop(app[REGISTRY], session))
 
 
 async def checkpoint_now(request: web.Request) -> web.Response:
@@ -152,14 +139,23 @@ async def checkpoint_now(request: web.Request) -> web.Response:
     return web.json_response({"path": str(path), "step": checkpoint.read_meta(path)["step"]})
 
 
-def _checkpoints(settings: CoordinatorSettings, log):
+def _checkpoints(settings: CoordinatorSettings):
     """Save the run every ``checkpoint_every_s`` (and on ``POST /checkpoint``)."""
+
+    async def loop(app: web.Application, session: aiohttp.ClientSession) -> None:
+        app[CHECKPOINTER].session = session
+        await app[CHECKPOINTER].run(settings.checkpoint_every_s)
+
+    return _background("checkpoints", loop)
+
+
+def _background(name: str, run):
+    """A cleanup_ctx that runs ``run(app, session)`` as a task with its own client session,
+    cancelled and awaited when the app stops."""
 
     async def ctx(app: web.Application):
         async with aiohttp.ClientSession() as session:
-            checkpointer = Checkpointer(session, app[REGISTRY], root=settings.checkpoint_dir, run_id=settings.run_id, keep=settings.keep_checkpoints, timeout_s=settings.checkpoint_every_s, log=log)
-            app[CHECKPOINTER] = checkpointer
-            task = asyncio.create_task(checkpointer.run(settings.checkpoint_every_s), name="checkpoints")
+            task = asyncio.create_task(run(app, session), name=name)
             yield
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -20,7 +20,8 @@ from services.coordinator.registry import Registry
 
 
 class Checkpointer:
-    def __init__(self, session: aiohttp.ClientSession, registry: Registry, *, root: str, run_id: str, keep: int, timeout_s: float, log):
+    def __init__(self, registry: Registry, *, root: str, run_id: str, keep: int, timeout_s: float, log, session: aiohttp.ClientSession | None = None):
+        """``session`` (for downloading states) may be given later, before the first checkpoint."""
         self.session, self.registry, self.root, self.run_id = session, registry, root, run_id
         self.keep, self.timeout_s, self.log = keep, timeout_s, log
         self.saved = 0

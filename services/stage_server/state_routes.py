@@ -14,14 +14,13 @@ refused state leaves the weights as they were.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import torch
 from aiohttp import web
 
 from shared.errors import BadPayload, RemoteError
-from shared.http import read_body
+from shared.http import read_body, request_bytes
 from services.stage_server.routes import RUNTIME, SETTINGS, WORKER
 from services.stage_server.state import load_stage_state, stage_state, state_from_bytes, state_to_bytes
 
@@ -50,27 +49,8 @@ def add_state_routes(app: web.Application) -> None:
 async def download_state(session: aiohttp.ClientSession, url: str, timeout_s: float) -> tuple[dict[str, torch.Tensor], dict]:
     """GET ``url``/state of a peer replica; any failure raises :class:`RemoteError`."""
     target = url.rstrip("/") + "/state"
-    try:
-        async with session.get(target, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            payload = await resp.read()
-            if resp.status != 200:
-                raise RemoteError(target, resp.status, *_error_of(payload, resp.reason))
-            if resp.content_type != OCTET_STREAM:
-                raise RemoteError(target, resp.status, "bad_reply", f"reply has Content-Type {resp.content_type!r}")
-    except asyncio.TimeoutError:
-        raise RemoteError(target, None, "timeout", f"no reply within {timeout_s} s") from None
-    except aiohttp.ClientError as exc:
-        raise RemoteError(target, None, "unreachable", repr(exc)) from None
+    payload = await request_bytes(session, "GET", target, expect=OCTET_STREAM, timeout_s=timeout_s)
     try:
         return await asyncio.to_thread(state_from_bytes, payload)
     except BadPayload as exc:
         raise RemoteError(target, 200, "bad_reply", exc.message) from None
-
-
-def _error_of(payload: bytes, reason: str | None) -> tuple[str, str]:
-    """(code, message) of a JSON error reply, or the best description of another body."""
-    try:
-        err = json.loads(payload)["error"]
-        return str(err["code"]), str(err["message"])
-    except (ValueError, KeyError, TypeError):
-        return "http_error", reason or payload[:200].decode("utf-8", "replace")

@@ -24,7 +24,8 @@ from aiohttp import web
 from shared.errors import WrongStage
 from shared.http import MSGPACK, msgpack_response, post_message, read_message
 from shared.log import get_logger
-from services.stage_server.averaging import OFF_LOOP_VALUES, Averager, PartMessage, RoundSpec, decode_values, parse_part_request
+from services.stage_server.averager import Averager
+from services.stage_server.averaging import OFF_LOOP_VALUES, PartMessage, RoundSpec, decode_values, parse_part_request
 from services.stage_server.routes import RUNTIME, SETTINGS, WORKER
 
 AVERAGER = web.AppKey("averager", Averager)

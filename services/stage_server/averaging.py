@@ -1,8 +1,8 @@
 """Averaging: a butterfly all-reduce of one stage's weights among its replicas.
 
-Plain logic, no aiohttp: ``averaging_routes.py`` is the HTTP edge; ``averager.py`` runs one
-server's side of a round. The edge hands them
-decoded values and a :class:`Transport` that posts packed messages to peers.
+Plain logic, no aiohttp: ``averaging_routes.py`` is the HTTP edge and ``averager.py`` runs one
+server's side of a round; they hand this module decoded values and a :class:`Transport`
+that posts packed messages to peers.
 
 A round as member ``i`` of ``k`` runs it (``T`` = the round's ``timeout_s``; times count
 from the moment this member accepted ``/average/start``):

@@ -34,4 +34,5 @@ def test_two_averaged_replicas_per_stage_train_as_well_as_one(tmp_path):
     assert one["tokens"] == two["tokens"]  # the same samples
     rounds = len(re.findall(r"averaging.round.started", coordinator_log))
     assert rounds >= 4, f"only {rounds} averaging rounds ran"
+    print(f"\naveraging: eval loss {one['eval_loss_after']:.4f} (1 replica) vs {two['eval_loss_after']:.4f} (2 replicas, {rounds} rounds)")
     assert two["eval_loss_after"] <= 1.05 * one["eval_loss_after"], (one["eval_loss_after"], two["eval_loss_after"])

@@ -44,5 +44,6 @@ def test_coordinator_moves_a_replica_to_the_weak_stage_and_throughput_rises(proc
     wait_until(lambda: time.monotonic() - started > moved_at + 6, 30, "six seconds of training after the move", poll_s=0.5)
     before = steps_per_s(metrics, 0.0, moved_at - 3.0)
     after = steps_per_s(metrics, moved_at + 1.0, moved_at + 6.0)
+    print(f"\nrebalancing: {before:.2f} -> {after:.2f} steps/s after the move at {moved_at:.1f} s")
     assert after > 1.4 * before, f"throughput {before:.2f} -> {after:.2f} steps/s"
     assert "rebalance.move" in (tmp_path / "coordinator.log").read_text()

@@ -49,7 +49,14 @@ def test_ctrl_c_stops_every_process(tmp_path):
                 break
         assert len(processes_of_run(run_dir.name)) == 6  # coordinator + 4 stage servers + 1 trainer
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
+        try:
+            status = proc.wait(timeout=120)  # generous: CI machines can be loaded
+        except subprocess.TimeoutExpired:
+            tail = []
+            while not lines.empty():
+                tail.append(lines.get_nowait())
+            raise AssertionError("swarm up did not stop within 120 s of Ctrl-C; its last lines:\n" + "".join(tail[-30:])) from None
+        assert status == 130
     finally:
         stop_swarm_up(proc)
     assert processes_of_run(run_dir.name) == []

@@ -18,7 +18,7 @@ from services.coordinator.assignment import Rebalancer
 from services.coordinator.averaging import start_round
 from services.coordinator.checkpointer import Checkpointer
 from services.coordinator.registry import RegisteredServer, Registry
-from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY, SETTINGS, add_routes
+from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY, SETTINGS, TRAFFIC, add_routes
 
 
 def build_registry(settings: CoordinatorSettings) -> Registry:
@@ -63,6 +63,7 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     app[SETTINGS] = settings
     app[REGISTRY] = registry if registry is not None else build_registry(settings)
     app[LOG] = log
+    app[TRAFFIC] = {}
     add_routes(app)
 
     async def lifecycle(app: web.Application):
@@ -151,10 +152,12 @@ def _checkpoints(settings: CoordinatorSettings):
 
 def _background(name: str, run):
     """A cleanup_ctx that runs ``run(app, session)`` as a task with its own client session,
-    cancelled and awaited when the app stops."""
+    cancelled and awaited when the app stops. The session counts the bytes it moves into
+    ``app[TRAFFIC][name]``."""
 
     async def ctx(app: web.Application):
-        async with aiohttp.ClientSession() as session:
+        counts = app[TRAFFIC].setdefault(name, {"sent": 0, "received": 0})
+        async with aiohttp.ClientSession(trace_configs=[_byte_counter(counts)]) as session:
             task = asyncio.create_task(run(app, session), name=name)
             yield
             task.cancel()
@@ -162,6 +165,19 @@ def _background(name: str, run):
                 await task
 
     return ctx
+
+
+def _byte_counter(counts: dict) -> aiohttp.TraceConfig:
+    async def sent(_session, _ctx, params) -> None:
+        counts["sent"] += len(params.chunk)
+
+    async def received(_session, _ctx, params) -> None:
+        counts["received"] += len(params.chunk)
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_chunk_sent.append(sent)
+    trace.on_response_chunk_received.append(received)
+    return trace
 
 
 def _announcement(settings: CoordinatorSettings):

@@ -30,6 +30,7 @@ from services.coordinator.registry import Registry
 
 SETTINGS = web.AppKey("settings", CoordinatorSettings)
 REGISTRY = web.AppKey("registry", Registry)
+TRAFFIC = web.AppKey("traffic", dict)  # loop name -> {"sent": bytes, "received": bytes}
 LOG = web.AppKey("log", structlog.typing.FilteringBoundLogger)
 
 JSON = "application/json"
@@ -99,7 +100,9 @@ async def swarm(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "servers": len(request.app[REGISTRY].live())})
+    """Status, live servers, and the bytes the coordinator's own loops sent and received
+    (averaging: control messages only; checkpoints: the states it saves)."""
+    return web.json_response({"status": "ok", "servers": len(request.app[REGISTRY].live()), "traffic": request.app[TRAFFIC]})
 
 
 async def run(request: web.Request) -> web.Response:

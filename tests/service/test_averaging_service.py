@@ -351,3 +351,32 @@ async def test_part_and_fetch_that_come_before_the_start_are_kept(serve, http_se
     after = await params_of(app)
     assert (after[start0:stop0] - expected0).abs().max().item() <= 1e-6 and torch.equal(after[stop0:], before[stop0:])
     assert summary["part_contributors"] == [[0, 1], [0]]  # member 1 never sent its part 1 to its backup (us)
+
+
+async def test_the_coordinator_runs_rounds_and_its_metrics_show_it_moves_no_tensor(serve, http_session):
+    """The coordinator's own averaging loop starts rounds among registered replicas; its
+    /health traffic shows a few hundred bytes of control messages against the members'
+    megabyte each."""
+    from shared.config import CoordinatorSettings
+    from services.coordinator.app import create_app as create_coordinator
+
+    _, _, urls = await replicas(serve, [1, 2, 3], [10, 20, 30])
+    settings = CoordinatorSettings(run_id="test", num_stages=4, heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator="", average_every_s=0.2, averaging_timeout_s=10.0, rebalance_every_s=0)
+    _, coordinator = await serve(create_coordinator(settings))
+    for i, url in enumerate(urls):
+        body = {"run_id": "test", "server_id": f"r{i}", "stage": STAGE, "url": url, "version": "t", "throughput": 1.0, "queue_length": 0}
+        async with http_session.post(coordinator + "/register", json=body) as resp:
+            assert resp.status == 200
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20.0
+    while not all([(await status_of(http_session, u))["rounds_completed"] >= 1 for u in urls]):
+        assert loop.time() < deadline, "no averaging round completed within 20 s"
+        await asyncio.sleep(0.05)
+    statuses = [await status_of(http_session, u) for u in urls]
+    member_bytes = min(s["last_round"]["bytes_sent"] for s in statuses)
+    async with http_session.get(coordinator + "/health") as resp:
+        traffic = (await resp.json())["traffic"]["averaging"]
+    rounds = max(s["rounds_completed"] for s in statuses) + 1  # one more may have started since
+    assert 0 < traffic["sent"] < 2048 * rounds and traffic["received"] < 2048 * rounds
+    assert member_bytes > 500 * (traffic["sent"] / rounds)

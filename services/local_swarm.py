@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     procs = LocalProcesses(run_dir)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # Ctrl-C stops the swarm even when started from a context that ignores SIGINT (a
+    # background job of a non-interactive shell), where Python would leave it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         coordinator = start_coordinator(procs, args, run_dir, common)
         common["SWARM_COORDINATOR"] = coordinator

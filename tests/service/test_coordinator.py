@@ -36,7 +36,7 @@ def settings(**overrides) -> CoordinatorSettings:
     """Every field that matters given explicitly, so SWARM_* variables cannot leak in."""
     fields = dict(
         run_id=RUN_ID, num_stages=4, heartbeat_s=HEARTBEAT_S, lease_heartbeats=3, max_servers=4096,
-        state_db=":memory:", mdns=False, coordinator="",
+        state_db=":memory:", mdns=False, coordinator="", average_every_s=0, rebalance_every_s=0,
     )  # fmt: skip
     return CoordinatorSettings(**{**fields, **overrides})
 
@@ -63,7 +63,7 @@ async def start(aiohttp_client, clock):
 
 
 def server(n: int = 1, stage: int = 0, **overrides) -> dict:
-    body = dict(run_id=RUN_ID, server_id=f"s{n}", stage=stage, url=f"http://10.0.0.{n}:8100", version="0.1.0", throughput=1.0, queue_length=0)
+    body = dict(run_id=RUN_ID, server_id=f"s{n}", stage=stage, url=f"http://127.0.0.1{n}:8100", version="0.1.0", throughput=1.0, queue_length=0)
     return {**body, **overrides}
 
 
@@ -98,7 +98,7 @@ async def test_register_heartbeat_deregister_round_trip(start, clock):
     assert (swarm["run_id"], swarm["num_stages"], swarm["heartbeat_s"], swarm["lease_s"]) == (RUN_ID, 4, HEARTBEAT_S, LEASE_S)
     assert [s["capacity"] for s in swarm["stages"]] == [0.0, 0.0, 5.0, 0.0]
     assert swarm["stages"][2]["replicas"] == [
-        {"server_id": "s1", "url": "http://10.0.0.1:8100", "version": "0.1.0", "throughput": 5.0, "queue_length": 3, "lease_age_s": 0.5, "registered_at": T0}
+        {"server_id": "s1", "url": "http://127.0.0.11:8100", "version": "0.1.0", "throughput": 5.0, "queue_length": 3, "lease_age_s": 0.5, "registered_at": T0}
     ]
     assert reg.live() == []
     events = [(e["event"], e.get("server_id"), e.get("removed")) for e in logs if e["event"].startswith("registry.")]

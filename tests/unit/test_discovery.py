@@ -26,7 +26,7 @@ def new_run_id() -> str:
         ("all", InterfaceChoice.All),
         (" ALL ", InterfaceChoice.All),
         ("127.0.0.1", ["127.0.0.1"]),
-        ("127.0.0.1, 10.0.0.5,", ["127.0.0.1", "10.0.0.5"]),
+        ("127.0.0.1, 127.0.0.5,", ["127.0.0.1", "127.0.0.5"]),
     ],
 )
 def test_parse_interfaces(spec, expected):

@@ -44,7 +44,7 @@ def registry(clock):
 
 
 def add(reg: Registry, n: int, stage: int = 0, throughput: float = 1.0, queue_length: int = 0):
-    return reg.register(f"s{n}", stage, f"http://10.0.0.{n}:8100", "0.1.0", throughput, queue_length)
+    return reg.register(f"s{n}", stage, f"http://127.0.0.1{n}:8100", "0.1.0", throughput, queue_length)
 
 
 def ids(reg: Registry) -> list[str]:
@@ -179,8 +179,8 @@ def test_assign_stage_counts_zero_throughput_and_ignores_expired(registry, clock
 def test_reregister_same_id_replaces_row(registry, clock):
     add(registry, 1, stage=0)
     clock.advance(1.0)
-    server = registry.register("s1", 3, "http://10.0.0.99:8100/", "0.2.0", 7.0, 2)
-    assert server.url == "http://10.0.0.99:8100"  # trailing '/' dropped
+    server = registry.register("s1", 3, "http://127.0.0.99:8100/", "0.2.0", 7.0, 2)
+    assert server.url == "http://127.0.0.99:8100"  # trailing '/' dropped
     (only,) = registry.live()
     assert only == server
     assert (only.stage, only.version, only.registered_at, only.last_heartbeat) == (3, "0.2.0", T0 + 1, T0 + 1)
@@ -188,7 +188,7 @@ def test_reregister_same_id_replaces_row(registry, clock):
 
 def test_register_same_url_other_id_replaces_row(registry):
     add(registry, 1, stage=0)
-    registry.register("restarted", 1, "http://10.0.0.1:8100", "0.1.0", 1.0, 0)
+    registry.register("restarted", 1, "http://127.0.0.11:8100", "0.1.0", 1.0, 0)
     assert ids(registry) == ["restarted"]
     with pytest.raises(UnknownServer):
         registry.heartbeat("s1", 1.0, 0)
@@ -254,7 +254,7 @@ def test_max_servers(clock):
     assert isinstance(err.value, Overloaded) and err.value.status == 503
     assert ids(reg) == ["s1", "s2"]
     add(reg, 2, stage=1)  # re-registering a known server is not a new one
-    reg.register("s9", 0, "http://10.0.0.1:8100", "v", 1.0, 0)  # nor is taking over a known URL
+    reg.register("s9", 0, "http://127.0.0.11:8100", "v", 1.0, 0)  # nor is taking over a known URL
     assert ids(reg) == ["s9", "s2"]
     clock.advance(LEASE_S + 1)  # expired servers leave room even before expire() runs
     add(reg, 3), add(reg, 4)

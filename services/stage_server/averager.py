@@ -32,7 +32,7 @@ from services.stage_server.averaging import (
     Transport,
     _off_loop,
     backup_reducer,
-    load_flat_parameters,
+    apply_average,
     parse_reduced,
     retry_round_id,
     sample_weight,
@@ -163,7 +163,7 @@ class Averager:
             for (start, stop), part in zip(rnd.bounds, parts):
                 if part is not None:
                     averaged[start:stop] = part.values
-            await self.run_compute(load_flat_parameters, self.runtime, averaged)
+            await self.run_compute(apply_average, self.runtime, flat, averaged)
             self.samples_at_last_round = samples
             self.rounds_completed += 1
             rnd.finish(parts, time.perf_counter() - started)

@@ -139,6 +139,13 @@ def load_flat_parameters(runtime, flat: torch.Tensor) -> None:
     runtime.weights_changed()
 
 
+def apply_average(runtime, snapshot_flat: torch.Tensor, averaged: torch.Tensor) -> None:
+    """Load the round's average, keeping what this replica learned while the round ran:
+    new = averaged + (now - snapshot). Run on the compute worker."""
+    now = flat_parameters(runtime.params)
+    load_flat_parameters(runtime, averaged + (now - snapshot_flat))
+
+
 # ------------------------------------------------------------------ messages
 def _require(cond: bool, message: str) -> None:
     if not cond:

@@ -14,6 +14,7 @@ from shared.codec import unpack_message
 from shared.errors import BadPayload, WrongStage
 from shared.model import PRESETS
 from services.stage_server.averaging import (
+    apply_average,
     EPSILON_WEIGHT,
     AveragingRound,
     PartMessage,
@@ -194,3 +195,13 @@ async def test_backup_reducer_waits_for_the_members_that_reached_the_main_part()
     with pytest.raises(RoundConflict):
         rnd.reducer("r1", 0)
 
+
+
+def test_apply_average_keeps_what_was_learned_during_the_round():
+    rt = StageRuntime(PRESETS["tiny"], 1, 4, seed=0)
+    before, _ = snapshot(rt)
+    averaged = torch.zeros_like(before)
+    step = torch.full_like(before, 0.5)
+    load_flat_parameters(rt, before + step)  # an optimizer step taken while the round ran
+    apply_average(rt, before, averaged)
+    assert torch.allclose(flat_parameters(rt.params), averaged + step)

@@ -18,6 +18,7 @@ from shared.codec import pack_message, unpack_message
 from shared.errors import PayloadTooLarge, RemoteError, SwarmError, UnsupportedMediaType
 
 MSGPACK = "application/msgpack"
+JSON = "application/json"
 
 
 def error_middleware(log):
@@ -95,6 +96,27 @@ async def post_message(session: aiohttp.ClientSession, url: str, msg: dict, *, t
         return unpack_message(payload)
     except SwarmError as exc:
         raise RemoteError(url, 200, "bad_reply", exc.message) from None
+
+
+async def get_json(session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> dict:
+    """GET a JSON object (a control-plane view); any failure raises :class:`RemoteError`."""
+    return _json_object(url, await request_bytes(session, "GET", url, expect=JSON, timeout_s=timeout_s))
+
+
+async def post_json(session: aiohttp.ClientSession, url: str, body: dict, *, timeout_s: float) -> dict:
+    """POST a JSON control message and return the JSON object answered; failures raise :class:`RemoteError`."""
+    data = json.dumps(body, allow_nan=False).encode()
+    return _json_object(url, await request_bytes(session, "POST", url, expect=JSON, timeout_s=timeout_s, data=data, content_type=JSON))
+
+
+def _json_object(url: str, payload: bytes) -> dict:
+    try:
+        value = json.loads(payload)
+    except ValueError as exc:
+        raise RemoteError(url, 200, "bad_reply", f"reply is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise RemoteError(url, 200, "bad_reply", "reply is not a JSON object")
+    return value
 
 
 def _error_of(payload: bytes, reason: str | None) -> tuple[str, str]:

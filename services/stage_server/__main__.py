@@ -21,7 +21,8 @@ from shared.config import StageServerSettings, parse_settings
 from shared.log import configure_logging, get_logger
 from services.stage_server.app import create_app
 from services.stage_server.routes import MOVE
-from services.stage_server.membership import CoordinatorError, assign_stage
+from shared.errors import RemoteError
+from services.stage_server.membership import assign_stage
 
 
 async def resolve(settings: StageServerSettings, log) -> StageServerSettings:
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = asyncio.run(resolve(settings, get_logger(service="stage_server", run=settings.run_id)))
         app = create_app(settings)
-    except (ValueError, CoordinatorError) as exc:
+    except (ValueError, RemoteError) as exc:
         print(f"swarm server: {exc}", file=sys.stderr)
         return 2
     order = app[MOVE]

@@ -10,7 +10,7 @@ from aiohttp import web
 from shared import checkpoint, codec, package_version
 from shared.errors import RemoteError
 from shared.config import StageServerSettings, advertised_url
-from shared.http import error_middleware
+from shared.http import error_middleware, get_json
 from shared.log import get_logger
 from services.stage_server.averaging_routes import add_averaging_routes
 from services.stage_server.membership import Membership
@@ -120,11 +120,9 @@ async def _state_from_peers(settings: StageServerSettings, log):
     """The state of the first live replica of this stage that gives it, or None."""
     async with aiohttp.ClientSession() as session:
         try:
-            async with session.get(settings.coordinator + "/swarm", timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                resp.raise_for_status()
-                view = await resp.json()
+            view = await get_json(session, settings.coordinator + "/swarm", timeout_s=10)
             peers = [r["url"] for r in view["stages"][settings.stage]["replicas"]]
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError) as exc:
+        except (RemoteError, KeyError, IndexError, TypeError) as exc:
             log.warning("stage.join.no_view", error=repr(exc))
             return None
         for url in peers:

@@ -15,33 +15,16 @@ from typing import Callable
 
 import aiohttp
 
+from shared.errors import RemoteError
+from shared.http import post_json
 from shared.retry import RetryPolicy
 
 CONTROL_TIMEOUT_S = 5.0
 
 
-class CoordinatorError(Exception):
-    def __init__(self, status: int | None, code: str, message: str):
-        super().__init__(f"coordinator: {status} {code}: {message}")
-        self.status, self.code = status, code
-
-
-async def post_json(session: aiohttp.ClientSession, url: str, body: dict, *, timeout_s: float = CONTROL_TIMEOUT_S) -> dict:
-    """POST a control message to the coordinator; any failure raises :class:`CoordinatorError`."""
-    try:
-        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            payload = await resp.json(content_type=None)
-            if resp.status != 200:
-                err = payload.get("error", {}) if isinstance(payload, dict) else {}
-                raise CoordinatorError(resp.status, str(err.get("code", "http_error")), str(err.get("message", resp.reason)))
-            return payload
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        raise CoordinatorError(None, "unreachable", repr(exc)) from None
-
-
 async def assign_stage(session: aiohttp.ClientSession, coordinator: str, run_id: str) -> int:
     """Ask the coordinator which stage a server started with ``--stage auto`` should serve."""
-    return int((await post_json(session, coordinator + "/assign", {"run_id": run_id}))["stage"])
+    return int((await post_json(session, coordinator + "/assign", {"run_id": run_id}, timeout_s=CONTROL_TIMEOUT_S))["stage"])
 
 
 class Membership:
@@ -64,7 +47,7 @@ class Membership:
                     await self._heartbeat()
                 failures = 0
                 await asyncio.sleep(self.heartbeat_s)
-            except CoordinatorError as err:
+            except RemoteError as err:
                 failures += 1
                 if err.status == 404:  # the coordinator forgot us (restart, expired lease)
                     self.registered.clear()
@@ -77,10 +60,10 @@ class Membership:
         if not self.registered.is_set():
             return
         try:
-            await post_json(self.session, self.coordinator + "/deregister", {"server_id": self.server_id})
+            await post_json(self.session, self.coordinator + "/deregister", {"server_id": self.server_id}, timeout_s=CONTROL_TIMEOUT_S)
             self.registered.clear()
             self.log.info("membership.deregistered", server_id=self.server_id)
-        except CoordinatorError as err:
+        except RemoteError as err:
             self.log.warning("membership.deregister_failed", error=str(err))
 
     async def _register(self) -> None:
@@ -88,7 +71,7 @@ class Membership:
             return
         throughput, queue_length = self.load()
         body = {"run_id": self.run_id, "server_id": self.server_id, "stage": self.stage, "url": self.url, "version": self.version, "throughput": throughput, "queue_length": queue_length}
-        await post_json(self.session, self.coordinator + "/register", body)
+        await post_json(self.session, self.coordinator + "/register", body, timeout_s=CONTROL_TIMEOUT_S)
         self.registered.set()
         if self.leaving:  # deregister() ran while this registration was on its way
             await self.deregister()
@@ -97,4 +80,4 @@ class Membership:
 
     async def _heartbeat(self) -> None:
         throughput, queue_length = self.load()
-        await post_json(self.session, self.coordinator + "/heartbeat", {"server_id": self.server_id, "throughput": throughput, "queue_length": queue_length})
+        await post_json(self.session, self.coordinator + "/heartbeat", {"server_id": self.server_id, "throughput": throughput, "queue_length": queue_length}, timeout_s=CONTROL_TIMEOUT_S)

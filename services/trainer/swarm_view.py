@@ -11,6 +11,8 @@ import asyncio
 
 import aiohttp
 
+from shared.errors import RemoteError
+from shared.http import get_json
 from services.trainer.wiring import ReplicaBalancer
 
 REFRESH_TIMEOUT_S = 5.0
@@ -28,11 +30,8 @@ class SwarmView:
         """Fetch GET /swarm and hand every stage's replicas to the balancer; False if unreachable."""
         async with self._lock:
             try:
-                async with self.session.get(self.coordinator + "/swarm", timeout=aiohttp.ClientTimeout(total=REFRESH_TIMEOUT_S)) as resp:
-                    resp.raise_for_status()
-                    view = await resp.json()
-                stages = view["stages"]
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+                stages = (await get_json(self.session, self.coordinator + "/swarm", timeout_s=REFRESH_TIMEOUT_S))["stages"]
+            except (RemoteError, KeyError) as exc:
                 self.failures += 1
                 if self.log:
                     self.log.warning("registry.unreachable", coordinator=self.coordinator, error=repr(exc), keeping="last view")

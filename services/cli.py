@@ -21,6 +21,7 @@ COMMANDS = {
     "status": ("services.status", "show the live swarm: stages, replicas, throughput, lease age"),
     "up": ("services.local_swarm", "run a coordinator, stage servers and trainers on loopback and train"),
     "export": ("services.export", "write the whole model from a checkpoint as one safetensors file"),
+    "plot": ("services.plot", "draw loss and tokens/s against step from a run's metrics as a PNG"),
 }
 
 

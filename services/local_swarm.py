@@ -2,15 +2,21 @@
 
 Starts a coordinator, ``stages x replicas`` stage servers that register with it (logs
 under ``--run-dir``), waits until each answers ``/health``, runs ``trainers`` trainers that
-find the servers through the coordinator (their progress on this terminal), and stops
-every process when the trainers are done, on Ctrl-C or on SIGTERM. Children run in their
-own sessions so a Ctrl-C reaches only this supervisor, which then stops them (SIGTERM,
-then SIGKILL after a grace period). mDNS is off: everything is on loopback.
+find the servers through the coordinator, and stops every process when the trainers are
+done, on Ctrl-C or on SIGTERM. Children run in their own sessions so a Ctrl-C reaches only
+this supervisor, which then stops them (SIGTERM, then SIGKILL after a grace period). mDNS
+is off: everything is on loopback.
+
+Progress (``--progress``, SWARM_PROGRESS): on a terminal, one live bar for all trainers
+together, read from their metrics files, while their logs go to ``trainer.log``; otherwise
+the trainers' logs on this terminal and a plain progress line every 10 steps. At the end,
+``RUN_DIR/training.png`` plots loss and tokens/s against step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -24,9 +30,15 @@ from pathlib import Path
 
 from shared import checkpoint
 from shared.codec import FLOAT_CODECS
+from shared.config import CommonSettings
+from shared.http import urlopen_swarm
 from shared.model import PRESETS
+from services.plot import MetricsError, plot_metrics
+from services.trainer.progress import PROGRESS_SETTINGS, MetricsFollower, ProgressDisplay, choose_display
 
 STOP_GRACE_S = 10.0
+PROGRESS_POLL_S = 0.5  # how often the trainers' metrics files are read for the progress display
+PROGRESS_EVERY_STEPS = 10  # a plain progress line every this many steps (no terminal)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -52,18 +64,26 @@ class LocalProcesses:
         return proc
 
     def stop_all(self) -> None:
-        for proc in self.procs.values():
+        """Trainers and servers first, then the coordinator, so that servers can deregister."""
+        last = [p for name, p in self.procs.items() if name == "coordinator"]
+        self._stop([p for p in self.procs.values() if p not in last])
+        self._stop(last)
+        for f in self._logs:
+            f.close()
+
+    @staticmethod
+    def _stop(procs: list[subprocess.Popen]) -> None:
+        """SIGTERM, then SIGKILL what still runs after STOP_GRACE_S."""
+        for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
-        for proc in self.procs.values():
+        for proc in procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for f in self._logs:
-            f.close()
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -72,7 +92,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"{url} exited with status {proc.returncode} before it was healthy")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            with urlopen_swarm(_security(), url + "/health", timeout_s=2) as resp:
                 if resp.status == 200:
                     return
         except (urllib.error.URLError, OSError):
@@ -103,7 +123,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--average-every-s", type=float, default=5.0, help="seconds between averaging rounds of a stage's replicas (default 5)")
     p.add_argument("--rebalance-every-s", type=float, default=10.0, help="seconds between rebalancing checks; 0: never (default 10)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
-    return p.parse_args(argv)
+    p.add_argument("--progress", default=os.environ.get("SWARM_PROGRESS", "auto"), help="'bar' (live, even into a pipe), 'off', or 'auto': a bar on a terminal, else a plain line every 10 steps (default: SWARM_PROGRESS, else auto)")
+    args = p.parse_args(argv)
+    if args.progress not in PROGRESS_SETTINGS:
+        p.error(f"--progress (SWARM_PROGRESS) must be one of {', '.join(PROGRESS_SETTINGS)}, got {args.progress!r}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,9 +168,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, url in servers.items():
             wait_healthy(url, procs.procs[name], args.ready_timeout_s)
         print(f"swarm up: coordinator {coordinator}, {args.stages} stages x {args.replicas} replicas healthy; logs in {run_dir}/", flush=True)
-        trainers = start_trainers(procs, args, run_dir, {**common, "SWARM_START_STEP": str(start_step)})
-        status = max(t.wait() for t in trainers)
+        display = choose_display(args.progress, sys.stderr, log_format=os.environ.get("SWARM_LOG_FORMAT", "console"))
+        follower = MetricsFollower([run_dir / f"metrics{s}.jsonl" for s in trainer_suffixes(args.trainers)], start_step=start_step)
+        trainers = start_trainers(procs, args, run_dir, {**common, "SWARM_START_STEP": str(start_step)}, logs_to_file=display == "bar")
+        status = watch_trainers(trainers, follower, ProgressDisplay(display, args.steps * args.trainers, stream=sys.stderr, initial_steps=start_step * args.trainers, every_steps=PROGRESS_EVERY_STEPS))
+        if display == "bar":
+            report_trainers(trainers, run_dir)
         save_checkpoint(coordinator)
+        write_plot(run_dir)
         return status
     except KeyboardInterrupt:
         print("\nswarm up: interrupted, stopping every process", file=sys.stderr, flush=True)
@@ -163,16 +192,25 @@ def start_coordinator(procs: LocalProcesses, args: argparse.Namespace, run_dir: 
     env = {**common, "SWARM_HOST": args.host, "SWARM_PORT": str(port), "SWARM_STATE_DB": str(run_dir / "coordinator.sqlite"), "SWARM_CHECKPOINT_EVERY_S": str(args.checkpoint_every_s),
            "SWARM_AVERAGE_EVERY_S": str(args.average_every_s), "SWARM_REBALANCE_EVERY_S": str(args.rebalance_every_s)}
     proc = procs.start("coordinator", ["services.coordinator"], env)
-    url = f"http://{args.host}:{port}"
+    url = f"{_scheme()}://{args.host}:{port}"
     wait_healthy(url, proc, args.ready_timeout_s)
     return url
 
 
+def _security() -> CommonSettings:
+    """The swarm secret and TLS files the children get from this environment
+    (SWARM_SECRET or SWARM_SECRET_FILE, SWARM_TLS_*): this supervisor signs and trusts alike."""
+    return CommonSettings()
+
+
+def _scheme() -> str:
+    return "https" if _security().tls else "http"
+
+
 def save_checkpoint(coordinator: str) -> None:
     """Ask the coordinator for a checkpoint of the run as it is now (the end of training)."""
-    request = urllib.request.Request(coordinator + "/checkpoint", data=b"{}", method="POST", headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=120) as resp:
+        with urlopen_swarm(_security(), coordinator + "/checkpoint", data=b"{}", method="POST", content_type="application/json", timeout_s=120) as resp:
             saved = json.loads(resp.read())
         print(f"swarm up: checkpoint of step {saved['step']} in {saved['path']}", flush=True)
     except (urllib.error.URLError, OSError, ValueError) as exc:
@@ -188,14 +226,18 @@ def start_servers(procs: LocalProcesses, args: argparse.Namespace, common: dict)
             env = {**common, "SWARM_STAGE": str(stage), "SWARM_PORT": str(port), "SWARM_HOST": args.host, "SWARM_LR": str(args.lr), "SWARM_SAMPLES_PER_STEP": str(args.samples_per_step)}
             name = f"stage{stage}-{replica}"
             procs.start(name, ["services.stage_server"], env)
-            servers[name] = f"http://{args.host}:{port}"
+            servers[name] = f"{_scheme()}://{args.host}:{port}"
     return servers
 
 
-def start_trainers(procs: LocalProcesses, args: argparse.Namespace, run_dir: Path, common: dict) -> list:
+def trainer_suffixes(trainers: int) -> list[str]:
+    """What each trainer's file names end with: nothing for one trainer, ``-0``, ``-1``, ... for several."""
+    return [""] if trainers == 1 else [f"-{t}" for t in range(trainers)]
+
+
+def start_trainers(procs: LocalProcesses, args: argparse.Namespace, run_dir: Path, common: dict, *, logs_to_file: bool = False) -> list:
     trainers = []
-    for t in range(args.trainers):
-        suffix = "" if args.trainers == 1 else f"-{t}"
+    for t, suffix in enumerate(trainer_suffixes(args.trainers)):
         env = {
             **common,
             "SWARM_SEED": str(t),  # each trainer draws its own microbatches
@@ -206,9 +248,47 @@ def start_trainers(procs: LocalProcesses, args: argparse.Namespace, run_dir: Pat
             "SWARM_CORPUS": args.corpus,
             "SWARM_METRICS_FILE": str(run_dir / f"metrics{suffix}.jsonl"),
             "SWARM_SUMMARY_FILE": str(run_dir / f"summary{suffix}.json"),
+            "SWARM_PROGRESS": "off",  # this supervisor shows the progress of all trainers
         }
-        trainers.append(procs.start(f"trainer{suffix}", ["services.trainer"], env, log_to_file=False))
+        trainers.append(procs.start(f"trainer{suffix}", ["services.trainer"], env, log_to_file=logs_to_file))
     return trainers
+
+
+def watch_trainers(trainers: list[subprocess.Popen], follower: MetricsFollower, display: ProgressDisplay) -> int:
+    """Wait until every trainer has exited, showing their progress as their metrics files
+    grow (read every PROGRESS_POLL_S); returns their worst exit status."""
+    with display:
+        while True:
+            follower.poll()
+            display.show(*follower.totals())
+            running = [t for t in trainers if t.poll() is None]
+            if not running:
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                running[0].wait(timeout=PROGRESS_POLL_S)
+    return max(t.returncode for t in trainers)
+
+
+def report_trainers(trainers: list[subprocess.Popen], run_dir: Path) -> None:
+    """One line per trainer from its summary file: with the bar on, their own output went to their logs."""
+    for suffix, proc in zip(trainer_suffixes(len(trainers)), trainers):
+        summary_file = run_dir / f"summary{suffix}.json"
+        if summary_file.exists():
+            s = json.loads(summary_file.read_text())
+            print(f"swarm up: trainer{suffix}: {s['steps']} steps, {s['microbatches_completed']}/{s['microbatches_scheduled']} microbatches, "
+                  f"{s['tokens_per_s']:,.0f} tokens/s, held-out loss {s['eval_loss_before']:.3f} -> {s['eval_loss_after']:.3f} ({summary_file})", flush=True)
+        if proc.returncode:
+            print(f"swarm up: trainer{suffix} exited with status {proc.returncode}: see {run_dir / f'trainer{suffix}.log'}", file=sys.stderr, flush=True)
+
+
+def write_plot(run_dir: Path) -> None:
+    """RUN_DIR/training.png: loss and tokens/s against step, from the trainers' metrics files."""
+    try:
+        out = plot_metrics(run_dir, run_dir / "training.png")
+    except (MetricsError, OSError) as exc:
+        print(f"swarm up: no plot of the run: {exc}", file=sys.stderr, flush=True)
+        return
+    print(f"swarm up: loss and tokens/s against step in {out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,11 @@ def render(view: dict) -> str:
 
 
 def fetch(coordinator: str, timeout_s: float = 5.0) -> dict:
-    with urllib.request.urlopen(coordinator.rstrip("/") + "/swarm", timeout=timeout_s) as resp:
+    """GET /swarm, signed with the swarm secret and over TLS as SWARM_SECRET(_FILE) and SWARM_TLS_CA_FILE say."""
+    from shared.config import CommonSettings
+    from shared.http import urlopen_swarm
+
+    with urlopen_swarm(CommonSettings(), coordinator.rstrip("/") + "/swarm", timeout_s=timeout_s) as resp:
         return json.loads(resp.read())
 
 

@@ -12,7 +12,7 @@ import re
 import sys
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.codec import DEFAULT_INT8_BLOCK, FLOAT_CODECS, INT8_BLOCK_SIZES
@@ -32,6 +32,29 @@ class CommonSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     num_threads: int = Field(1, ge=1, le=256, description="torch threads per process")
     device: str = "cpu"
+    secret: SecretStr = Field(SecretStr(""), description="the swarm's shared secret: every request but GET /health and /metrics is signed with it (HMAC); empty: no signing")
+    secret_file: str = Field("", description="file holding the swarm's secret (instead of SWARM_SECRET)")
+    auth_max_skew_s: float = Field(30.0, gt=0, le=3600, description="signed requests older or newer than this (by the receiver's clock) are refused")
+    tls_cert_file: str = Field("", description="PEM certificate: serve HTTPS (with tls_key_file); URLs become https://")
+    tls_key_file: str = Field("", description="PEM private key of tls_cert_file")
+    tls_ca_file: str = Field("", description="PEM certificates trusted when calling other services (e.g. a self-signed swarm certificate); empty: the system's")
+
+    def secret_bytes(self) -> bytes | None:
+        """The swarm secret (from ``secret`` or ``secret_file``), or None: requests are not signed."""
+        from shared.auth import load_secret
+
+        return load_secret(self.secret.get_secret_value(), self.secret_file)
+
+    @model_validator(mode="after")
+    def _security(self):
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("SWARM_TLS_CERT_FILE and SWARM_TLS_KEY_FILE go together")
+        self.secret_bytes()  # a secret too short, or a file that cannot be read, fails here, at start
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
 
     @field_validator("device")
     @classmethod
@@ -94,10 +117,13 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     weight_decay: float = Field(0.01, ge=0)
     samples_per_step: int = Field(32, ge=1, description="samples accumulated per optimizer step")
     warmup_steps: int = Field(10, ge=0, description="optimizer steps of linear learning-rate warm-up")
+    max_grad_norm: float = Field(1.0, ge=0, description="clip this stage's gradient norm to this before each step (per stage, not global); 0: no clipping")
     max_body_mb: float = Field(128.0, gt=0, description="largest request body accepted (413 past it)")
     max_queue: int = Field(64, ge=1, description="requests queued for compute before 503")
     backward_cache: int = Field(16, ge=0, description="forward graphs kept to skip the backward recompute")
     inject_delay_s: float = Field(0.0, ge=0, description="fault injection: extra seconds per request and forward pass of work (a backward counts 2, the last stage's 3)")
+    inject_byzantine: Literal["", "sign_flip", "scale", "random"] = Field("", description="fault injection: send these values into averaging rounds instead of the parameters (tests of robust averaging)")
+    inject_byzantine_factor: float = Field(1000.0, gt=0, description="fault injection: the factor of inject_byzantine")
     drain_timeout_s: float = Field(30.0, gt=0)
     checkpoint_dir: str = Field("", description="resume from the latest checkpoint here when no live replica of the stage has state to give")
     join_timeout_s: float = Field(60.0, gt=0, description="timeout of the state download when joining a stage")
@@ -111,9 +137,10 @@ class CoordinatorSettings(DiscoverySettings):
     state_db: str = Field("coordinator.sqlite", description="SQLite file with the registry and run state")
     lease_heartbeats: int = Field(3, ge=1, description="missed heartbeats after which a lease expires")
     max_servers: int = Field(4096, ge=1, description="registry size limit")
-    average_every_s: float = Field(30.0, ge=0, description="seconds between averaging rounds of each stage's replicas; 0: never")
+    average_every_s: float = Field(30.0, ge=0, description="seconds between averaging rounds of each stage's replicas; 0: only when asked (POST /average)")
     averaging_codec: Codec = Field("fp32", description="wire codec of the parts exchanged in averaging rounds")
     averaging_timeout_s: float = Field(20.0, gt=0, description="an averaging round never waits longer than this")
+    averaging_aggregator: Literal["mean", "centered_clip"] = Field("mean", description="how each part is reduced: the sample-weighted mean, or CenteredClip, which a faulty or malicious replica cannot drag away (honest majority)")
     rebalance_every_s: float = Field(30.0, ge=0, description="seconds between rebalancing checks; 0: never move servers")
     rebalance_min_gain: float = Field(1 / 0.75, ge=1.0, description="move a server only if the weakest stage's capacity grows by this factor")
     checkpoint_dir: str = Field("", description="directory for checkpoints; empty: no checkpoints")
@@ -134,8 +161,13 @@ class TrainerSettings(ModelSettings, DiscoverySettings):
     info_timeout_s: float = Field(5.0, gt=0, description="timeout of each GET /info when checking the swarm at start")
     max_retries: int = Field(3, ge=0, le=100, description="extra tries of a failed hop before the microbatch fails")
     log_every: int = Field(10, ge=1, description="log a line every N steps")
+    final_average: bool = Field(True, description="before the final evaluation, ask the coordinator to average every stage's replicas (POST /average)")
+    final_average_timeout_s: float = Field(120.0, gt=0, description="how long the final averaging may take before the trainer evaluates anyway")
+    progress: Literal["auto", "bar", "off"] = Field("auto", description="progress on stderr: 'bar' (live, even into a pipe), 'off', or 'auto': a bar on a terminal, else a plain line every log_every steps (none with JSON logs)")
     metrics_file: str = Field("", description="append one JSON line per step here")
     summary_file: str = Field("", description="write the run's full summary (per-step losses included) here as JSON")
+    metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus GET /metrics on this port while training; 0: off")
+    metrics_host: str = Field("127.0.0.1", description="interface of the metrics endpoint (0.0.0.0 in a container)")
 
     def stage_urls(self) -> list[list[str]]:
         """Parse ``stages`` into one list of replica URLs per stage."""
@@ -151,15 +183,15 @@ class TrainerSettings(ModelSettings, DiscoverySettings):
         return groups
 
 
-def advertised_url(host: str, port: int, advertise_url: str = "") -> str:
-    """The URL peers use to reach a service listening on ``host:port``."""
+def advertised_url(host: str, port: int, advertise_url: str = "", *, tls: bool = False) -> str:
+    """The URL peers use to reach a service listening on ``host:port`` (https with TLS on)."""
     if advertise_url:
         return advertise_url.rstrip("/")
     if host in ("0.0.0.0", "::", ""):
         import socket
 
         host = socket.gethostbyname(socket.gethostname())
-    return f"http://{host}:{port}"
+    return f"{'https' if tls else 'http'}://{host}:{port}"
 
 
 def known_settings_fields() -> set[str]:

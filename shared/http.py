@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
+import time
 
 import aiohttp
+import structlog
 from aiohttp import web
 
 from shared.codec import pack_message, unpack_message
@@ -19,6 +22,8 @@ from shared.errors import PayloadTooLarge, RemoteError, SwarmError, UnsupportedM
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
+MICROBATCH_HEADER = "X-Swarm-Microbatch"  # the trainer's microbatch id, bound in the receiver's log lines
+MAX_MICROBATCH_HEADER_LEN = 128
 
 
 def error_middleware(log):
@@ -46,6 +51,29 @@ def error_middleware(log):
     return middleware
 
 
+def request_log_middleware(log):
+    """Binds the request's microbatch id (header ``X-Swarm-Microbatch``) to every line logged
+    while it is handled, and logs one ``request.done`` line (debug level) per request, so
+    ``SWARM_LOG_LEVEL=debug`` follows a microbatch from the trainer through every stage."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        microbatch = request.headers.get(MICROBATCH_HEADER, "")[:MAX_MICROBATCH_HEADER_LEN]
+        with structlog.contextvars.bound_contextvars(**({"microbatch": microbatch} if microbatch else {})):
+            started, status = time.perf_counter(), 500
+            try:
+                response = await handler(request)
+                status = response.status
+                return response
+            except web.HTTPException as exc:
+                status = exc.status
+                raise
+            finally:
+                log.debug("request.done", method=request.method, path=request.path, status=status, seconds=round(time.perf_counter() - started, 6))
+
+    return middleware
+
+
 async def read_body(request: web.Request, content_type: str, max_bytes: int, setting: str = "SWARM_MAX_BODY_MB") -> bytes:
     """Read a request body, refusing another content type (415) and oversize bodies (413)."""
     if request.content_type != content_type:
@@ -67,13 +95,13 @@ def msgpack_response(msg: dict) -> web.Response:
     return web.Response(body=pack_message(msg), content_type=MSGPACK)
 
 
-async def request_bytes(session: aiohttp.ClientSession, method: str, url: str, *, expect: str, timeout_s: float, data: bytes | None = None, content_type: str | None = None) -> bytes:
+async def request_bytes(session: aiohttp.ClientSession, method: str, url: str, *, expect: str, timeout_s: float, data: bytes | None = None, content_type: str | None = None, headers: dict[str, str] | None = None) -> bytes:
     """One HTTP request whose 200 reply must have Content-Type ``expect``; returns the body.
 
     Any failure (transport, timeout, an error status with its JSON error, another content
     type) raises :class:`RemoteError`.
     """
-    headers = {"Content-Type": content_type} if content_type else None
+    headers = {**(headers or {}), **({"Content-Type": content_type} if content_type else {})} or None
     try:
         async with session.request(method, url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             payload = await resp.read()
@@ -88,10 +116,10 @@ async def request_bytes(session: aiohttp.ClientSession, method: str, url: str, *
         raise RemoteError(url, None, "unreachable", repr(exc)) from None
 
 
-async def post_message(session: aiohttp.ClientSession, url: str, msg: dict, *, timeout_s: float, body: bytes | None = None) -> dict:
+async def post_message(session: aiohttp.ClientSession, url: str, msg: dict, *, timeout_s: float, body: bytes | None = None, headers: dict[str, str] | None = None) -> dict:
     """POST a message and return the decoded reply; any failure raises :class:`RemoteError`."""
     data = pack_message(msg) if body is None else body
-    payload = await request_bytes(session, "POST", url, expect=MSGPACK, timeout_s=timeout_s, data=data, content_type=MSGPACK)
+    payload = await request_bytes(session, "POST", url, expect=MSGPACK, timeout_s=timeout_s, data=data, content_type=MSGPACK, headers=headers)
     try:
         return unpack_message(payload)
     except SwarmError as exc:
@@ -126,3 +154,68 @@ def _error_of(payload: bytes, reason: str | None) -> tuple[str, str]:
         return str(err["code"]), str(err["message"])
     except (ValueError, KeyError, TypeError):
         return "http_error", reason or payload[:200].decode("utf-8", "replace")
+
+
+# ------------------------------------------------------------------ security: signing and TLS
+def server_ssl_context(settings) -> ssl.SSLContext | None:
+    """The TLS context a service listens with (``tls_cert_file`` + ``tls_key_file``), or None."""
+    if not settings.tls_cert_file:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"SWARM_TLS_CERT_FILE/SWARM_TLS_KEY_FILE: {exc}") from None
+    return context
+
+
+def client_ssl_context(settings) -> ssl.SSLContext | None:
+    """What a client trusts: ``tls_ca_file`` (e.g. the swarm's self-signed certificate), else
+    the system's certificates (None: aiohttp's default)."""
+    if not settings.tls_ca_file:
+        return None
+    try:
+        return ssl.create_default_context(cafile=settings.tls_ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"SWARM_TLS_CA_FILE={settings.tls_ca_file!r}: {exc}") from None
+
+
+def swarm_session(settings, *, limit: int = 100, **kwargs) -> aiohttp.ClientSession:
+    """A client session of a swarm member: signs every request with the swarm secret (if
+    set) and trusts ``tls_ca_file`` (if set). ``kwargs`` go to :class:`aiohttp.ClientSession`."""
+    from shared.auth import signing_middleware
+
+    secret = settings.secret_bytes()
+    context = client_ssl_context(settings)
+    connector = aiohttp.TCPConnector(limit=limit, ssl=context if context is not None else True)
+    middlewares = (signing_middleware(secret),) if secret else ()
+    return aiohttp.ClientSession(connector=connector, middlewares=middlewares, **kwargs)
+
+
+def auth_middlewares(settings, log, *, open_paths: frozenset[str] | None = None) -> list:
+    """The server middleware that refuses unsigned requests when the swarm has a secret
+    (``[]`` when it has none); goes after :func:`error_middleware`, which formats its 401s."""
+    from shared.auth import OPEN_PATHS, Verifier, auth_middleware
+
+    secret = settings.secret_bytes()
+    if not secret:
+        return []
+    return [auth_middleware(Verifier(secret, max_skew_s=settings.auth_max_skew_s), log, open_paths or OPEN_PATHS)]
+
+
+def urlopen_swarm(settings, url: str, *, data: bytes | None = None, method: str = "GET", content_type: str | None = None, timeout_s: float = 5.0):
+    """Blocking ``urllib`` request of a swarm member (CLI tools, the local supervisor):
+    signed with the swarm secret and trusting ``tls_ca_file`` like :func:`swarm_session`."""
+    import urllib.parse
+    import urllib.request
+
+    from shared.auth import sign_headers
+
+    headers = {"Content-Type": content_type} if content_type else {}
+    secret = settings.secret_bytes()
+    if secret:
+        parts = urllib.parse.urlsplit(url)
+        path_qs = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        headers.update(sign_headers(secret, method, path_qs, data or b""))
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    return urllib.request.urlopen(request, timeout=timeout_s, context=client_ssl_context(settings))

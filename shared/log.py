@@ -2,7 +2,11 @@
 
 One event name per line (``forward.done``), fields after it, and ids bound with
 ``logger.bind(run=..., stage=..., replica=..., microbatch=...)`` so a microbatch can be
-followed across services.
+followed across services: the trainer sends its microbatch id in the header
+``X-Swarm-Microbatch`` and each server binds it (``structlog.contextvars``) to every line
+logged while it handles the request (``shared.http.request_log_middleware``).
+``SWARM_LOG_FORMAT=json`` renders every line as one JSON object, those of standard-library
+loggers (aiohttp, asyncio) included; ``console`` renders readable lines.
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
-    # Libraries that log through the standard logging module: warnings and worse only.
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    # Libraries that log through the standard logging module: warnings and worse only,
+    # rendered like our own lines (in JSON mode every line on stderr stays one JSON object).
+    stdlib = logging.StreamHandler(_CurrentStderr())
+    stdlib.setFormatter(structlog.stdlib.ProcessorFormatter(processor=renderer, foreign_pre_chain=[structlog.processors.add_log_level, structlog.stdlib.add_logger_name, structlog.processors.TimeStamper(fmt="iso", utc=True), structlog.processors.format_exc_info]))
+    logging.basicConfig(level=logging.WARNING, handlers=[stdlib])
     # bitsandbytes warns at import that an optional 4-bit CPU kernel (fetched from a hub,
     # which we never use) is missing; our int8 codec does not need it.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)

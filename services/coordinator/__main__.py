@@ -7,6 +7,7 @@ import sys
 from aiohttp import web
 
 from shared.config import CoordinatorSettings, parse_settings
+from shared.http import server_ssl_context
 from shared.log import configure_logging
 from services.coordinator.app import create_app
 
@@ -16,10 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_format, settings.log_level)
     try:
         app = create_app(settings)
+        ssl_context = server_ssl_context(settings)
     except ValueError as exc:
         print(f"swarm coordinator: {exc}", file=sys.stderr)
         return 2
-    web.run_app(app, host=settings.host, port=settings.port, print=None, access_log=None)
+    web.run_app(app, host=settings.host, port=settings.port, print=None, access_log=None, ssl_context=ssl_context)
     return 0
 
 

@@ -9,14 +9,19 @@ import sqlite3
 import aiohttp
 from aiohttp import web
 
-from shared import checkpoint
+from shared import checkpoint, package_version
 from shared.errors import Overloaded, RemoteError
 from shared.config import CoordinatorSettings, advertised_url
-from shared.http import error_middleware, post_message
+from shared.auth import OPEN_PATHS
+from shared.http import auth_middlewares, error_middleware, post_message, request_log_middleware, swarm_session
 from shared.log import get_logger
+from shared.metrics import Metrics, add_metrics_route, metrics_middleware
 from services.coordinator.assignment import Rebalancer
-from services.coordinator.averaging import start_round
+from services.coordinator.averaging import AveragingScheduler
 from services.coordinator.checkpointer import Checkpointer
+from services.coordinator.dashboard import EventRecorder, RecentEvents
+from services.coordinator.dashboard_routes import EVENTS, PROGRESS, add_dashboard_routes, DASHBOARD_PATHS
+from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.registry import RegisteredServer, Registry
 from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY, SETTINGS, TRAFFIC, add_routes
 
@@ -54,17 +59,22 @@ async def _expire_loop(registry: Registry, log) -> None:
 
 
 CHECKPOINTER = web.AppKey("checkpointer", Checkpointer)
+AVERAGING = web.AppKey("averaging", AveragingScheduler)
 
 
 def create_app(settings: CoordinatorSettings, registry: Registry | None = None) -> web.Application:
     """The coordinator app; a ``registry`` passed in stays the caller's to close."""
-    log = get_logger(service="coordinator", run=settings.run_id)
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware(log)])
+    log = EventRecorder(get_logger(service="coordinator", run=settings.run_id), RecentEvents())  # its events feed the dashboard
+    metrics = Metrics("coordinator", run_id=settings.run_id, version=package_version())
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[metrics_middleware(metrics), request_log_middleware(log), error_middleware(log), *auth_middlewares(settings, log, open_paths=OPEN_PATHS | DASHBOARD_PATHS)])
     app[SETTINGS] = settings
     app[REGISTRY] = registry if registry is not None else build_registry(settings)
     app[LOG] = log
     app[TRAFFIC] = {}
     add_routes(app)
+    add_dashboard_routes(app, log.events)
+    add_metrics_route(app, metrics)
+    CoordinatorMetrics(metrics, app[REGISTRY], app[EVENTS], app[PROGRESS], app[TRAFFIC])
 
     async def lifecycle(app: web.Application):
         reg = app[REGISTRY]
@@ -79,8 +89,12 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
         log.info("coordinator.stopped")
 
     app.cleanup_ctx.append(lifecycle)
-    if settings.average_every_s > 0:
-        app.cleanup_ctx.append(_averaging(settings, log))
+    app[AVERAGING] = AveragingScheduler(
+        app[REGISTRY].live, every_s=settings.average_every_s, codec=settings.averaging_codec, timeout_s=settings.averaging_timeout_s, log=log,
+        aggregator=settings.averaging_aggregator,
+    )
+    app.cleanup_ctx.append(_averaging(settings))
+    app.router.add_post("/average", average_now)
     if settings.rebalance_every_s > 0:
         app.cleanup_ctx.append(_rebalancing(settings, log))
     if settings.checkpoint_dir:
@@ -94,20 +108,17 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     return app
 
 
-def _averaging(settings: CoordinatorSettings, log):
-    """Every ``average_every_s``, one averaging round per stage with two or more live replicas."""
+def _averaging(settings: CoordinatorSettings):
+    """Averaging passes every ``average_every_s`` (0: only when ``POST /average`` asks)."""
 
-    async def rounds(registry: Registry, session: aiohttp.ClientSession) -> None:
-        while True:
-            await asyncio.sleep(settings.average_every_s)
-            by_stage: dict[int, list[str]] = {}
-            for server in registry.live():
-                by_stage.setdefault(server.stage, []).append(server.url)
-            for stage, urls in sorted(by_stage.items()):
-                if len(urls) >= 2:
-                    await start_round(session, stage, urls, codec=settings.averaging_codec, timeout_s=settings.averaging_timeout_s, log=log)
+    return _background("averaging", lambda app, session: app[AVERAGING].run(session))
 
-    return _background("averaging", lambda app, session: rounds(app[REGISTRY], session))
+
+async def average_now(request: web.Request) -> web.Response:
+    """``POST /average``: run an averaging pass now (after the one running, if any) and
+    answer when its rounds ended: {rounds: [{stage, round_id, members, accepted, ended}]}."""
+    rounds = await request.app[AVERAGING].average_now()
+    return web.json_response({"rounds": [r.as_json() for r in rounds]})
 
 
 def _rebalancing(settings: CoordinatorSettings, log):
@@ -157,7 +168,7 @@ def _background(name: str, run):
 
     async def ctx(app: web.Application):
         counts = app[TRAFFIC].setdefault(name, {"sent": 0, "received": 0})
-        async with aiohttp.ClientSession(trace_configs=[_byte_counter(counts)]) as session:
+        async with swarm_session(app[SETTINGS], trace_configs=[_byte_counter(counts)]) as session:
             task = asyncio.create_task(run(app, session), name=name)
             yield
             task.cancel()
@@ -186,7 +197,7 @@ def _announcement(settings: CoordinatorSettings):
     async def ctx(app: web.Application):
         from shared.discovery import COORDINATOR_TYPE, Announcer
 
-        url = advertised_url(settings.host, settings.port, settings.advertise_url)
+        url = advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls)
         async with Announcer(settings.mdns_interfaces) as announcer:
             await announcer.start(COORDINATOR_TYPE, f"coordinator-{settings.run_id}-{settings.port}", url, {"run_id": settings.run_id})
             yield

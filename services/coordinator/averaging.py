@@ -10,20 +10,24 @@ past ``timeout_s``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 
 import aiohttp
 
 from shared.codec import FLOAT_CODECS
 from shared.errors import RemoteError
-from shared.http import post_message
+from shared.http import get_json, post_message
 from shared.log import get_logger
 
 START_TIMEOUT_S = 5.0  # cap on each /average/start call (a member answers it at once)
 
 
-async def start_round(session: aiohttp.ClientSession, stage: int, member_urls: list[str], *, codec: str, timeout_s: float, log=None) -> str:
-    """Start one averaging round of ``stage`` among ``member_urls`` (index = position); return its id.
+async def start_round(session: aiohttp.ClientSession, stage: int, member_urls: list[str], *, codec: str, timeout_s: float, log=None, with_accepted: bool = False, aggregator: str = "mean"):
+    """Start one averaging round of ``stage`` among ``member_urls`` (index = position); return its
+    id (``with_accepted``: the id and how many members accepted).
 
     Posts ``/average/start`` to every member at once; members that refuse (e.g. 409: busy
     with a round, or another stage now) or cannot be reached are logged
@@ -40,7 +44,7 @@ async def start_round(session: aiohttp.ClientSession, stage: int, member_urls: l
     round_id = f"avg-s{stage}-{uuid.uuid4().hex[:12]}"
 
     async def tell(index: int, url: str) -> bool:
-        msg = {"round_id": round_id, "stage": stage, "members": members, "index": index, "codec": codec, "timeout_s": timeout_s}
+        msg = {"round_id": round_id, "stage": stage, "members": members, "index": index, "codec": codec, "timeout_s": timeout_s, "aggregator": aggregator}
         try:
             await post_message(session, url + "/average/start", msg, timeout_s=min(START_TIMEOUT_S, timeout_s))
             return True
@@ -49,5 +53,100 @@ async def start_round(session: aiohttp.ClientSession, stage: int, member_urls: l
             return False
 
     accepted = await asyncio.gather(*(tell(i, url) for i, url in enumerate(members)))
-    log.info("averaging.round.started", round_id=round_id, stage=stage, members=len(members), accepted=sum(accepted), codec=codec, timeout_s=timeout_s)
-    return round_id
+    log.info("averaging.round.started", round_id=round_id, stage=stage, members=len(members), accepted=sum(accepted), codec=codec, aggregator=aggregator, timeout_s=timeout_s)
+    return (round_id, sum(accepted)) if with_accepted else round_id
+
+
+STATUS_POLL_S = 0.05  # how often a pass asks members whether their round ended (first wait; doubles to 0.5)
+
+
+@dataclass
+class StageRound:
+    """One stage's round in a pass, as the coordinator saw it."""
+
+    stage: int
+    round_id: str
+    members: list[str]
+    accepted: int
+    ended: int = 0  # members seen done with the round (or gone) before the pass gave up
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+class AveragingScheduler:
+    """Runs averaging passes: one round per stage with two or more live replicas, all stages
+    at once, and waits until the members report them ended (``GET /average/status``), so a
+    pass never overlaps the previous one. Passes run every ``every_s`` seconds (0: only on
+    demand) and when :meth:`average_now` asks for one (``POST /average``, e.g. a trainer
+    before its final evaluation, so that it evaluates one model, not replicas that drifted)."""
+
+    def __init__(self, live_servers: Callable[[], Iterable], *, every_s: float, codec: str, timeout_s: float, log, aggregator: str = "mean"):
+        self.live_servers, self.every_s, self.codec, self.timeout_s, self.log = live_servers, every_s, codec, timeout_s, log
+        self.aggregator = aggregator
+        self.session: aiohttp.ClientSession | None = None
+        self.passes = 0
+        self._wake = asyncio.Event()
+        self._waiters: list[asyncio.Future] = []
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+        while True:
+            if self.every_s > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.every_s)
+            else:
+                await self._wake.wait()
+            self._wake.clear()
+            waiters, self._waiters = self._waiters, []  # a request arriving now waits for the next pass
+            try:
+                rounds = await self.average_once()
+            except Exception as exc:  # noqa: BLE001 - a pass that broke must not end the loop
+                self.log.exception("averaging.pass.failed", error=repr(exc))
+                rounds = exc
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(rounds) if isinstance(rounds, Exception) else waiter.set_result(rounds)
+
+    async def average_now(self) -> list[StageRound]:
+        """Ask for a pass and wait for it (the one after any pass now running)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self._wake.set()
+        return await waiter
+
+    async def average_once(self) -> list[StageRound]:
+        by_stage: dict[int, list[str]] = {}
+        for server in self.live_servers():
+            by_stage.setdefault(server.stage, []).append(server.url)
+        stages = [(stage, urls) for stage, urls in sorted(by_stage.items()) if len(urls) >= 2]
+        if not stages or self.session is None:
+            return []
+        started = await asyncio.gather(*(self._start(stage, urls) for stage, urls in stages))
+        await asyncio.gather(*(self._wait_ended(r) for r in started))
+        self.passes += 1
+        return list(started)
+
+    async def _start(self, stage: int, urls: list[str]) -> StageRound:
+        round_id, accepted = await start_round(self.session, stage, urls, codec=self.codec, timeout_s=self.timeout_s, log=self.log, with_accepted=True, aggregator=self.aggregator)
+        return StageRound(stage, round_id, [u.rstrip("/") for u in urls], accepted)
+
+    async def _wait_ended(self, rnd: StageRound) -> None:
+        """Until every member's round ``rnd`` ended (its status no longer runs it) or it cannot
+        be asked, bounded by the round's timeout plus a grace period."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s + START_TIMEOUT_S
+        pending, delay = set(rnd.members), STATUS_POLL_S
+        while pending and loop.time() < deadline:
+            for url in list(pending):
+                try:
+                    status = await get_json(self.session, url + "/average/status", timeout_s=min(START_TIMEOUT_S, max(0.1, deadline - loop.time())))
+                except RemoteError:
+                    pending.discard(url)  # gone: its peers leave it out
+                    continue
+                if status.get("running") != rnd.round_id:
+                    pending.discard(url)
+            if pending:
+                await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+                delay = min(0.5, delay * 2)
+        rnd.ended = len(rnd.members) - len(pending)

@@ -102,6 +102,10 @@ class Registry:
         self.lease_s = lease_heartbeats * heartbeat_s
         self.max_servers = max_servers
         self._clock = clock
+        # Stages handed out by assign_stage whose server has not registered yet, with the
+        # time each hand-out lapses: servers started together (a Deployment scaled up,
+        # `swarm up`) spread over the stages instead of all joining the same one.
+        self._pending: list[tuple[int, float]] = []
         self._db = sqlite3.connect(db_path)
         try:
             self._open_schema()
@@ -162,6 +166,10 @@ class Registry:
             self._check_room(server_id, url, now)
             self._db.execute("DELETE FROM servers WHERE server_id = ? OR url = ?", (server_id, url))
             self._db.execute(f"INSERT INTO servers ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", _row(server))
+        for i, (pending_stage, _) in enumerate(self._pending):
+            if pending_stage == stage:  # the hand-out this server came with, or one like it
+                del self._pending[i]
+                break
         return server
 
     def _check_room(self, server_id: str, url: str, now: float) -> None:
@@ -205,14 +213,24 @@ class Registry:
         return self._select("WHERE last_heartbeat >= ?", (self._clock() - self.lease_s,))
 
     def assign_stage(self) -> int:
-        """The stage most in need of a replica: least capacity, then fewest replicas, then lowest index."""
+        """The stage most in need of a replica: least capacity, then fewest replicas, then
+        lowest index. Stages handed out in the last lease period to servers that have not
+        registered yet count as a replica each, with the live servers' mean throughput."""
+        now = self._clock()
+        self._pending = [(stage, until) for stage, until in self._pending if until > now and stage < self.num_stages]
         servers = self.live()
         capacity = [0.0] * self.num_stages
         replicas = [0] * self.num_stages
         for s in servers:
             capacity[s.stage] += s.throughput
             replicas[s.stage] += 1
-        return min(range(self.num_stages), key=lambda stage: (capacity[stage], replicas[stage], stage))
+        mean = sum(capacity) / len(servers) if servers else 0.0
+        for stage, _ in self._pending:
+            capacity[stage] += mean
+            replicas[stage] += 1
+        chosen = min(range(self.num_stages), key=lambda stage: (capacity[stage], replicas[stage], stage))
+        self._pending.append((chosen, now + self.lease_s))
+        return chosen
 
     def view(self) -> dict:
         """The swarm as JSON: every stage in order with its capacity and live replicas by URL."""

@@ -11,6 +11,9 @@ unknown fields are ignored, so old and new servers interoperate::
     POST /deregister {server_id} -> {removed}
     GET  /swarm      -> {run_id, num_stages, heartbeat_s, lease_s, stages: [{stage, capacity, replicas}]}
     GET  /health     -> {status: "ok", servers}
+    GET  /metrics, GET /, GET /dashboard.json, POST /progress: metrics.py, dashboard_routes.py
+    POST /average    -> {rounds: [{stage, round_id, members, accepted, ended}]}  (app.py)
+                     an averaging pass of every stage with 2+ replicas, answered when it ended
 
 Errors are ``{"error": {"code", "message"}}``: 400 bad_payload, 404 unknown_server,
 409 wrong_run / stage_out_of_range, 413, 415, 503 registry_full.

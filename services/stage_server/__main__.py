@@ -13,11 +13,11 @@ import os
 import signal
 import sys
 
-import aiohttp
 import torch
 from aiohttp import web
 
 from shared.config import StageServerSettings, parse_settings
+from shared.http import server_ssl_context, swarm_session
 from shared.log import configure_logging, get_logger
 from services.stage_server.app import create_app
 from services.stage_server.routes import MOVE
@@ -37,7 +37,7 @@ async def resolve(settings: StageServerSettings, log) -> StageServerSettings:
     if stage == "auto":
         if not coordinator:
             raise ValueError("SWARM_STAGE=auto needs a coordinator: set SWARM_COORDINATOR or run one on this LAN with mDNS")
-        async with aiohttp.ClientSession() as session:
+        async with swarm_session(settings) as session:
             stage = await assign_stage(session, coordinator, settings.run_id)
         log.info("stage.assigned", stage=stage)
     return settings.model_copy(update={"coordinator": coordinator, "stage": stage})
@@ -50,12 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = asyncio.run(resolve(settings, get_logger(service="stage_server", run=settings.run_id)))
         app = create_app(settings)
+        ssl_context = server_ssl_context(settings)
     except (ValueError, RemoteError) as exc:
         print(f"swarm server: {exc}", file=sys.stderr)
         return 2
     order = app[MOVE]
     order.on_order = lambda: os.kill(os.getpid(), signal.SIGTERM)  # drain, deregister, then restart below
-    web.run_app(app, host=settings.host, port=settings.port, print=None, shutdown_timeout=settings.drain_timeout_s, access_log=None)
+    web.run_app(app, host=settings.host, port=settings.port, print=None, shutdown_timeout=settings.drain_timeout_s, access_log=None, ssl_context=ssl_context)
     if order.to_stage is not None:  # moved by the coordinator: start again as a server of the new stage
         argv = [a for a in (sys.argv[1:] if argv is None else argv)]
         os.execv(sys.executable, [sys.executable, "-m", "services.stage_server", *argv, "--stage", str(order.to_stage)])

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 from aiohttp import web
 
 from shared import checkpoint, codec, package_version
 from shared.errors import RemoteError
 from shared.config import StageServerSettings, advertised_url
-from shared.http import error_middleware, get_json
+from shared.http import auth_middlewares, error_middleware, get_json, request_log_middleware, swarm_session
 from shared.log import get_logger
-from services.stage_server.averaging_routes import add_averaging_routes
+from shared.metrics import Metrics, add_metrics_route, metrics_middleware
+from services.stage_server.averaging_routes import AVERAGER, add_averaging_routes
 from services.stage_server.membership import Membership
+from services.stage_server.metrics import STAGE_METRICS, StageMetrics
 from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, WORKER, MoveOrder, add_routes
 from services.stage_server.runtime import OptimizerConfig, StageRuntime
 from services.stage_server.state import load_stage_state
@@ -34,7 +35,9 @@ def build_runtime(settings: StageServerSettings) -> StageRuntime:
         settings.num_stages,
         seed=settings.seed,
         optim=OptimizerConfig(
-            lr=settings.lr, weight_decay=settings.weight_decay, samples_per_step=settings.samples_per_step, warmup_steps=settings.warmup_steps
+            lr=settings.lr, weight_decay=settings.weight_decay, samples_per_step=settings.samples_per_step,
+            warmup_steps=settings.warmup_steps,
+            max_grad_norm=settings.max_grad_norm,
         ),
         device=settings.device,
         cache_size=settings.backward_cache,
@@ -42,9 +45,10 @@ def build_runtime(settings: StageServerSettings) -> StageRuntime:
 
 
 def create_app(settings: StageServerSettings, runtime: StageRuntime | None = None) -> web.Application:
-    log = get_logger(service="stage_server", run=settings.run_id, stage=settings.stage)
+    log = get_logger(service="stage_server", run=settings.run_id, stage=settings.stage, replica=settings.advertise_url or f"http://{settings.host}:{settings.port}")
     max_bytes = int(settings.max_body_mb * 2**20)
-    app = web.Application(client_max_size=max_bytes, middlewares=[error_middleware(log)])
+    metrics = Metrics("stage_server", run_id=settings.run_id, stage=str(settings.stage), version=package_version())
+    app = web.Application(client_max_size=max_bytes, middlewares=[metrics_middleware(metrics), request_log_middleware(log), error_middleware(log), *auth_middlewares(settings, log)])
     app[SETTINGS] = settings
     app[RUNTIME] = runtime if runtime is not None else build_runtime(settings)
     app[WORKER] = ComputeWorker(settings.max_queue, inject_delay_s=settings.inject_delay_s)
@@ -52,6 +56,8 @@ def create_app(settings: StageServerSettings, runtime: StageRuntime | None = Non
     add_routes(app)
     add_averaging_routes(app)
     add_state_routes(app)
+    add_metrics_route(app, metrics)
+    app[STAGE_METRICS] = StageMetrics(metrics, app[RUNTIME], app[WORKER], app[AVERAGER])
 
     async def lifecycle(app: web.Application):
         spec = app[RUNTIME].spec
@@ -81,10 +87,10 @@ def _load(app: web.Application):
 
 def _membership(settings: StageServerSettings, log):
     async def ctx(app: web.Application):
-        async with aiohttp.ClientSession() as session:
+        async with swarm_session(settings) as session:
             membership = Membership(
                 session, settings.coordinator, run_id=settings.run_id, stage=settings.stage,
-                url=advertised_url(settings.host, settings.port, settings.advertise_url), version=package_version(),
+                url=advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls), version=package_version(),
                 heartbeat_s=settings.heartbeat_s, load=_load(app), log=log,
             )
             app[MEMBERSHIP] = membership
@@ -118,7 +124,7 @@ def _join(settings: StageServerSettings, log):
 
 async def _state_from_peers(settings: StageServerSettings, log):
     """The state of the first live replica of this stage that gives it, or None."""
-    async with aiohttp.ClientSession() as session:
+    async with swarm_session(settings) as session:
         try:
             view = await get_json(session, settings.coordinator + "/swarm", timeout_s=10)
             peers = [r["url"] for r in view["stages"][settings.stage]["replicas"]]
@@ -137,7 +143,7 @@ def _announcement(settings: StageServerSettings):
     async def ctx(app: web.Application):
         from shared.discovery import STAGE_TYPE, Announcer
 
-        url = advertised_url(settings.host, settings.port, settings.advertise_url)
+        url = advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls)
         async with Announcer(settings.mdns_interfaces) as announcer:
             await announcer.start(STAGE_TYPE, f"stage{settings.stage}-{settings.port}-{settings.run_id}", url, {"run_id": settings.run_id, "stage": str(settings.stage)})
             yield

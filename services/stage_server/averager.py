@@ -33,6 +33,7 @@ from services.stage_server.averaging import (
     _off_loop,
     backup_reducer,
     apply_average,
+    byzantine_values,
     parse_reduced,
     retry_round_id,
     sample_weight,
@@ -44,13 +45,15 @@ class Averager:
     reductions it owes. ``run_compute`` is the compute worker's ``run``; ``transport`` is set
     once the server has a client session."""
 
-    def __init__(self, runtime, run_compute: Callable[..., Awaitable[Any]], *, int8_block: int, log):
+    def __init__(self, runtime, run_compute: Callable[..., Awaitable[Any]], *, int8_block: int, log, byzantine: tuple[str, float] | None = None):
         self.runtime, self.run_compute, self.int8_block, self.log = runtime, run_compute, int8_block, log
+        self.byzantine = byzantine  # fault injection: (mode, factor) of what this replica sends instead
         self.num_params = sum(p.numel() for p in runtime.params)
         self.transport: Transport | None = None
         self.round: AveragingRound | None = None  # the latest round started here
         self.last_round: AveragingRound | None = None  # the latest round that ended here
         self.rounds_completed = 0
+        self.rounds_started = 0  # started - completed - running = failed (metrics)
         self.samples_at_last_round = 0
         self._task: asyncio.Task | None = None
         self._close_handle: asyncio.TimerHandle | None = None
@@ -87,6 +90,7 @@ class Averager:
             except SwarmError as exc:
                 self.log.warning("averaging.part.dropped", round_id=spec.round_id, sender=msg.sender, reason=exc.message)
         self.round = rnd
+        self.rounds_started += 1
         self._close_handle = loop.call_at(rnd.deadline, rnd.close)
         self._task = asyncio.create_task(self._run(rnd), name=f"averaging-{spec.round_id}")
         self._wake_result_waiters()
@@ -156,9 +160,13 @@ class Averager:
         log = self.log.bind(round_id=spec.round_id, index=spec.index, members=spec.k)
         try:
             flat, samples = await self.run_compute(snapshot, self.runtime)
-            rnd.set_snapshot(flat, sample_weight(samples, self.samples_at_last_round))
-            log.info("averaging.round.started", weight=rnd.weight, codec=spec.codec, parameters=self.num_params)
-            parts = await asyncio.gather(*(self._obtain(rnd, flat, j, log) for j in range(spec.k)))
+            sent = flat
+            if self.byzantine is not None:
+                sent = byzantine_values(flat, *self.byzantine, seed=self.rounds_completed)
+                log.warning("averaging.byzantine", mode=self.byzantine[0], factor=self.byzantine[1])
+            rnd.set_snapshot(sent, sample_weight(samples, self.samples_at_last_round))
+            log.info("averaging.round.started", weight=rnd.weight, codec=spec.codec, aggregator=spec.aggregator, parameters=self.num_params)
+            parts = await asyncio.gather(*(self._obtain(rnd, sent, j, log) for j in range(spec.k)))
             averaged = flat.clone()
             for (start, stop), part in zip(rnd.bounds, parts):
                 if part is not None:

@@ -95,6 +95,62 @@ def weighted_mean(contributions: Mapping[int, tuple[float, torch.Tensor]]) -> to
     return acc.to(torch.float32)
 
 
+AGGREGATORS = ("mean", "centered_clip")
+CLIP_MAX_ITERS = 50
+CLIP_TOL = 1e-7  # relative change of the centre at which CenteredClip has converged
+
+
+def centered_clip(contributions: Mapping[int, tuple[float, torch.Tensor]], *, tau: float | None = None, max_iters: int = CLIP_MAX_ITERS, tol: float = CLIP_TOL) -> tuple[torch.Tensor, int]:
+    """CenteredClip (Karimireddy, He and Jaggi, 2021; the aggregator of BTARD, Gorbunov et
+    al., 2022) over ``{member: (w, x)}``: the fixed point of
+    ``v <- v + sum(w_i (x_i - v) min(1, tau / |x_i - v|)) / sum(w_i)``, iterated from the
+    coordinate-wise median. Returns (centre in fp32, iterations).
+
+    A member can move the result by at most ``tau`` times its share of the weight, however
+    far it sends its values. Robust choices where the caller gives none:
+    - ``tau`` = the median distance of the contributions from the coordinate-wise median
+      (the honest spread while honest members are a majority; 0 when most agree exactly,
+      and then the median is the answer);
+    - weights are capped at the median weight, since a member reports its own weight.
+    """
+    members = sorted(contributions)
+    xs = torch.stack([contributions[m][1].to(torch.float64) for m in members])
+    w = torch.tensor([contributions[m][0] for m in members], dtype=torch.float64)
+    w = torch.minimum(w, w.median())
+    w = w / w.sum()
+    v = xs.median(dim=0).values if len(members) > 2 else xs.mean(dim=0)
+    if tau is None:
+        tau = float((xs - v).norm(dim=1).median())
+    if tau <= 0.0:
+        return v.to(torch.float32), 0
+    for iteration in range(1, max_iters + 1):
+        diff = xs - v
+        norms = diff.norm(dim=1)
+        scale = torch.where(norms > tau, tau / norms.clamp_min(1e-300), torch.ones_like(norms))
+        step = (w * scale) @ diff
+        v = v + step
+        if float(step.norm()) <= tol * (float(v.norm()) + 1e-12):
+            break
+    return v.to(torch.float32), iteration
+
+
+BYZANTINE_MODES = ("sign_flip", "scale", "random")
+
+
+def byzantine_values(flat: torch.Tensor, mode: str, factor: float, seed: int) -> torch.Tensor:
+    """Fault injection (``inject_byzantine``): what a faulty or malicious replica sends into
+    a round instead of its parameters: ``-factor x``, ``factor x``, or noise of ``factor`` x
+    the parameters' scale. Tests of robust aggregation use it; never on in a real swarm."""
+    if mode == "sign_flip":
+        return flat * -factor
+    if mode == "scale":
+        return flat * factor
+    if mode == "random":
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(flat.shape, generator=g) * (factor * float(flat.abs().mean()))
+    raise ValueError(f"byzantine mode must be one of {BYZANTINE_MODES}, got {mode!r}")
+
+
 def sample_weight(samples: int, samples_at_last_round: int) -> float:
     """A member's weight in a round: samples since its last completed round, else ``EPSILON_WEIGHT``."""
     return float(samples - samples_at_last_round) if samples > samples_at_last_round else EPSILON_WEIGHT
@@ -166,6 +222,7 @@ class RoundSpec:
     index: int
     codec: str
     timeout_s: float
+    aggregator: str = "mean"
 
     @property
     def k(self) -> int:
@@ -183,9 +240,11 @@ class RoundSpec:
         _require(isinstance(msg.get("codec"), str) and msg["codec"] in FLOAT_CODECS, f"'codec' must be one of {FLOAT_CODECS}")
         timeout_s = msg.get("timeout_s")
         _require(_is_number(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S, f"'timeout_s' must be a number in (0, {MAX_TIMEOUT_S}]")
+        aggregator = msg.get("aggregator", "mean")
+        _require(isinstance(aggregator, str) and aggregator in AGGREGATORS, f"'aggregator' must be one of {AGGREGATORS}")
         if msg["stage"] != stage:
             raise WrongStage(f"this server holds stage {stage}, not {msg['stage']}")
-        return cls(round_id, stage, tuple(u.rstrip("/") for u in members), index, msg["codec"], float(timeout_s))
+        return cls(round_id, stage, tuple(u.rstrip("/") for u in members), index, msg["codec"], float(timeout_s), aggregator)
 
 
 @dataclass(frozen=True)
@@ -248,8 +307,9 @@ async def _off_loop(numel: int, fn: Callable, *args: Any) -> Any:
 class PartReducer:
     """Collects ``{member: (weight, values)}`` for one part of one round and reduces them once."""
 
-    def __init__(self, round_id: str, part: int, size: int, codec: str, int8_block: int, expected: set[int] | None):
+    def __init__(self, round_id: str, part: int, size: int, codec: str, int8_block: int, expected: set[int] | None, aggregator: str = "mean"):
         self.round_id, self.part, self.size, self.codec, self.int8_block = round_id, part, size, codec, int8_block
+        self.aggregator = aggregator
         self.expected = expected  # None: not known yet (a backup reducer before its own round reduced)
         self.contributions: dict[int, tuple[float, torch.Tensor]] = {}
         self.closed = False
@@ -294,7 +354,10 @@ class PartReducer:
         return await asyncio.shield(self._reduction)
 
     def _reduce(self, contributions: dict[int, tuple[float, torch.Tensor]]) -> ReducedPart:
-        mean = weighted_mean(contributions)
+        if self.aggregator == "centered_clip":
+            mean, _ = centered_clip(contributions)
+        else:
+            mean = weighted_mean(contributions)
         contributors, weight = sorted(contributions), sum(w for w, _ in contributions.values())
         wire = encode_tensor(mean, self.codec, int8_block=self.int8_block)
         body = pack_message({"round_id": self.round_id, "part": self.part, "data": wire, "contributors": contributors, "weight": weight})
@@ -324,7 +387,7 @@ class AveragingRound:
 
     def _reducer(self, round_id: str, part: int, expected: set[int] | None) -> PartReducer:
         start, stop = self.bounds[part]
-        return PartReducer(round_id, part, stop - start, self.spec.codec, self.int8_block, expected)
+        return PartReducer(round_id, part, stop - start, self.spec.codec, self.int8_block, expected, self.spec.aggregator)
 
     def reducer(self, round_id: str, part: int) -> tuple[PartReducer, float]:
         """The reducer of ``part`` under ``round_id`` (the round's or one of its retries) and its reduce time."""
@@ -385,5 +448,5 @@ class AveragingRound:
 
     def summary(self) -> dict:
         spec = self.spec
-        return {"round_id": spec.round_id, "members": list(spec.members), "index": spec.index, "codec": spec.codec,
+        return {"round_id": spec.round_id, "members": list(spec.members), "index": spec.index, "codec": spec.codec, "aggregator": spec.aggregator,
                 "weight": self.weight, "bytes_sent": self.bytes_sent, **self.outcome}

@@ -22,7 +22,7 @@ import aiohttp
 from aiohttp import web
 
 from shared.errors import WrongStage
-from shared.http import MSGPACK, msgpack_response, post_message, read_message
+from shared.http import MSGPACK, msgpack_response, post_message, read_message, swarm_session
 from shared.log import get_logger
 from services.stage_server.averager import Averager
 from services.stage_server.averaging import OFF_LOOP_VALUES, PartMessage, RoundSpec, decode_values, parse_part_request
@@ -81,7 +81,8 @@ def add_averaging_routes(app: web.Application) -> None:
     """Routes and lifecycle of averaging; call after ``RUNTIME``, ``WORKER`` and ``SETTINGS`` are set."""
     settings = app[SETTINGS]
     log = get_logger(service="stage_server", run=settings.run_id, stage=settings.stage)
-    averager = Averager(app[RUNTIME], app[WORKER].run, int8_block=settings.int8_block, log=log)
+    byzantine = (settings.inject_byzantine, settings.inject_byzantine_factor) if settings.inject_byzantine else None
+    averager = Averager(app[RUNTIME], app[WORKER].run, int8_block=settings.int8_block, log=log, byzantine=byzantine)
     app[AVERAGER] = averager
     app.router.add_post("/average/start", start)
     app.router.add_post("/average/part", part)
@@ -89,7 +90,7 @@ def add_averaging_routes(app: web.Application) -> None:
     app.router.add_get("/average/status", status)
 
     async def client_session(app: web.Application):
-        async with aiohttp.ClientSession() as session:
+        async with swarm_session(settings) as session:
             averager.transport = HttpTransport(session)
             yield
             await averager.close()

@@ -7,6 +7,8 @@ Request bodies (msgpack maps, see ``shared.codec``)::
     /backward {v, run_id?, stage, microbatch_id, seed, codec?, inputs, targets?, grad_outputs?}
               -> {stage, microbatch_id, grad_inputs?, loss?}
 
+``GET /metrics`` (Prometheus text) is added by the app factory (``shared.metrics``).
+
 ``codec`` picks the codec of the reply's tensors (default: the server's ``wire_codec``);
 ``eval: true`` marks a forward that no backward follows (nothing is cached for it).
 """
@@ -26,6 +28,7 @@ from shared.codec import FLOAT_CODECS, decode_tensor, encode_tensor
 from shared.config import StageServerSettings
 from shared.errors import BadPayload, WrongStage
 from shared.http import msgpack_response, read_message
+from services.stage_server.metrics import STAGE_METRICS
 from services.stage_server.runtime import StageRuntime
 from services.stage_server.worker import ComputeWorker
 
@@ -86,6 +89,7 @@ async def _parse(request: web.Request, *, backward: bool) -> StageRequest:
     device = request.app[RUNTIME].device
     body_bytes = request.content_length if request.content_length is not None else OFF_LOOP_BYTES  # chunked: assume large
     tensors = await _off_loop(body_bytes, _decode_all, msg, names, device)
+    request.app[STAGE_METRICS].count_tensors("in", msg)
     return StageRequest(mb_id, seed, codec, is_eval, *tensors)
 
 
@@ -118,6 +122,7 @@ async def forward(request: web.Request) -> web.Response:
         reply["loss"] = float(output)
     else:
         reply["outputs"] = await _encode(output, req.reply_codec, settings.int8_block)
+    request.app[STAGE_METRICS].count_tensors("out", reply)
     return msgpack_response(reply)
 
 
@@ -131,6 +136,7 @@ async def backward(request: web.Request) -> web.Response:
         reply["grad_inputs"] = await _encode(result.grad_inputs, req.reply_codec, settings.int8_block)
     if result.loss is not None:
         reply["loss"] = result.loss
+    request.app[STAGE_METRICS].count_tensors("out", reply)
     return msgpack_response(reply)
 
 

@@ -10,6 +10,7 @@ not changed since and the input is bit-identical, so the result is the same eith
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     samples_per_step: int = 32
     warmup_steps: int = 0  # learning rate rises linearly from lr/warmup_steps to lr
+    max_grad_norm: float = 0.0  # clip the stage's gradient norm (0: off)
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step ``step`` (0-based)."""
@@ -41,6 +43,8 @@ class StageStats:
     optimizer_steps: int = 0
     cache_hits: int = 0
     compute_s: float = 0.0
+    last_grad_norm: float = 0.0  # norm of the last step's mean gradient, before clipping
+    clipped_steps: int = 0
 
 
 @dataclass
@@ -222,6 +226,14 @@ class StageRuntime:
         n = self._pending_samples
         for p, acc in zip(self.params, self._grad_sum):
             p.grad = acc / n
+        # Per-stage clipping: one bad microbatch (an outlier, a gradient computed against
+        # weights that moved, a replica that just loaded an average) cannot throw the stage
+        # far. A global norm would need every stage's norm before any step; stages step
+        # asynchronously, so each clips its own.
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.max_grad_norm if self.optim_cfg.max_grad_norm > 0 else math.inf)
+        self.stats.last_grad_norm = float(norm)
+        if 0 < self.optim_cfg.max_grad_norm < self.stats.last_grad_norm:
+            self.stats.clipped_steps += 1
         for group in self.optimizer.param_groups:
             group["lr"] = self.optim_cfg.lr_at(self.stats.optimizer_steps)
         self.optimizer.step()

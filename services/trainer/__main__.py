@@ -17,11 +17,14 @@ import aiohttp
 
 from shared.config import TrainerSettings, parse_settings
 from shared.discovery import find_coordinator
+from shared.http import swarm_session
 from shared.log import configure_logging, get_logger
 from shared.retry import RetryPolicy
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import HopTimeouts, PipelineClient
+from services.trainer.progress import ProgressDisplay, choose_display
 from services.trainer.swarm_view import SwarmView
+from services.trainer.telemetry import TrainerTelemetry
 from services.trainer.trainer import Trainer, summary_json
 from services.trainer.wiring import ReplicaBalancer
 
@@ -98,14 +101,14 @@ async def train(settings: TrainerSettings) -> int:
     log = get_logger(service="trainer", run=settings.run_id, trainer=trainer_id)
     batcher = ByteBatcher(load_corpus(settings.corpus or None), settings.seq_len, settings.microbatch_size, seed=settings.seed)
     balancer = ReplicaBalancer(settings.num_stages, rng=random.Random(settings.seed))
-    connector = aiohttp.TCPConnector(limit=0)  # one keep-alive connection per request in flight
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with swarm_session(settings, limit=0) as session:  # limit 0: one keep-alive connection per request in flight
         view = await find_swarm(session, settings, balancer, log)
         stage_urls = [list(balancer.estimates(s)) for s in range(settings.num_stages)]
         # registry entries are live servers: a short wait suffices; fixed URLs may still be starting
         info = await check_stages(session, stage_urls, settings, log, wait_s=settings.info_timeout_s if view else READY_WAIT_S)
         if settings.seq_len > info["model_config"]["block_size"]:
             raise SwarmMismatch(f"SWARM_SEQ_LEN={settings.seq_len} exceeds the model's block_size {info['model_config']['block_size']}")
+        telemetry = TrainerTelemetry(run_id=settings.run_id, trainer_id=trainer_id, log=log)
         client = PipelineClient(
             session,
             balancer,
@@ -116,7 +119,9 @@ async def train(settings: TrainerSettings) -> int:
             log=log,
             on_stage_empty=view.stage_empty if view else None,
             client_id=trainer_id,
+            telemetry=telemetry,
         )
+        display = ProgressDisplay(choose_display(settings.progress, sys.stderr, log_format=settings.log_format), settings.steps, stream=sys.stderr, initial_steps=settings.start_step, every_steps=settings.log_every)
         trainer = Trainer(
             client,
             batcher,
@@ -128,12 +133,17 @@ async def train(settings: TrainerSettings) -> int:
             metrics_file=settings.metrics_file,
             log=log,
             start_step=settings.start_step,
+            on_step=lambda record: (display.show_record(record), telemetry.step_done(record)),
+            before_final_eval=(lambda: view.average(settings.final_average_timeout_s)) if view and settings.final_average else None,
         )
         log.info("train.start", steps=settings.steps, microbatches_per_step=trainer.microbatches_per_step, in_flight=settings.in_flight, codec=settings.wire_codec)
+        await telemetry.start(session, coordinator=view.coordinator if view else settings.coordinator, host=settings.metrics_host, port=settings.metrics_port)
         refresher = asyncio.create_task(view.run()) if view else None
         try:
-            summary = await trainer.run()
+            with display:  # meanwhile log lines go above the bar
+                summary = await trainer.run()
         finally:
+            await telemetry.stop()  # the last progress report, then /metrics closes
             if refresher:
                 refresher.cancel()
                 await asyncio.gather(refresher, return_exceptions=True)

@@ -24,7 +24,7 @@ import aiohttp
 
 from shared.codec import encode_tensor, pack_message
 from shared.errors import RemoteError
-from shared.http import post_message
+from shared.http import MICROBATCH_HEADER, post_message
 from shared.retry import RetryPolicy
 from services.trainer.data import Microbatch
 from services.trainer.wiring import NoReplica, ReplicaBalancer
@@ -57,12 +57,14 @@ class PipelineClient:
         log=None,
         on_stage_empty: Callable[[int], Awaitable[None]] | None = None,
         client_id: str = "",
+        telemetry=None,
     ):
         self.session, self.balancer, self.run_id = session, balancer, run_id
         self.codec, self.timeouts, self.retry, self.log = codec, timeouts, retry, log
         self.on_stage_empty = on_stage_empty  # e.g. refresh the registry view at once
         self.client_id = client_id or uuid.uuid4().hex[:8]  # microbatch ids stay unique across trainers
         self.num_stages = balancer.num_stages
+        self.telemetry = telemetry  # a TrainerTelemetry: hops, bytes and microbatches counted
 
     async def train(self, mb: Microbatch, seed: int) -> float:
         """Forward and backward one microbatch; returns its loss (mean over its tokens)."""
@@ -80,6 +82,8 @@ class PipelineClient:
             stage_inputs[stage + 1] = None  # no longer needed: free it early
             msg = {**base, "stage": stage, "inputs": stage_inputs[stage], "grad_outputs": grad}
             grad = await self._call(mb, stage, "/backward", msg, _grad_inputs if stage else _nothing)
+        if self.telemetry:
+            self.telemetry.microbatch_done(mb.num_tokens)
         return loss
 
     async def evaluate(self, mb: Microbatch, seed: int) -> float:
@@ -99,6 +103,7 @@ class PipelineClient:
         timeout_s = self.timeouts.forward_s if kind == "forward" else self.timeouts.backward_s
         batch = mb.inputs.shape[0]
         body = pack_message(msg)  # packed once, resent as is on a retry
+        headers = {MICROBATCH_HEADER: msg["microbatch_id"]}  # the servers bind it in their log lines
         tried: list[str] = []
         errors: list[RemoteError] = []
         for attempt in range(self.retry.max_retries + 1):
@@ -113,21 +118,30 @@ class PipelineClient:
                 continue
             started = time.monotonic()
             try:
-                reply = await post_message(self.session, url + path, msg, timeout_s=timeout_s, body=body)
+                reply = await post_message(self.session, url + path, msg, timeout_s=timeout_s, body=body, headers=headers)
                 result = read(reply)
             except RemoteError as err:
                 err.url = url
+                if self.telemetry:
+                    self.telemetry.hop(stage, kind, time.monotonic() - started, err.code, msg)
                 errors.append(err)
                 tried.append(url)
                 if err.retryable:  # the replica's fault (down, overloaded, moved): ban it for a while
                     self.balancer.report_failure(stage, url)
                 if self.log:
-                    self.log.warning("hop.failed", microbatch=mb.index, stage=stage, path=path, replica=url, status=err.status, code=err.code, attempt=attempt)
+                    self.log.warning("hop.failed", microbatch=msg["microbatch_id"], stage=stage, path=path, replica=url, status=err.status, code=err.code, attempt=attempt)
                 if not err.retryable:
                     break
                 continue
-            self.balancer.report_success(stage, url, time.monotonic() - started, batch, kind)
+            seconds = time.monotonic() - started
+            self.balancer.report_success(stage, url, seconds, batch, kind)
+            if self.telemetry:
+                self.telemetry.hop(stage, kind, seconds, "ok", msg, reply)
+            if self.log:
+                self.log.debug("hop.done", microbatch=msg["microbatch_id"], stage=stage, path=path, replica=url, seconds=round(seconds, 6))
             return result
+        if self.telemetry and not msg.get("eval"):
+            self.telemetry.microbatch_failed()
         raise MicrobatchFailed(mb.index, stage, path, errors)
 
 

@@ -12,7 +12,7 @@ import asyncio
 import aiohttp
 
 from shared.errors import RemoteError
-from shared.http import get_json
+from shared.http import get_json, post_json
 from services.trainer.wiring import ReplicaBalancer
 
 REFRESH_TIMEOUT_S = 5.0
@@ -40,6 +40,19 @@ class SwarmView:
                 self.balancer.set_replicas(int(entry["stage"]), [r["url"] for r in entry["replicas"]])
             self.refreshes += 1
             return True
+
+    async def average(self, timeout_s: float) -> list[dict] | None:
+        """Ask the coordinator for an averaging pass of every stage (``POST /average``) and
+        wait for it; the rounds it ran, or None (logged) if it failed or timed out."""
+        try:
+            rounds = (await post_json(self.session, self.coordinator + "/average", {}, timeout_s=timeout_s))["rounds"]
+        except (RemoteError, KeyError) as exc:
+            if self.log:
+                self.log.warning("averaging.final.failed", coordinator=self.coordinator, error=repr(exc))
+            return None
+        if self.log:
+            self.log.info("averaging.final", stages=[r.get("stage") for r in rounds], ended=[r.get("ended") for r in rounds])
+        return rounds
 
     def replicas(self) -> list[list[str]]:
         return [list(self.balancer.estimates(s)) for s in range(self.balancer.num_stages)]

@@ -11,6 +11,7 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from services.trainer.data import ByteBatcher
@@ -58,12 +59,17 @@ class StepTracker:
 
 
 class Trainer:
-    def __init__(self, client: PipelineClient, batcher: ByteBatcher, *, steps: int, samples_per_step: int, in_flight: int, seed: int = 0, log_every: int = 10, eval_microbatches: int = 4, metrics_file: str = "", log=None, start_step: int = 0):
-        """Trains steps ``start_step`` .. ``steps - 1`` (a resumed run starts past 0)."""
+    def __init__(self, client: PipelineClient, batcher: ByteBatcher, *, steps: int, samples_per_step: int, in_flight: int, seed: int = 0, log_every: int = 10, eval_microbatches: int = 4, metrics_file: str = "", log=None, start_step: int = 0, before_final_eval=None, on_step: Callable[[dict], None] | None = None):
+        """Trains steps ``start_step`` .. ``steps - 1`` (a resumed run starts past 0).
+        ``before_final_eval``: an async callable awaited after the last step, before the
+        final evaluation (the swarm's replicas averaged, so one model is evaluated).
+        ``on_step``: called with each step's metrics record as the step completes (progress)."""
         self.client, self.batcher, self.log = client, batcher, log
         self.steps, self.in_flight, self.seed, self.log_every = steps, in_flight, seed, log_every
         self.start_step = start_step
         self.eval_microbatches, self.metrics_file = eval_microbatches, metrics_file
+        self.before_final_eval = before_final_eval
+        self.on_step = on_step
         self.microbatches_per_step = max(1, math.ceil(samples_per_step / batcher.microbatch_size))
 
     async def evaluate(self) -> float:
@@ -105,6 +111,8 @@ class Trainer:
         await asyncio.gather(*(worker() for _ in range(self.in_flight)))
         summary.elapsed_s = time.perf_counter() - started
         summary.tokens_per_s = summary.tokens / summary.elapsed_s if summary.elapsed_s else 0.0
+        if self.before_final_eval is not None:
+            await self.before_final_eval()
         summary.eval_loss_after = await self.evaluate()
         self._emit("train.eval", when="after", loss=round(summary.eval_loss_after, 4))
         return summary
@@ -115,6 +123,8 @@ class Trainer:
         if self.metrics_file:
             with open(self.metrics_file, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.on_step:
+            self.on_step(record)
         if (step + 1) % self.log_every == 0 or step == 0 or step + 1 == self.steps:
             self._emit("train.step", **record)
 

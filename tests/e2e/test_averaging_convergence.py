@@ -1,5 +1,11 @@
 """Replicas kept in sync by averaging train as well as one replica per stage: the same
-samples and the same total batch give a final loss within 5%."""
+samples and the same total batch give a final loss within 5%.
+
+Two things made this hold (measured, see docs/architecture.md "Averaging"): each stage clips
+its gradient norm (without it, a 2-replica run now and then took one wild step near the
+loss plateau at ~3.4 and ended 4-10% behind), and the trainer asks for a last averaging
+pass before its final evaluation, so it evaluates one model rather than replicas that
+drifted apart since the last periodic round."""
 
 from __future__ import annotations
 
@@ -23,21 +29,17 @@ def train(run_dir, *, replicas: int, samples_per_step: int) -> tuple[dict, str]:
     assert result.returncode == 0, result.stderr[-3000:]
     assert processes_of_run(run_dir.name) == []
     coordinator_log = (run_dir / "coordinator.log").read_text()
-    return json.loads((run_dir / "summary.json").read_text()), coordinator_log
+    return json.loads((run_dir / "summary.json").read_text()), coordinator_log + result.stdout + result.stderr
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open (issue 4, item 7): measured 2 replicas vs 1 at +0.9%, +2.6%, +9.9% (1920 samples) and +7.7% (3200): "
-    "not reliably within 5% yet; runs and reports, does not gate CI",
-)
 def test_two_averaged_replicas_per_stage_train_as_well_as_one(tmp_path):
     one, _ = train(tmp_path / f"e2e-one-{os.getpid()}", replicas=1, samples_per_step=32)
     # two replicas, each stepping on half the batch: together the same 32 samples per step
-    two, coordinator_log = train(tmp_path / f"e2e-two-{os.getpid()}", replicas=2, samples_per_step=16)
+    two, logs = train(tmp_path / f"e2e-two-{os.getpid()}", replicas=2, samples_per_step=16)
     assert one["microbatches_failed"] == two["microbatches_failed"] == 0
     assert one["tokens"] == two["tokens"]  # the same samples
-    rounds = len(re.findall(r"averaging.round.started", coordinator_log))
+    rounds = len(re.findall(r"averaging.round.started", logs))
     assert rounds >= 4, f"only {rounds} averaging rounds ran"
+    assert re.search(r"averaging.final .*ended=\[2, 2, 2, 2\]", logs), "no final averaging pass of all 4 stages before the evaluation"
     print(f"\naveraging: eval loss {one['eval_loss_after']:.4f} (1 replica) vs {two['eval_loss_after']:.4f} (2 replicas, {rounds} rounds)")
     assert two["eval_loss_after"] <= 1.05 * one["eval_loss_after"], (one["eval_loss_after"], two["eval_loss_after"])

@@ -380,3 +380,32 @@ async def test_the_coordinator_runs_rounds_and_its_metrics_show_it_moves_no_tens
     rounds = max(s["rounds_completed"] for s in statuses) + 1  # one more may have started since
     assert 0 < traffic["sent"] < 2048 * rounds and traffic["received"] < 2048 * rounds
     assert member_bytes > 500 * (traffic["sent"] / rounds)
+
+
+async def test_post_average_runs_a_pass_now_and_answers_when_it_ended(serve, http_session):
+    """``POST /average`` (what a trainer asks before its final evaluation): with periodic
+    averaging off, the coordinator runs one round per stage with 2+ replicas and answers
+    once the members report it ended; the replicas then hold the weighted mean."""
+    from shared.config import CoordinatorSettings
+    from services.coordinator.app import create_app as create_coordinator
+
+    samples = [10, 30]
+    apps, _, urls = await replicas(serve, [7, 8], samples)
+    _, _, (lone,) = await replicas(serve, [9], [5])  # a second stage would be skipped: one replica
+    before = [await params_of(app) for app in apps]
+    expected = weighted_mean(before, samples)
+    settings = CoordinatorSettings(run_id="test", num_stages=4, heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator="", average_every_s=0, averaging_timeout_s=10.0, rebalance_every_s=0)
+    _, coordinator = await serve(create_coordinator(settings))
+    for i, (url, stage) in enumerate([(urls[0], STAGE), (urls[1], STAGE), (lone, STAGE + 1)]):
+        body = {"run_id": "test", "server_id": f"r{i}", "stage": stage, "url": url, "version": "t", "throughput": 1.0, "queue_length": 0}
+        async with http_session.post(coordinator + "/register", json=body) as resp:
+            assert resp.status == 200
+    assert [(await status_of(http_session, u))["rounds_completed"] for u in urls] == [0, 0], "average_every_s=0 runs no round by itself"
+
+    async with http_session.post(coordinator + "/average", json={}, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+        assert resp.status == 200
+        (rnd,) = (await resp.json())["rounds"]
+    assert rnd["stage"] == STAGE and sorted(rnd["members"]) == sorted(urls) and rnd["accepted"] == 2 and rnd["ended"] == 2
+    for app in apps:  # answered after the round ended: no polling needed here
+        assert (await params_of(app) - expected).abs().max().item() <= 1e-6
+    assert [(await status_of(http_session, u))["last_round"]["round_id"] for u in urls] == [rnd["round_id"]] * 2

@@ -22,6 +22,7 @@ from services.stage_server.averaging import (
     RoundConflict,
     RoundSpec,
     backup_reducer,
+    centered_clip,
     flat_parameters,
     load_flat_parameters,
     parse_reduced,
@@ -110,6 +111,10 @@ def test_round_spec_validates_and_refuses_another_stage():
             RoundSpec.from_message(bad, stage=1)
     with pytest.raises(WrongStage):
         RoundSpec.from_message(start(stage=2), stage=1)
+    assert spec.aggregator == "mean" and RoundSpec.from_message(start(aggregator="centered_clip"), stage=1).aggregator == "centered_clip"
+    for bad in ["median", 1, None]:
+        with pytest.raises(BadPayload, match="aggregator"):
+            RoundSpec.from_message(start(aggregator=bad), stage=1)
 
 
 def test_part_message_validates_weight_sender_and_part():
@@ -205,3 +210,55 @@ def test_apply_average_keeps_what_was_learned_during_the_round():
     load_flat_parameters(rt, before + step)  # an optimizer step taken while the round ran
     apply_average(rt, before, averaged)
     assert torch.allclose(flat_parameters(rt.params), averaged + step)
+
+
+# --------------------------------------------------------------------------- CenteredClip
+def honest_and_attacker(attack: str, n: int = 5000, seed: int = 0) -> tuple[dict, torch.Tensor, float]:
+    """3 honest members around a common centre (spread ~0.01 per value) and member 3 the
+    attacker; returns the contributions, the honest mean and the honest spread (the largest
+    distance of an honest member from the honest mean)."""
+    g = torch.Generator().manual_seed(seed)
+    centre = torch.randn(n, generator=g)
+    honest = [centre + 0.01 * torch.randn(n, generator=g) for _ in range(3)]
+    attacker = {"sign_flip": -1000 * honest[0], "scale": 1000 * honest[0], "random": 100 * torch.randn(n, generator=g)}[attack]
+    contributions = {i: (32.0, x) for i, x in enumerate(honest)} | {3: (32.0, attacker)}
+    honest_mean = torch.stack(honest).mean(0)
+    spread = max(float((x - honest_mean).norm()) for x in honest)
+    return contributions, honest_mean, spread
+
+
+@pytest.mark.parametrize("attack", ["sign_flip", "scale", "random"])
+def test_centered_clip_stays_within_the_honest_spread_where_the_mean_does_not(attack):
+    contributions, honest_mean, spread = honest_and_attacker(attack)
+    clipped, iterations = centered_clip(contributions)
+    assert float((clipped - honest_mean).norm()) <= spread, "CenteredClip left the honest members' spread"
+    assert iterations < 50, "did not reach its fixed point"
+    assert float((weighted_mean(contributions) - honest_mean).norm()) > 100 * spread, "the plain mean should be dragged away"
+
+
+def test_centered_clip_caps_a_weight_the_attacker_claims():
+    contributions, honest_mean, spread = honest_and_attacker("sign_flip")
+    contributions[3] = (1e15, contributions[3][1])  # weights are self-reported
+    clipped, _ = centered_clip(contributions)
+    assert float((clipped - honest_mean).norm()) <= spread
+
+
+def test_centered_clip_of_honest_members_is_their_mean_or_close_to_it():
+    g = torch.Generator().manual_seed(1)
+    xs = {i: (1.0, torch.randn(1000, generator=g)) for i in range(2)}
+    assert torch.allclose(centered_clip(xs)[0], weighted_mean(xs), atol=1e-6)  # two members: nothing to clip
+    same = {i: (float(i + 1), torch.full((10,), 2.5)) for i in range(4)}
+    assert torch.equal(centered_clip(same)[0], torch.full((10,), 2.5))
+    centre = torch.randn(1000, generator=g)
+    close = {i: (1.0, centre + 0.01 * torch.randn(1000, generator=g)) for i in range(4)}
+    mean = weighted_mean(close)
+    assert float((centered_clip(close)[0] - mean).norm()) < 0.5 * max(float((x - mean).norm()) for _, x in close.values())
+
+
+async def test_reducer_with_centered_clip_serves_the_robust_centre():
+    contributions, honest_mean, spread = honest_and_attacker("sign_flip", n=64)
+    reducer = PartReducer("r1", 0, 64, "fp32", 4096, expected=set(contributions), aggregator="centered_clip")
+    for member, (w, x) in contributions.items():
+        reducer.add(member, w, x)
+    reduced = await asyncio.wait_for(reducer.reduced(loop_time() + 60), 5)
+    assert float((reduced.values - honest_mean).norm()) <= spread and reduced.contributors == (0, 1, 2, 3)

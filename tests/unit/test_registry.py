@@ -161,6 +161,20 @@ def test_assign_stage_ties_fewest_replicas_then_lowest_index(registry):
     assert registry.assign_stage() == 2
 
 
+def test_assign_stage_spreads_servers_that_ask_before_they_register(registry, clock):
+    """Servers started together (a Deployment scaled to 6, stage auto) all ask before any
+    registers: each hand-out counts until its server registers or a lease period passes."""
+    assert [registry.assign_stage() for _ in range(6)] == [0, 1, 2, 3, 0, 1]
+    for n, stage in enumerate([0, 1, 2, 3, 0, 1]):
+        add(registry, n + 1, stage=stage, throughput=1.0)  # each registration uses up its hand-out
+    assert registry.assign_stage() == 2  # 2 and 3 have one replica each; no hand-out left over
+    clock.advance(LEASE_S - 1)
+    for n in range(1, 7):
+        registry.heartbeat(f"s{n}", 1.0, 0)
+    clock.advance(2)  # a lease period passed since the hand-out to stage 2; the servers heartbeated: live
+    assert registry.assign_stage() == 2  # had the lapsed hand-out counted, stage 2 would have 2 and 3 be chosen
+
+
 def test_assign_stage_counts_zero_throughput_and_ignores_expired(registry, clock):
     for stage in range(4):
         add(registry, stage + 1, stage=stage, throughput=0.0)

@@ -1,0 +1,46 @@
+"""The stage server's metrics beyond the HTTP edge (see ``shared.metrics``).
+
+Read at scrape time from the objects that hold them: the runtime's counters (forwards,
+backwards, samples, optimizer steps), the compute worker's queue and busy time, the
+averager's rounds. Counted as they pass: tensor payload bytes by direction and codec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from aiohttp import web
+
+from shared.metrics import Metrics, counter, gauge, tensor_bytes
+
+
+class StageMetrics:
+    """Registers the stage's state collector on ``metrics``; counts tensor bytes as they pass."""
+
+    def __init__(self, metrics: Metrics, runtime, worker, averager):
+        self.runtime, self.worker, self.averager = runtime, worker, averager
+        self.tensor_bytes = metrics.counter("swarm_stage_tensor_bytes", "tensor payload bytes of /forward and /backward, by direction and wire codec", ["direction", "codec"])
+        metrics.add_state(self.collect)
+
+    def count_tensors(self, direction: str, msg: Mapping) -> None:
+        """Count the wire tensors of a request (``direction="in"``) or reply (``"out"``)."""
+        for codec, size in tensor_bytes(msg).items():
+            self.tensor_bytes.labels(direction, codec).inc(size)
+
+    def collect(self) -> Iterable:
+        stats, worker, averager = self.runtime.stats, self.worker, self.averager
+        yield counter("swarm_stage_forwards", "forward passes run (evaluation included)", stats.forwards)
+        yield counter("swarm_stage_backwards", "backward passes run", stats.backwards)
+        yield counter("swarm_stage_samples", "samples whose backward ran here (rate() = samples/s)", stats.samples)
+        yield counter("swarm_stage_optimizer_steps", "optimizer steps taken", stats.optimizer_steps)
+        yield counter("swarm_stage_backward_cache_hits", "backwards that reused a cached forward graph", stats.cache_hits)
+        yield counter("swarm_stage_compute_seconds", "seconds of forward and backward compute", stats.compute_s)
+        yield counter("swarm_stage_busy_seconds", "seconds the compute worker spent on jobs", worker.busy_s)
+        yield gauge("swarm_stage_queue_depth", "jobs accepted by the compute worker and not finished", worker.queue_depth)
+        yield gauge("swarm_stage_throughput_samples_per_second", "samples per busy second: what the heartbeat reports", stats.samples / worker.busy_s if worker.busy_s else 0.0)
+        yield gauge("swarm_stage_weights_version", "bumped by every change of the weights", self.runtime.version)
+        yield gauge("swarm_stage_draining", "1 while the server drains before it stops", float(worker.draining))
+        failed = max(0, averager.rounds_started - averager.rounds_completed - int(averager.running))
+        yield counter("swarm_stage_averaging_rounds", "averaging rounds this server took part in, by outcome", {("completed",): averager.rounds_completed, ("failed",): failed}, ["outcome"])
+
+STAGE_METRICS = web.AppKey("stage_metrics", StageMetrics)

@@ -22,6 +22,7 @@ COMMANDS = {
     "up": ("services.local_swarm", "run a coordinator, stage servers and trainers on loopback and train"),
     "export": ("services.export", "write the whole model from a checkpoint as one safetensors file"),
     "plot": ("services.plot", "draw loss and tokens/s against step from a run's metrics as a PNG"),
+    "simulate": ("services.simulator.__main__", "simulate a swarm across regions with preemption (SWARM vs fixed pipelines)"),
 }
 
 

@@ -106,6 +106,9 @@ class Registry:
         # time each hand-out lapses: servers started together (a Deployment scaled up,
         # `swarm up`) spread over the stages instead of all joining the same one.
         self._pending: list[tuple[int, float]] = []
+        # Round-trip times each live server measured to its peers (peer URL -> ms), from its
+        # heartbeats: soft state, kept in memory only (a restarted coordinator relearns it).
+        self.rtt_ms: dict[str, dict[str, float]] = {}
         self._db = sqlite3.connect(db_path)
         try:
             self._open_schema()
@@ -180,10 +183,12 @@ class Registry:
         if others >= self.max_servers:
             raise RegistryFull(f"the registry is full: {others} live servers (raise SWARM_MAX_SERVERS)", retry_after_s=self.lease_s)
 
-    def heartbeat(self, server_id, throughput, queue_length) -> float:
-        """Renew a live server's lease and update its load; returns when the new lease expires."""
+    def heartbeat(self, server_id, throughput, queue_length, rtt_ms=None) -> float:
+        """Renew a live server's lease and update its load (and its measured round-trip times
+        to peers, if given); returns when the new lease expires."""
         server_id = _check_id(server_id)
         throughput, queue_length = _check_throughput(throughput), _check_count("queue_length", queue_length)
+        rtt = _check_rtt(rtt_ms) if rtt_ms is not None else None
         now = self._clock()
         with self._db:
             renewed = self._db.execute(
@@ -192,6 +197,8 @@ class Registry:
             ).rowcount
         if not renewed:
             raise UnknownServer(f"no live server {server_id!r} (never registered, deregistered or its lease expired): register again")
+        if rtt is not None:
+            self.rtt_ms[server_id] = rtt
         return now + self.lease_s
 
     def deregister(self, server_id: str) -> bool:
@@ -239,7 +246,9 @@ class Registry:
         stages = [{"stage": i, "capacity": 0.0, "replicas": []} for i in range(self.num_stages)]
         for s in servers:
             stages[s.stage]["capacity"] += s.throughput
-            stages[s.stage]["replicas"].append(s.to_json(now))
+            stages[s.stage]["replicas"].append({**s.to_json(now), "rtt_ms": self.rtt_ms.get(s.server_id, {})})
+        live = {s.server_id for s in servers}
+        self.rtt_ms = {k: v for k, v in self.rtt_ms.items() if k in live}  # forget servers that left
         return {"num_stages": self.num_stages, "heartbeat_s": self.heartbeat_s, "lease_s": self.lease_s, "stages": stages}
 
     def _select(self, where: str, args: tuple) -> list[RegisteredServer]:
@@ -273,6 +282,21 @@ def _check_url(url) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise BadPayload(f"'url' must be an http(s) URL with a host, got {url!r}")
     return url.rstrip("/")
+
+
+MAX_RTT_PEERS = 64
+
+
+def _check_rtt(value) -> dict[str, float]:
+    """``{peer URL: round-trip ms}`` from a heartbeat: at most MAX_RTT_PEERS valid URLs with finite times in [0, 600000]."""
+    if not isinstance(value, dict) or len(value) > MAX_RTT_PEERS:
+        raise BadPayload(f"'rtt_ms' must be an object of at most {MAX_RTT_PEERS} peer URLs")
+    out = {}
+    for url, ms in value.items():
+        if type(ms) not in (int, float) or not math.isfinite(ms) or not 0 <= ms <= 600_000:
+            raise BadPayload("'rtt_ms' values must be finite milliseconds in [0, 600000]")
+        out[_check_url(url)] = float(ms)
+    return out
 
 
 def _check_throughput(value) -> float:

@@ -6,7 +6,7 @@ unknown fields are ignored, so old and new servers interoperate::
     POST /register   {run_id, server_id, stage, url, version, throughput, queue_length}
                      -> {server_id, stage, heartbeat_s, lease_s}
     POST /assign     {run_id} -> {stage}                  the stage most in need of a replica
-    POST /heartbeat  {server_id, throughput, queue_length} -> {lease_s}
+    POST /heartbeat  {server_id, throughput, queue_length, rtt_ms?: {peer URL: ms}} -> {lease_s}
                      404 unknown_server: the lease is gone, register again
     POST /deregister {server_id} -> {removed}
     GET  /swarm      -> {run_id, num_stages, heartbeat_s, lease_s, stages: [{stage, capacity, replicas}]}
@@ -87,7 +87,7 @@ async def assign(request: web.Request) -> web.Response:
 async def heartbeat(request: web.Request) -> web.Response:
     msg = await read_json(request)
     registry = request.app[REGISTRY]
-    registry.heartbeat(msg.get("server_id"), msg.get("throughput"), msg.get("queue_length"))
+    registry.heartbeat(msg.get("server_id"), msg.get("throughput"), msg.get("queue_length"), rtt_ms=msg.get("rtt_ms"))
     return web.json_response({"lease_s": registry.lease_s})
 
 

@@ -13,6 +13,7 @@ from shared.http import auth_middlewares, error_middleware, get_json, request_lo
 from shared.log import get_logger
 from shared.metrics import Metrics, add_metrics_route, metrics_middleware
 from services.stage_server.averaging_routes import AVERAGER, add_averaging_routes
+from services.stage_server.latency import LatencyProbe
 from services.stage_server.membership import Membership
 from services.stage_server.metrics import STAGE_METRICS, StageMetrics
 from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, WORKER, MoveOrder, add_routes
@@ -92,6 +93,7 @@ def _membership(settings: StageServerSettings, log):
                 session, settings.coordinator, run_id=settings.run_id, stage=settings.stage,
                 url=advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls), version=package_version(),
                 heartbeat_s=settings.heartbeat_s, load=_load(app), log=log,
+                probe=LatencyProbe(session, settings.coordinator, stage=settings.stage, own_url=advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls)),
             )
             app[MEMBERSHIP] = membership
             task = asyncio.create_task(membership.run())

@@ -28,8 +28,9 @@ async def assign_stage(session: aiohttp.ClientSession, coordinator: str, run_id:
 
 
 class Membership:
-    def __init__(self, session: aiohttp.ClientSession, coordinator: str, *, run_id: str, stage: int, url: str, version: str, heartbeat_s: float, load: Callable[[], tuple[float, int]], log):
+    def __init__(self, session: aiohttp.ClientSession, coordinator: str, *, run_id: str, stage: int, url: str, version: str, heartbeat_s: float, load: Callable[[], tuple[float, int]], log, probe=None):
         self.session, self.coordinator, self.run_id, self.stage = session, coordinator, run_id, stage
+        self.probe = probe  # a LatencyProbe: round-trip times to peers, reported in heartbeats
         self.url, self.version, self.heartbeat_s, self.load, self.log = url, version, heartbeat_s, load, log
         self.server_id = f"s{stage}-{uuid.uuid4().hex[:12]}"
         self.registered = asyncio.Event()
@@ -80,4 +81,7 @@ class Membership:
 
     async def _heartbeat(self) -> None:
         throughput, queue_length = self.load()
-        await post_json(self.session, self.coordinator + "/heartbeat", {"server_id": self.server_id, "throughput": throughput, "queue_length": queue_length}, timeout_s=CONTROL_TIMEOUT_S)
+        body = {"server_id": self.server_id, "throughput": throughput, "queue_length": queue_length}
+        if self.probe is not None:
+            body["rtt_ms"] = await self.probe.maybe_probe()
+        await post_json(self.session, self.coordinator + "/heartbeat", body, timeout_s=CONTROL_TIMEOUT_S)

@@ -98,7 +98,7 @@ async def test_register_heartbeat_deregister_round_trip(start, clock):
     assert (swarm["run_id"], swarm["num_stages"], swarm["heartbeat_s"], swarm["lease_s"]) == (RUN_ID, 4, HEARTBEAT_S, LEASE_S)
     assert [s["capacity"] for s in swarm["stages"]] == [0.0, 0.0, 5.0, 0.0]
     assert swarm["stages"][2]["replicas"] == [
-        {"server_id": "s1", "url": "http://127.0.0.11:8100", "version": "0.1.0", "throughput": 5.0, "queue_length": 3, "lease_age_s": 0.5, "registered_at": T0}
+        {"server_id": "s1", "url": "http://127.0.0.11:8100", "version": "0.1.0", "throughput": 5.0, "queue_length": 3, "lease_age_s": 0.5, "registered_at": T0, "rtt_ms": {}}
     ]
     assert reg.live() == []
     events = [(e["event"], e.get("server_id"), e.get("removed")) for e in logs if e["event"].startswith("registry.")]

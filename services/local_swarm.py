@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, url in servers.items():
             wait_healthy(url, procs.procs[name], args.ready_timeout_s)
         print(f"swarm up: coordinator {coordinator}, {args.stages} stages x {args.replicas} replicas healthy; logs in {run_dir}/", flush=True)
+        print(f"swarm up: live dashboard at {coordinator}/ ; metrics at {coordinator}/metrics", flush=True)
         display = choose_display(args.progress, sys.stderr, log_format=os.environ.get("SWARM_LOG_FORMAT", "console"))
         follower = MetricsFollower([run_dir / f"metrics{s}.jsonl" for s in trainer_suffixes(args.trainers)], start_step=start_step)
         trainers = start_trainers(procs, args, run_dir, {**common, "SWARM_START_STEP": str(start_step)}, logs_to_file=display == "bar")
@@ -248,6 +249,7 @@ def start_trainers(procs: LocalProcesses, args: argparse.Namespace, run_dir: Pat
             "SWARM_CORPUS": args.corpus,
             "SWARM_METRICS_FILE": str(run_dir / f"metrics{suffix}.jsonl"),
             "SWARM_SUMMARY_FILE": str(run_dir / f"summary{suffix}.json"),
+            "SWARM_METRICS_PORT": str(free_port(args.host)),  # each trainer's Prometheus /metrics
             "SWARM_PROGRESS": "off",  # this supervisor shows the progress of all trainers
         }
         trainers.append(procs.start(f"trainer{suffix}", ["services.trainer"], env, log_to_file=logs_to_file))

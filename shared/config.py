@@ -122,6 +122,7 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     max_queue: int = Field(64, ge=1, description="requests queued for compute before 503")
     backward_cache: int = Field(16, ge=0, description="forward graphs kept to skip the backward recompute")
     inject_delay_s: float = Field(0.0, ge=0, description="fault injection: extra seconds per request and forward pass of work (a backward counts 2, the last stage's 3)")
+    inject_garbage: float = Field(0.0, ge=0, le=1, description="fault injection: probability that a /forward or /backward reply body is replaced by random bytes (tests of a replica that returns garbage)")
     inject_byzantine: Literal["", "sign_flip", "scale", "random"] = Field("", description="fault injection: send these values into averaging rounds instead of the parameters (tests of robust averaging)")
     inject_byzantine_factor: float = Field(1000.0, gt=0, description="fault injection: the factor of inject_byzantine")
     drain_timeout_s: float = Field(30.0, gt=0)

@@ -106,7 +106,7 @@ async def request_bytes(session: aiohttp.ClientSession, method: str, url: str, *
         async with session.request(method, url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             payload = await resp.read()
             if resp.status != 200:
-                raise RemoteError(url, resp.status, *_error_of(payload, resp.reason))
+                raise RemoteError(url, resp.status, *_error_of(payload, resp.reason), retry_after_s=_retry_after(resp.headers.get("Retry-After")))
             if resp.content_type != expect:
                 raise RemoteError(url, resp.status, "bad_reply", f"reply has Content-Type {resp.content_type!r}")
             return payload
@@ -135,6 +135,15 @@ async def post_json(session: aiohttp.ClientSession, url: str, body: dict, *, tim
     """POST a JSON control message and return the JSON object answered; failures raise :class:`RemoteError`."""
     data = json.dumps(body, allow_nan=False).encode()
     return _json_object(url, await request_bytes(session, "POST", url, expect=JSON, timeout_s=timeout_s, data=data, content_type=JSON))
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds (the delta form; an HTTP date or junk counts as absent)."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0 <= seconds < 3600 else None
 
 
 def _json_object(url: str, payload: bytes) -> dict:

@@ -127,12 +127,25 @@ def _join(settings: StageServerSettings, log):
 async def _state_from_peers(settings: StageServerSettings, log):
     """The state of the first live replica of this stage that gives it, or None."""
     async with swarm_session(settings) as session:
-        try:
-            view = await get_json(session, settings.coordinator + "/swarm", timeout_s=10)
-            peers = [r["url"] for r in view["stages"][settings.stage]["replicas"]]
-        except (RemoteError, KeyError, IndexError, TypeError) as exc:
-            log.warning("stage.join.no_view", error=repr(exc))
-            return None
+        # An unreachable coordinator (restarting) is waited for up to join_timeout_s: a
+        # server that gave up at once would serve fresh weights into a trained stage.
+        loop = asyncio.get_running_loop()
+        deadline, attempt = loop.time() + settings.join_timeout_s, 0
+        while True:
+            try:
+                view = await get_json(session, settings.coordinator + "/swarm", timeout_s=10)
+                peers = [r["url"] for r in view["stages"][settings.stage]["replicas"]]
+                break
+            except RemoteError as exc:
+                attempt += 1
+                if exc.status is not None or loop.time() >= deadline:
+                    log.warning("stage.join.no_view", error=repr(exc))
+                    return None
+                log.info("stage.join.waiting_for_coordinator", error=exc.code, attempt=attempt)
+                await asyncio.sleep(min(2.0, 0.2 * attempt))
+            except (KeyError, IndexError, TypeError) as exc:
+                log.warning("stage.join.no_view", error=repr(exc))
+                return None
         for url in peers:
             try:
                 return await download_state(session, url, settings.join_timeout_s)

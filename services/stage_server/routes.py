@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import random
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -27,7 +29,7 @@ from shared import WIRE_VERSION, package_version
 from shared.codec import FLOAT_CODECS, decode_tensor, encode_tensor
 from shared.config import StageServerSettings
 from shared.errors import BadPayload, WrongStage
-from shared.http import msgpack_response, read_message
+from shared.http import MSGPACK, msgpack_response, read_message
 from services.stage_server.metrics import STAGE_METRICS
 from services.stage_server.runtime import StageRuntime
 from services.stage_server.worker import ComputeWorker
@@ -123,7 +125,7 @@ async def forward(request: web.Request) -> web.Response:
     else:
         reply["outputs"] = await _encode(output, req.reply_codec, settings.int8_block)
     request.app[STAGE_METRICS].count_tensors("out", reply)
-    return msgpack_response(reply)
+    return _respond(settings, reply)
 
 
 async def backward(request: web.Request) -> web.Response:
@@ -137,7 +139,15 @@ async def backward(request: web.Request) -> web.Response:
     if result.loss is not None:
         reply["loss"] = result.loss
     request.app[STAGE_METRICS].count_tensors("out", reply)
-    return msgpack_response(reply)
+    return _respond(settings, reply)
+
+
+def _respond(settings: StageServerSettings, reply: dict) -> web.Response:
+    """The reply; with fault injection (``inject_garbage``), sometimes random bytes of its length instead."""
+    response = msgpack_response(reply)
+    if settings.inject_garbage and random.random() < settings.inject_garbage:
+        return web.Response(body=os.urandom(len(response.body)), content_type=MSGPACK)
+    return response
 
 
 async def health(request: web.Request) -> web.Response:

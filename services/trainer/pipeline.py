@@ -30,6 +30,9 @@ from services.trainer.data import Microbatch
 from services.trainer.wiring import NoReplica, ReplicaBalancer
 
 
+MAX_OVERLOAD_WAITS = 30  # 503 "overloaded" answers a hop waits out (Retry-After) before they count as failures
+MAX_OVERLOAD_WAIT_S = 5.0
+
 class MicrobatchFailed(Exception):
     """A microbatch whose hop failed on every try; the trainer reports it."""
 
@@ -106,15 +109,23 @@ class PipelineClient:
         headers = {MICROBATCH_HEADER: msg["microbatch_id"]}  # the servers bind it in their log lines
         tried: list[str] = []
         errors: list[RemoteError] = []
-        for attempt in range(self.retry.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(self.retry.delay_s(attempt))
+        # A failure uses up one of max_retries; a 503 "overloaded" does not (up to
+        # MAX_OVERLOAD_WAITS of them): the replica is healthy but busy, and its Retry-After
+        # says when to come back, so a burst of trainers waits instead of losing work.
+        failures = overloads = 0
+        wait_s = 0.0
+        while failures <= self.retry.max_retries:
+            attempt = failures + overloads
+            if wait_s:
+                await asyncio.sleep(wait_s)
             if not self.balancer.has_usable(stage) and self.on_stage_empty:
                 await self.on_stage_empty(stage)
             try:
                 url = self.balancer.choose(stage, kind=kind, batch_size=batch, exclude=tried)
             except NoReplica:
                 errors.append(RemoteError(f"stage {stage}", None, "no_replica", "no replica of this stage is known"))
+                failures += 1
+                wait_s = self.retry.delay_s(failures)
                 continue
             started = time.monotonic()
             try:
@@ -132,6 +143,12 @@ class PipelineClient:
                     self.log.warning("hop.failed", microbatch=msg["microbatch_id"], stage=stage, path=path, replica=url, status=err.status, code=err.code, attempt=attempt)
                 if not err.retryable:
                     break
+                if err.code == "overloaded" and overloads < MAX_OVERLOAD_WAITS:
+                    overloads += 1
+                    wait_s = min(MAX_OVERLOAD_WAIT_S, max(err.retry_after_s or 0.0, self.retry.delay_s(1)))
+                else:
+                    failures += 1
+                    wait_s = self.retry.delay_s(failures)
                 continue
             seconds = time.monotonic() - started
             self.balancer.report_success(stage, url, seconds, batch, kind)

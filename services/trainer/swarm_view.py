@@ -2,7 +2,9 @@
 
 Refreshed every ``refresh_s`` and at once when a stage has no usable replica. When the
 coordinator cannot be reached the last view stays in use: training goes on with the
-replicas already known, and failed ones are routed around by the balancer's bans.
+replicas already known, and failed ones are routed around by the balancer's bans. A stage
+the coordinator lists without replicas also keeps the ones last known: a coordinator
+restarted after more than a lease lists its servers only as they heartbeat again.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class SwarmView:
                     self.log.warning("registry.unreachable", coordinator=self.coordinator, error=repr(exc), keeping="last view")
                 return False
             for entry in stages[: self.balancer.num_stages]:
-                self.balancer.set_replicas(int(entry["stage"]), [r["url"] for r in entry["replicas"]])
+                if urls := [r["url"] for r in entry["replicas"]]:  # listed empty: keep the last known
+                    self.balancer.set_replicas(int(entry["stage"]), urls)
             self.refreshes += 1
             return True
 

@@ -71,3 +71,39 @@ async def test_trainer_accounts_for_every_scheduled_microbatch(start_stages, htt
     assert summary.microbatches_completed + summary.microbatches_failed == summary.microbatches_scheduled == 12
     assert summary.microbatches_failed == 0  # a 409 is retried on the other replica
     assert len(summary.step_losses) == 12
+
+
+async def test_overloaded_answers_are_waited_out_per_retry_after_without_using_up_retries(http_session):
+    """A replica that answers 503 overloaded (Retry-After) more often than max_retries: the
+    hop waits as told and the microbatch still completes; any other failure would have
+    failed it after max_retries."""
+    import time
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from services.stage_server.app import create_app
+
+    busy = {"left": 6}
+
+    @web.middleware
+    async def overloaded_at_first(request, handler):
+        if request.path == "/backward" and busy["left"]:
+            busy["left"] -= 1
+            return web.json_response({"error": {"code": "overloaded", "message": "queue full"}}, status=503, headers={"Retry-After": "0.25"})
+        return await handler(request)
+
+    app = create_app(stage_settings(0, num_stages=1))
+    app.middlewares.insert(0, overloaded_at_first)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        url = str(server.make_url("")).rstrip("/")
+        client = PipelineClient(http_session, balancer_for([[url]]), run_id="test", codec="fp32", retry=RetryPolicy(max_retries=3, base_delay_s=0.01))
+        mb = ByteBatcher(load_corpus(None), 16, 2, seed=0).microbatch(0)
+        started = time.monotonic()
+        loss = await client.train(mb, seed=0)
+        assert loss > 0 and busy["left"] == 0
+        assert time.monotonic() - started >= 6 * 0.25, "Retry-After was not honoured"
+    finally:
+        await server.close()

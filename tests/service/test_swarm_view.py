@@ -51,3 +51,23 @@ async def test_view_follows_the_registry_and_survives_its_absence(http_session):
     assert view.failures == 1
     assert view.replicas() == [["http://127.0.0.1:1001", "http://127.0.0.1:1003"], ["http://127.0.0.1:1002"]]
     assert balancer.choose(1, batch_size=1) == "http://127.0.0.1:1002"
+
+
+async def test_a_stage_listed_empty_keeps_its_last_known_replicas(http_session):
+    """A coordinator restarted after more than a lease lists no servers until they heartbeat
+    again: the trainer keeps the replicas it knew rather than failing microbatches."""
+    server = TestServer(create_app(coordinator_settings()), host="127.0.0.1")
+    await server.start_server()
+    coordinator = str(server.make_url("")).rstrip("/")
+    balancer = ReplicaBalancer(2, rng=random.Random(0))
+    view = SwarmView(http_session, coordinator, balancer, refresh_s=60.0)
+    try:
+        await register(http_session, coordinator, "a", 0, "http://127.0.0.1:1001")
+        assert await view.refresh() and view.replicas() == [["http://127.0.0.1:1001"], []]
+        async with http_session.post(coordinator + "/deregister", json={"server_id": "a"}) as resp:
+            assert resp.status == 200
+        await register(http_session, coordinator, "b", 1, "http://127.0.0.1:1002")
+        assert await view.refresh()
+        assert view.replicas() == [["http://127.0.0.1:1001"], ["http://127.0.0.1:1002"]]
+    finally:
+        await server.close()

@@ -27,5 +27,11 @@ up: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# Every bench side by side with its alternative, tables on stdout, JSON in bench/results/
+# (10-15 minutes on a 2-core machine; see docs/benchmarks.md).
+.PHONY: bench
+bench: $(STAMP)
+	$(BIN)/swarm bench all --out bench/results --markdown bench/results/tables.md
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -23,6 +23,7 @@ COMMANDS = {
     "export": ("services.export", "write the whole model from a checkpoint as one safetensors file"),
     "plot": ("services.plot", "draw loss and tokens/s against step from a run's metrics as a PNG"),
     "simulate": ("services.simulator.__main__", "simulate a swarm across regions with preemption (SWARM vs fixed pipelines)"),
+    "bench": ("bench.__main__", "benchmarks against one process, torch pipelining and hivemind; tables and JSON"),
 }
 
 

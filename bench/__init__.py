@@ -1,0 +1,1 @@
+"""Benchmarks: ``swarm bench NAME|all`` (see ``bench/__main__.py``) and others under ``bench/``."""

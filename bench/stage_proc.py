@@ -1,0 +1,48 @@
+"""``python -m bench.stage_proc --bench-d-model 512 --bench-n-layer 8 --bench-n-head 8``:
+a stage server whose model has other dimensions than its preset's.
+
+The benches compare the mesh with other systems at d_model 256, 512 and 1024 with 8
+layers, which no preset has. Everything else is the stock stage server
+(``services.stage_server``: same app, routes, runtime and settings from ``SWARM_*``);
+only the model configuration is the preset's with these dimensions replaced.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from aiohttp import web
+from pydantic import Field
+
+from shared.config import StageServerSettings, parse_settings
+from shared.log import configure_logging
+from shared.model import GPTConfig, config_from_preset
+from services.stage_server.app import create_app
+
+
+class SizedStageSettings(StageServerSettings):
+    bench_d_model: int = Field(0, ge=0, description="d_model of the model (0: the preset's)")
+    bench_n_layer: int = Field(0, ge=0, description="layers of the model (0: the preset's)")
+    bench_n_head: int = Field(0, ge=0, description="attention heads (0: the preset's)")
+
+    def gpt_config(self) -> GPTConfig:
+        dims = {"d_model": self.bench_d_model, "n_layer": self.bench_n_layer, "n_head": self.bench_n_head}
+        return config_from_preset(self.model, **{k: v for k, v in dims.items() if v})
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_settings(SizedStageSettings, argv, "bench.stage_proc", __doc__.split("\n\n")[0])
+    configure_logging(settings.log_format, settings.log_level)
+    torch.set_num_threads(settings.num_threads)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:
+        print(f"bench.stage_proc: {exc}", file=sys.stderr)
+        return 2
+    web.run_app(app, host=settings.host, port=settings.port, print=None, shutdown_timeout=settings.drain_timeout_s, access_log=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

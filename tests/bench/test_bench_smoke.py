@@ -1,0 +1,123 @@
+"""Smoke run of every bench at tiny sizes: ``swarm bench all --quick`` runs them all from
+one command, writes each one's JSON with the fields the docs quote, and leaves no process
+behind. The figures of a quick run mean nothing; only that they are sane is checked."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import SWARM
+
+pytestmark = pytest.mark.e2e
+
+BENCHES = ("codec", "hop", "square_cube", "pipelining", "churn", "rebalancing", "convergence")
+
+
+def processes_of_invocation(pid: int) -> list[int]:
+    """Live processes whose SWARM_RUN_ID says a bench of invocation ``pid`` started them."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            state = next((l for l in (proc / "status").read_text().splitlines() if l.startswith("State:")), "")
+        except OSError:
+            continue
+        if any(e.startswith(b"SWARM_RUN_ID=bench-") and e.endswith(f"-{pid}".encode()) for e in env) and "zombie" not in state:
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.Popen([*SWARM, "bench", "all", "--quick", "--out", str(out), "--markdown", str(out / "tables.md")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    print(output[-6000:])
+    assert proc.returncode == 0, output[-4000:]
+    assert processes_of_invocation(proc.pid) == [], "a process started by a bench outlived it"
+    assert (out / "tables.md").read_text().count("### ") == len(BENCHES)
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in BENCHES}
+
+
+def rows(results, name: str) -> list[dict]:
+    record = results[name]
+    assert record["bench"] == name and record["quick"] is True and record["command"].startswith("swarm bench")
+    assert record["machine"]["cores"] >= 1 and record["machine"]["torch"] and record["machine"]["date_utc"]
+    assert record["rows"] and record["columns"] != ["error"], record["rows"]
+    return record["rows"]
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_codec(results):
+    table = rows(results, "codec")
+    codecs = {r["codec"] for r in table}
+    assert {"memcpy", "fp32", "fp16", "bf16", "int8", "hivemind 8-bit"} <= codecs
+    for r in table:
+        if r["codec"] in ("fp32", "fp16", "bf16", "int8"):
+            assert positive(r["MB/s"]) and positive(r["x memcpy"])
+            assert r["rel. error"] < {"fp32": 1e-7, "fp16": 1e-3, "bf16": 1e-2, "int8": 0.05}[r["codec"]]
+        if r["codec"] == "int8":
+            assert r["fp32/wire"] > 3.9
+        if r["codec"] == "hivemind 8-bit" and r["MiB"] == "all":
+            assert r["MB/s"] == "not installed"
+
+
+def test_hop(results):
+    for r in rows(results, "hop"):
+        assert positive(r["hop ms"]) and positive(r["compute ms"]) and r["compute ms"] < r["hop ms"]
+        assert positive(r["hops/s"]) and positive(r["hops/s x4"]) and 0 < r["other share"] < 1
+        assert r["hivemind"]
+
+
+def test_square_cube(results):
+    for r in rows(results, "square_cube"):
+        assert positive(r["mesh tok/s"]) and positive(r["1 process tok/s"]) and positive(r["mesh / 1 process"])
+        shares = [r[f"{part} share"] for part in ("compute", "recompute", "comm", "idle", "others")]
+        assert all(s >= 0 for s in shares) and (0.99 < sum(shares) < 1.01 or r["idle share"] == r["others share"] == 0), r  # all of the cores, or more (CPU clock ticks in a tiny window)
+
+
+def test_pipelining(results):
+    for r in rows(results, "pipelining"):
+        assert positive(r["pipelining tok/s"]), f"torch.distributed.pipelining did not run: {r['pipelining tok/s']}"
+        assert positive(r["mesh / pipelining"]) and positive(r["mesh tok/s"])
+    first = results["pipelining"]["rows"][0]["loss check"]
+    pipelined, single = first.split(" in ")[0].split(" vs ")
+    assert abs(float(pipelined) - float(single)) < 1e-3, first  # the same model on both sides
+
+
+def test_churn(results):
+    calm, faulty = rows(results, "churn")
+    assert positive(calm["tokens/s"]) and positive(faulty["tokens/s"]) and positive(faulty["vs no faults"])
+    assert faulty["kills"] >= 1
+    assert calm["lost microbatches"] == 0 and isinstance(faulty["lost microbatches"], int) and faulty["lost microbatches"] >= 0
+    assert results["churn"]["summary"]["lost_microbatches"] == faulty["lost microbatches"]
+
+
+def test_rebalancing(results):
+    before, after, best = rows(results, "rebalancing")
+    assert positive(before["tokens/s"]) and positive(best["tokens/s"])
+    assert after["moves"] >= 1 and positive(after["tokens/s"]), "the coordinator made no move"
+    assert best["stage speeds"] == "[1, 2] | [4]"
+
+
+def test_convergence(results):
+    table = rows(results, "convergence")
+    assert [(r["wire"], r["replicas/stage"]) for r in table] == [("fp32", 1), ("fp32 (again)", 1), ("fp16", 1), ("int8", 1), ("int8", 2)]
+    assert len({r["samples"] for r in table}) == 1
+    for r in table:
+        assert positive(r["loss after"]) and r["loss after"] < r["loss before"]

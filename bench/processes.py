@@ -11,13 +11,11 @@ where the machine's cores went.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from services.local_swarm import free_port, wait_healthy
+from services.local_swarm import free_port, stop_processes, wait_healthy
 
 STOP_GRACE_S = 10.0
 START_TIMEOUT_S = 180.0  # many children import torch at once on 2 cores
@@ -121,13 +119,4 @@ class BenchProcesses:
 
     @staticmethod
     def _stop(procs: list[subprocess.Popen]) -> None:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(procs, STOP_GRACE_S)

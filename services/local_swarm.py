@@ -66,24 +66,25 @@ class LocalProcesses:
     def stop_all(self) -> None:
         """Trainers and servers first, then the coordinator, so that servers can deregister."""
         last = [p for name, p in self.procs.items() if name == "coordinator"]
-        self._stop([p for p in self.procs.values() if p not in last])
-        self._stop(last)
+        stop_processes([p for p in self.procs.values() if p not in last])
+        stop_processes(last)
         for f in self._logs:
             f.close()
 
-    @staticmethod
-    def _stop(procs: list[subprocess.Popen]) -> None:
-        """SIGTERM, then SIGKILL what still runs after STOP_GRACE_S."""
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM, then SIGKILL what still runs after ``grace_s``."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:

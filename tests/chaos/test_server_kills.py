@@ -28,12 +28,12 @@ STAGES, REPLICAS = 4, 2
 HEARTBEAT_S = 0.5  # leases of 1.5 s: a killed server leaves the registry fast
 CHAOS_S = 120.0  # the kills go on this long, or until the trainer is done
 KILL_EVERY_S = 10.0
-STEPS = 240  # ~2 minutes of training on 2 busy cores (measured: 300 steps in 156 s)
+STEPS = 150  # of 32 samples: ~2 minutes of training on 2 cores (measured: 120 steps in 100-126 s under load)
 SEED = 6
 # Every server works like a device slower than these cores (+0.05 s per forward pass of
 # work): the run's length then depends little on how busy the 2 shared cores are, and the
 # cores have time left for the restarts (each imports torch).
-SERVER = {"SWARM_SAMPLES_PER_STEP": "16", "SWARM_INJECT_DELAY_S": "0.05"}
+SERVER = {"SWARM_SAMPLES_PER_STEP": "32", "SWARM_INJECT_DELAY_S": "0.05"}  # 32 >= in_flight x microbatch: see "Staleness" in docs/architecture.md
 TRAINER = {"SWARM_STEPS": str(STEPS), "SWARM_MICROBATCH_SIZE": "8", "SWARM_SEQ_LEN": "64", "SWARM_IN_FLIGHT": "4", "SWARM_SEED": "1"}
 
 
@@ -99,7 +99,7 @@ def test_training_survives_a_server_killed_and_restarted_every_10_s(processes):
     # none lost: every scheduled microbatch completed or was reported, one line each
     assert status == (1 if summary["microbatches_failed"] else 0), f"trainer exited with {status}; log: {trainer.logs[-1]}"
     assert summary["steps"] == steps_done(trainer) == STEPS  # every step complete: each of its microbatches resolved
-    assert summary["microbatches_completed"] + summary["microbatches_failed"] == summary["microbatches_scheduled"] == STEPS * 2
+    assert summary["microbatches_completed"] + summary["microbatches_failed"] == summary["microbatches_scheduled"] == STEPS * 32 // 8  # samples per step / microbatch size
     assert len(summary["failures"]) == len(failed_events) == summary["microbatches_failed"]
     assert summary["microbatches_failed"] <= summary["microbatches_scheduled"] // 50, summary["failures"][:5]
 

@@ -204,6 +204,7 @@ class Registry:
     def deregister(self, server_id: str) -> bool:
         """Remove a server at once; False when there was none with this id."""
         server_id = _check_id(server_id)
+        self.rtt_ms.pop(server_id, None)
         with self._db:
             return self._db.execute("DELETE FROM servers WHERE server_id = ?", (server_id,)).rowcount > 0
 
@@ -213,6 +214,8 @@ class Registry:
         with self._db:
             expired = self._select("WHERE last_heartbeat < ?", (cutoff,))
             self._db.execute("DELETE FROM servers WHERE last_heartbeat < ?", (cutoff,))
+        for server in expired:
+            self.rtt_ms.pop(server.server_id, None)
         return expired
 
     def live(self) -> list[RegisteredServer]:
@@ -247,8 +250,6 @@ class Registry:
         for s in servers:
             stages[s.stage]["capacity"] += s.throughput
             stages[s.stage]["replicas"].append({**s.to_json(now), "rtt_ms": self.rtt_ms.get(s.server_id, {})})
-        live = {s.server_id for s in servers}
-        self.rtt_ms = {k: v for k, v in self.rtt_ms.items() if k in live}  # forget servers that left
         return {"num_stages": self.num_stages, "heartbeat_s": self.heartbeat_s, "lease_s": self.lease_s, "stages": stages}
 
     def _select(self, where: str, args: tuple) -> list[RegisteredServer]:

@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import SWARM
+from tests.e2e.conftest import SWARM, live_processes_where
 
 pytestmark = pytest.mark.e2e
 
@@ -20,18 +19,8 @@ BENCHES = ("codec", "hop", "square_cube", "pipelining", "churn", "rebalancing", 
 
 def processes_of_invocation(pid: int) -> list[int]:
     """Live processes whose SWARM_RUN_ID says a bench of invocation ``pid`` started them."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            env = (proc / "environ").read_bytes().split(b"\0")
-            state = next((l for l in (proc / "status").read_text().splitlines() if l.startswith("State:")), "")
-        except OSError:
-            continue
-        if any(e.startswith(b"SWARM_RUN_ID=bench-") and e.endswith(f"-{pid}".encode()) for e in env) and "zombie" not in state:
-            found.append(int(proc.name))
-    return found
+    suffix = f"-{pid}".encode()
+    return live_processes_where(lambda env: any(e.startswith(b"SWARM_RUN_ID=bench-") and e.endswith(suffix) for e in env))
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,12 @@ SWARM = [str(Path(sys.executable).with_name("swarm"))] if Path(sys.executable).w
 
 def processes_of_run(run_id: str) -> list[int]:
     """PIDs of live processes started for this run (their environment names the run id)."""
+    variable = f"SWARM_RUN_ID={run_id}".encode()
+    return live_processes_where(lambda env: variable in env)
+
+
+def live_processes_where(match) -> list[int]:
+    """PIDs of live (not zombie) processes whose environment (a list of ``NAME=value`` bytes) ``match`` accepts."""
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -29,7 +35,7 @@ def processes_of_run(run_id: str) -> list[int]:
             state = next((l for l in (proc / "status").read_text().splitlines() if l.startswith("State:")), "")
         except OSError:
             continue
-        if f"SWARM_RUN_ID={run_id}".encode() in env and "zombie" not in state:
+        if match(env) and "zombie" not in state:
             pids.append(int(proc.name))
     return pids
 

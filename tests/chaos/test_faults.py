@@ -250,15 +250,19 @@ def test_training_goes_on_while_the_coordinator_is_killed_and_restarted(swarm):
     steps = 150
     trainer = swarm.start_trainer("trainer-coordinator-kill", {**TRAINER, "SWARM_STEPS": str(steps)})
     wait_until(lambda: steps_done(trainer) >= 10, 120, "10 steps of training", poll_s=0.1)
-    # a checkpoint of this run's progress exists (the checkpointer runs every 5 s)
-    first_step = get_json(coordinator.url + "/run")["step"]
-    wait_until(lambda: get_json(coordinator.url + "/run")["step"] > first_step, 60, "a checkpoint of a later step", poll_s=0.2)
+    # a checkpoint of this run's progress exists: asked for now rather than awaited from the
+    # periodic checkpointer, so that the kill comes early in the trainer's run (waiting up to
+    # two periods for a later checkpoint once let the trainer get within 10 steps of its end
+    # before the kill, and it could not train 10 steps more while the coordinator was down)
+    saved = post_checkpoint(coordinator.url)
     before = get_json(coordinator.url + "/run")
+    assert before["step"] >= saved["step"] >= 10 and Path(before["checkpoint"]).is_dir(), (saved, before)
     failed_before = {s.name: len(s.events("membership.failed")) for s in servers}
     registered_before = {s.name: len(s.events("membership.registered")) for s in servers}
 
     swarm.kill(coordinator)
     killed_at, steps_at_kill = time.monotonic(), steps_done(trainer)
+    assert steps_at_kill <= steps - 30, f"the trainer is at step {steps_at_kill} of {steps} already: too close to its end"
     # down for longer than a lease: the servers' heartbeats fail and their leases run out;
     # the trainer keeps training on its last view of the swarm
     lease_s = 3 * HEARTBEAT_S

@@ -98,7 +98,10 @@ def _start(procs: BenchProcesses, plan: Plan, placements: list[tuple[int, int]],
     the servers' URLs directly."""
     health, urls, coordinator = {}, {}, ""
     if rebalance_every_s is not None:
-        name, coordinator = procs.coordinator(STAGES, {"SWARM_HEARTBEAT_S": "0.5", "SWARM_REBALANCE_EVERY_S": str(rebalance_every_s)})
+        # throughput placement: this bench measures the single-move planner of issue 4 (on loopback,
+        # where RTTs do not matter, topology placement would plan by the same capacities)
+        env = {"SWARM_HEARTBEAT_S": "0.5", "SWARM_REBALANCE_EVERY_S": str(rebalance_every_s), "SWARM_PLACEMENT": "throughput"}
+        name, coordinator = procs.coordinator(STAGES, env)
         health[name] = coordinator
     for replica, stage in placements:
         env = {"SWARM_COORDINATOR": coordinator, "SWARM_HEARTBEAT_S": "0.5", "SWARM_WIRE_CODEC": "fp32", "SWARM_SAMPLES_PER_STEP": "16",

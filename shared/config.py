@@ -128,6 +128,7 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     drain_timeout_s: float = Field(30.0, gt=0)
     checkpoint_dir: str = Field("", description="resume from the latest checkpoint here when no live replica of the stage has state to give")
     join_timeout_s: float = Field(60.0, gt=0, description="timeout of the state download when joining a stage")
+    region: str = Field("", max_length=64, pattern=r"^[A-Za-z0-9._-]*$", description="where this server runs: a region of the shipped network table (Oregon, Virginia, Ohio, Tokyo, Seoul, Singapore, Sydney, London, Frankfurt, Ireland) or any name shared by servers in one place; the coordinator's placement uses it for links it has not measured; empty: unknown")
 
 
 class CoordinatorSettings(DiscoverySettings):
@@ -143,7 +144,12 @@ class CoordinatorSettings(DiscoverySettings):
     averaging_timeout_s: float = Field(20.0, gt=0, description="an averaging round never waits longer than this")
     averaging_aggregator: Literal["mean", "centered_clip"] = Field("mean", description="how each part is reduced: the sample-weighted mean, or CenteredClip, which a faulty or malicious replica cannot drag away (honest majority)")
     rebalance_every_s: float = Field(30.0, ge=0, description="seconds between rebalancing checks; 0: never move servers")
-    rebalance_min_gain: float = Field(1 / 0.75, ge=1.0, description="move a server only if the weakest stage's capacity grows by this factor")
+    rebalance_min_gain: float = Field(1 / 0.75, ge=1.0, description="throughput placement: move a server only if the weakest stage's capacity grows by this factor")
+    placement: Literal["auto", "throughput", "topology"] = Field("auto", description="how servers are placed on stages (joins and rebalancing): 'throughput' balances stage capacities; 'topology' plans with the network cost model (measured RTTs, regions, model size); 'auto': topology once servers report RTTs or regions")
+    placement_min_gain: float = Field(0.1, ge=0, le=10, description="topology placement: move servers only if the predicted step time falls by this fraction (on two consecutive checks)")
+    placement_max_moves: float = Field(0.2, gt=0, le=1, description="topology placement: at most this fraction of the servers (at least 1) moves per rebalancing")
+    placement_budget_s: float = Field(1.0, gt=0, le=60, description="topology placement: planner time per rebalancing check (a join gets a fifth of it)")
+    placement_bandwidth_gbps: float = Field(1.0, gt=0, description="topology placement: bandwidth assumed between servers of unknown or unlisted regions (Gbit/s)")
     checkpoint_dir: str = Field("", description="directory for checkpoints; empty: no checkpoints")
     checkpoint_every_s: float = Field(60.0, gt=0, description="seconds between checkpoints")
     keep_checkpoints: int = Field(3, ge=1, description="checkpoints kept on disk")

@@ -22,6 +22,7 @@ from services.coordinator.checkpointer import Checkpointer
 from services.coordinator.dashboard import EventRecorder, RecentEvents
 from services.coordinator.dashboard_routes import EVENTS, PROGRESS, add_dashboard_routes, DASHBOARD_PATHS
 from services.coordinator.metrics import CoordinatorMetrics
+from services.coordinator.placement import TopologyRebalancer, placement_inputs, split_moves, uses_topology
 from services.coordinator.registry import RegisteredServer, Registry
 from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY, SETTINGS, TRAFFIC, add_routes
 
@@ -122,25 +123,55 @@ async def average_now(request: web.Request) -> web.Response:
 
 
 def _rebalancing(settings: CoordinatorSettings, log):
-    """Every ``rebalance_every_s``: the planner's move (confirmed on consecutive checks), if
-    any, is ordered: the server drains, switches stage, loads that stage's state, rejoins."""
+    """Every ``rebalance_every_s``: the planner's moves (confirmed on consecutive checks), if
+    any, are ordered: each server drains, switches stage, loads that stage's state, rejoins.
+
+    With topology placement (see ``placement.py``) the network cost model replans, moving
+    a few servers at most; else the single move that raises the weakest stage's capacity."""
 
     async def loop(registry: Registry, session: aiohttp.ClientSession) -> None:
         rebalancer = Rebalancer(min_gain=settings.rebalance_min_gain)
+        topology = TopologyRebalancer(min_gain=settings.placement_min_gain, max_moves_fraction=settings.placement_max_moves, time_budget_s=settings.placement_budget_s)
         while True:
             await asyncio.sleep(settings.rebalance_every_s)
             live = registry.live()
+            url_of = {s.server_id: s.url for s in live}
+            if uses_topology(settings.placement, registry.rtt_ms, registry.reports):
+                if any(s.throughput <= 0 for s in live):
+                    continue  # a server that has not measured its speed yet: wait for it
+                inputs = placement_inputs(
+                    live, registry.rtt_ms, registry.reports, num_stages=registry.num_stages, average_every_s=settings.average_every_s,
+                    averaging_codec=settings.averaging_codec, bandwidth_gbps=settings.placement_bandwidth_gbps,
+                )  # fmt: skip
+                try:
+                    result = await asyncio.to_thread(topology.check, inputs, registry.num_stages)
+                except (ValueError, KeyError) as exc:  # inputs the planner cannot work with: say so, keep the loop
+                    log.error("rebalance.failed", error=repr(exc), servers=len(live))
+                    continue
+                if result is None:
+                    continue
+                now, later = split_moves(inputs.current, result.moves)
+                log.info("rebalance.replan", cost_before_s=round(result.cost_before_s, 4), cost_after_s=round(result.cost_after_s, 4), moves=len(now), deferred=len(later), servers=len(live))
+                for move in now:
+                    log.info("rebalance.move", server_id=move.peer_id, replica=url_of[move.peer_id], from_stage=move.from_stage, to_stage=move.to_stage, placement="topology")
+                await asyncio.gather(*(_order_move(session, settings, url_of[m.peer_id], m.peer_id, m.from_stage, m.to_stage, log) for m in now))
+                continue
             move = rebalancer.check({s.server_id: (s.stage, s.throughput) for s in live}, registry.num_stages)
             if move is None:
                 continue
-            url = next(s.url for s in live if s.server_id == move.server_id)
-            log.info("rebalance.move", server_id=move.server_id, replica=url, from_stage=move.from_stage, to_stage=move.to_stage, capacity_before=round(move.capacity_before, 1), capacity_after=round(move.capacity_after, 1))
-            try:
-                await post_message(session, url + "/move", {"run_id": settings.run_id, "stage": move.from_stage, "to_stage": move.to_stage}, timeout_s=10)
-            except RemoteError as exc:
-                log.warning("rebalance.move.failed", server_id=move.server_id, error=str(exc))
+            url = url_of[move.server_id]
+            log.info("rebalance.move", server_id=move.server_id, replica=url, from_stage=move.from_stage, to_stage=move.to_stage, capacity_before=round(move.capacity_before, 1), capacity_after=round(move.capacity_after, 1), placement="throughput")
+            await _order_move(session, settings, url, move.server_id, move.from_stage, move.to_stage, log)
 
     return _background("rebalancing", lambda app, session: loop(app[REGISTRY], session))
+
+
+async def _order_move(session: aiohttp.ClientSession, settings: CoordinatorSettings, url: str, server_id: str, from_stage: int, to_stage: int, log) -> None:
+    """``POST /move`` to the server; a refusal or an unreachable server is logged (the next check plans again)."""
+    try:
+        await post_message(session, url + "/move", {"run_id": settings.run_id, "stage": from_stage, "to_stage": to_stage}, timeout_s=10)
+    except RemoteError as exc:
+        log.warning("rebalance.move.failed", server_id=server_id, error=str(exc))
 
 
 async def checkpoint_now(request: web.Request) -> web.Response:

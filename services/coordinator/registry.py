@@ -16,7 +16,7 @@ import re
 import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from shared.errors import BadPayload, Overloaded, SwarmError
@@ -83,6 +83,27 @@ class RegisteredServer:
         }
 
 
+@dataclass(frozen=True)
+class ServerReport:
+    """What a server says about itself for placement (soft state, from every registration
+    and heartbeat): where it runs and the work of its stage."""
+
+    region: str = ""  # a region of the network table, any shared name, or "" (unknown)
+    parameters: int = 0  # of its stage: what an averaging round moves
+    samples_per_step: int = 0  # samples per optimizer step (0: unknown)
+    activation_bytes_per_sample: float = 0.0  # wire bytes per sample crossing its boundary, measured (0: none yet)
+
+
+@dataclass(frozen=True)
+class PendingJoin:
+    """A stage handed to a joining server (``/assign``) that has not registered yet."""
+
+    stage: int
+    until: float  # wall-clock seconds when the hand-out lapses
+    region: str = ""
+    rtt_ms: dict = field(default_factory=dict)  # peer URL -> ms, as the joiner measured
+
+
 class Registry:
     """Live stage servers of one run, kept in the SQLite file ``db_path`` (":memory:" allowed)."""
 
@@ -105,10 +126,11 @@ class Registry:
         # Stages handed out by assign_stage whose server has not registered yet, with the
         # time each hand-out lapses: servers started together (a Deployment scaled up,
         # `swarm up`) spread over the stages instead of all joining the same one.
-        self._pending: list[tuple[int, float]] = []
+        self._pending: list[PendingJoin] = []
         # Round-trip times each live server measured to its peers (peer URL -> ms), from its
         # heartbeats: soft state, kept in memory only (a restarted coordinator relearns it).
         self.rtt_ms: dict[str, dict[str, float]] = {}
+        self.reports: dict[str, ServerReport] = {}  # likewise: each live server's ServerReport
         self._db = sqlite3.connect(db_path)
         try:
             self._open_schema()
@@ -155,7 +177,7 @@ class Registry:
         row = self._db.execute("SELECT value FROM run WHERE key = ?", (key,)).fetchone()
         return json.loads(row[0]) if row else default
 
-    def register(self, server_id, stage, url, version, throughput, queue_length) -> RegisteredServer:
+    def register(self, server_id, stage, url, version, throughput, queue_length, report: ServerReport | None = None) -> RegisteredServer:
         """Add a server, replacing any row with the same id or the same URL."""
         server_id, url, version = _check_id(server_id), _check_url(url), _check_str("version", version, MAX_VERSION_LEN)
         throughput, queue_length = _check_throughput(throughput), _check_count("queue_length", queue_length)
@@ -167,10 +189,15 @@ class Registry:
         server = RegisteredServer(server_id, stage, url, version, throughput, queue_length, now, now)
         with self._db:
             self._check_room(server_id, url, now)
+            replaced = [row[0] for row in self._db.execute("SELECT server_id FROM servers WHERE server_id = ? OR url = ?", (server_id, url))]
             self._db.execute("DELETE FROM servers WHERE server_id = ? OR url = ?", (server_id, url))
             self._db.execute(f"INSERT INTO servers ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", _row(server))
-        for i, (pending_stage, _) in enumerate(self._pending):
-            if pending_stage == stage:  # the hand-out this server came with, or one like it
+        for old_id in replaced:
+            self._forget(old_id)
+        if report is not None:
+            self.reports[server_id] = report
+        for i, pending in enumerate(self._pending):
+            if pending.stage == stage:  # the hand-out this server came with, or one like it
                 del self._pending[i]
                 break
         return server
@@ -183,12 +210,12 @@ class Registry:
         if others >= self.max_servers:
             raise RegistryFull(f"the registry is full: {others} live servers (raise SWARM_MAX_SERVERS)", retry_after_s=self.lease_s)
 
-    def heartbeat(self, server_id, throughput, queue_length, rtt_ms=None) -> float:
+    def heartbeat(self, server_id, throughput, queue_length, rtt_ms=None, report: ServerReport | None = None) -> float:
         """Renew a live server's lease and update its load (and its measured round-trip times
-        to peers, if given); returns when the new lease expires."""
+        to peers and its report, if given); returns when the new lease expires."""
         server_id = _check_id(server_id)
         throughput, queue_length = _check_throughput(throughput), _check_count("queue_length", queue_length)
-        rtt = _check_rtt(rtt_ms) if rtt_ms is not None else None
+        rtt = check_rtt(rtt_ms) if rtt_ms is not None else None
         now = self._clock()
         with self._db:
             renewed = self._db.execute(
@@ -199,12 +226,14 @@ class Registry:
             raise UnknownServer(f"no live server {server_id!r} (never registered, deregistered or its lease expired): register again")
         if rtt is not None:
             self.rtt_ms[server_id] = rtt
+        if report is not None:
+            self.reports[server_id] = report
         return now + self.lease_s
 
     def deregister(self, server_id: str) -> bool:
         """Remove a server at once; False when there was none with this id."""
         server_id = _check_id(server_id)
-        self.rtt_ms.pop(server_id, None)
+        self._forget(server_id)
         with self._db:
             return self._db.execute("DELETE FROM servers WHERE server_id = ?", (server_id,)).rowcount > 0
 
@@ -215,19 +244,35 @@ class Registry:
             expired = self._select("WHERE last_heartbeat < ?", (cutoff,))
             self._db.execute("DELETE FROM servers WHERE last_heartbeat < ?", (cutoff,))
         for server in expired:
-            self.rtt_ms.pop(server.server_id, None)
+            self._forget(server.server_id)
         return expired
+
+    def _forget(self, server_id: str) -> None:
+        """Drop a server's soft state (round-trip times, report)."""
+        self.rtt_ms.pop(server_id, None)
+        self.reports.pop(server_id, None)
 
     def live(self) -> list[RegisteredServer]:
         """Servers whose lease runs, by stage then URL (expired ones are left for :meth:`expire`)."""
         return self._select("WHERE last_heartbeat >= ?", (self._clock() - self.lease_s,))
 
+    def pending_joins(self) -> list[PendingJoin]:
+        """Stages handed out in the last lease period to servers that have not registered yet."""
+        now = self._clock()
+        self._pending = [p for p in self._pending if p.until > now and p.stage < self.num_stages]
+        return list(self._pending)
+
+    def hand_out(self, stage: int, region: str = "", rtt_ms: dict[str, float] | None = None) -> int:
+        """Note that ``stage`` was handed to a joining server (it counts until it registers
+        or a lease period passes); returns ``stage``."""
+        self._pending.append(PendingJoin(stage, self._clock() + self.lease_s, region, dict(rtt_ms or {})))
+        return stage
+
     def assign_stage(self) -> int:
         """The stage most in need of a replica: least capacity, then fewest replicas, then
         lowest index. Stages handed out in the last lease period to servers that have not
         registered yet count as a replica each, with the live servers' mean throughput."""
-        now = self._clock()
-        self._pending = [(stage, until) for stage, until in self._pending if until > now and stage < self.num_stages]
+        pending = self.pending_joins()
         servers = self.live()
         capacity = [0.0] * self.num_stages
         replicas = [0] * self.num_stages
@@ -235,12 +280,11 @@ class Registry:
             capacity[s.stage] += s.throughput
             replicas[s.stage] += 1
         mean = sum(capacity) / len(servers) if servers else 0.0
-        for stage, _ in self._pending:
-            capacity[stage] += mean
-            replicas[stage] += 1
+        for p in pending:
+            capacity[p.stage] += mean
+            replicas[p.stage] += 1
         chosen = min(range(self.num_stages), key=lambda stage: (capacity[stage], replicas[stage], stage))
-        self._pending.append((chosen, now + self.lease_s))
-        return chosen
+        return self.hand_out(chosen)
 
     def view(self) -> dict:
         """The swarm as JSON: every stage in order with its capacity and live replicas by URL."""
@@ -249,7 +293,8 @@ class Registry:
         stages = [{"stage": i, "capacity": 0.0, "replicas": []} for i in range(self.num_stages)]
         for s in servers:
             stages[s.stage]["capacity"] += s.throughput
-            stages[s.stage]["replicas"].append({**s.to_json(now), "rtt_ms": self.rtt_ms.get(s.server_id, {})})
+            report = self.reports.get(s.server_id, ServerReport())
+            stages[s.stage]["replicas"].append({**s.to_json(now), "rtt_ms": self.rtt_ms.get(s.server_id, {}), "region": report.region})
         return {"num_stages": self.num_stages, "heartbeat_s": self.heartbeat_s, "lease_s": self.lease_s, "stages": stages}
 
     def _select(self, where: str, args: tuple) -> list[RegisteredServer]:
@@ -288,7 +333,7 @@ def _check_url(url) -> str:
 MAX_RTT_PEERS = 64
 
 
-def _check_rtt(value) -> dict[str, float]:
+def check_rtt(value) -> dict[str, float]:
     """``{peer URL: round-trip ms}`` from a heartbeat: at most MAX_RTT_PEERS valid URLs with finite times in [0, 600000]."""
     if not isinstance(value, dict) or len(value) > MAX_RTT_PEERS:
         raise BadPayload(f"'rtt_ms' must be an object of at most {MAX_RTT_PEERS} peer URLs")
@@ -298,6 +343,38 @@ def _check_rtt(value) -> dict[str, float]:
             raise BadPayload("'rtt_ms' values must be finite milliseconds in [0, 600000]")
         out[_check_url(url)] = float(ms)
     return out
+
+
+REGION = re.compile(r"[A-Za-z0-9._-]{0,64}")
+MAX_PARAMETERS = 10**13
+MAX_SAMPLES_PER_STEP = 10**9
+MAX_ACTIVATION_BYTES = 2.0**40
+
+
+def check_region(value) -> str:
+    if not isinstance(value, str) or not REGION.fullmatch(value):
+        raise BadPayload("'region' must be 0..64 characters of A-Z a-z 0-9 . _ -")
+    return value
+
+
+def check_report(msg: dict) -> ServerReport | None:
+    """The ServerReport in a registration or heartbeat (``region``, ``workload``:
+    {parameters, samples_per_step, activation_bytes_per_sample}), None if it has neither."""
+    region, workload = msg.get("region"), msg.get("workload")
+    if region is None and workload is None:
+        return None
+    region = "" if region is None else check_region(region)
+    workload = {} if workload is None else workload
+    if not isinstance(workload, dict):
+        raise BadPayload("'workload' must be an object {parameters, samples_per_step, activation_bytes_per_sample}")
+    parameters, samples, activation = (workload.get(k, 0) for k in ("parameters", "samples_per_step", "activation_bytes_per_sample"))
+    if type(parameters) is not int or not 0 <= parameters <= MAX_PARAMETERS:
+        raise BadPayload(f"'workload.parameters' must be an int in [0, {MAX_PARAMETERS}]")
+    if type(samples) is not int or not 0 <= samples <= MAX_SAMPLES_PER_STEP:
+        raise BadPayload(f"'workload.samples_per_step' must be an int in [0, {MAX_SAMPLES_PER_STEP}]")
+    if type(activation) not in (int, float) or not math.isfinite(activation) or not 0 <= activation <= MAX_ACTIVATION_BYTES:
+        raise BadPayload("'workload.activation_bytes_per_sample' must be a finite number in [0, 2**40]")
+    return ServerReport(region, parameters, samples, float(activation))
 
 
 def _check_throughput(value) -> float:

@@ -5,8 +5,11 @@ unknown fields are ignored, so old and new servers interoperate::
 
     POST /register   {run_id, server_id, stage, url, version, throughput, queue_length}
                      -> {server_id, stage, heartbeat_s, lease_s}
-    POST /assign     {run_id} -> {stage}                  the stage most in need of a replica
-    POST /heartbeat  {server_id, throughput, queue_length, rtt_ms?: {peer URL: ms}} -> {lease_s}
+    POST /assign     {run_id, region?, rtt_ms?: {peer URL: ms}} -> {stage, placement}
+                     the stage a joining server should serve (see placement.py)
+    POST /heartbeat  {server_id, throughput, queue_length, rtt_ms?: {peer URL: ms},
+                      region?, workload?: {parameters, samples_per_step, activation_bytes_per_sample}}
+                     -> {lease_s}   (/register takes region and workload too)
                      404 unknown_server: the lease is gone, register again
     POST /deregister {server_id} -> {removed}
     GET  /swarm      -> {run_id, num_stages, heartbeat_s, lease_s, stages: [{stage, capacity, replicas}]}
@@ -21,6 +24,7 @@ Errors are ``{"error": {"code", "message"}}``: 400 bad_payload, 404 unknown_serv
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import structlog
@@ -29,12 +33,15 @@ from aiohttp import web
 from shared.config import CoordinatorSettings
 from shared.errors import BadPayload, SwarmError
 from shared.http import read_body
-from services.coordinator.registry import Registry
+from services.coordinator.placement import Joiner, placement_inputs, stage_for_joiner, uses_topology
+from services.coordinator.registry import Registry, check_region, check_report, check_rtt
 
 SETTINGS = web.AppKey("settings", CoordinatorSettings)
 REGISTRY = web.AppKey("registry", Registry)
 TRAFFIC = web.AppKey("traffic", dict)  # loop name -> {"sent": bytes, "received": bytes}
 LOG = web.AppKey("log", structlog.typing.FilteringBoundLogger)
+ASSIGN_LOCK = web.AppKey("assign_lock", asyncio.Lock)
+JOINER_ID, PENDING_PREFIX = "<joiner>", "<pending>"  # peer ids no server can have (server ids are [A-Za-z0-9._-])
 
 JSON = "application/json"
 MAX_BODY_BYTES = 64 * 1024
@@ -72,7 +79,7 @@ async def register(request: web.Request) -> web.Response:
     _check_run(request, msg)
     registry = request.app[REGISTRY]
     fields = ("server_id", "stage", "url", "version", "throughput", "queue_length")
-    server = registry.register(*(msg.get(f) for f in fields))
+    server = registry.register(*(msg.get(f) for f in fields), report=check_report(msg))
     request.app[LOG].info(
         "registry.registered", server_id=server.server_id, stage=server.stage, url=server.url, version=server.version, throughput=server.throughput
     )
@@ -80,14 +87,32 @@ async def register(request: web.Request) -> web.Response:
 
 
 async def assign(request: web.Request) -> web.Response:
-    _check_run(request, await read_json(request))
-    return web.json_response({"stage": request.app[REGISTRY].assign_stage()})
+    """The stage a joining server should serve: by the network cost model (topology
+    placement: the joiner's region and measured RTTs in the body), else the stage with the
+    least capacity. Joins are placed one at a time, each counting the stages handed out
+    before it."""
+    msg = await read_json(request)
+    _check_run(request, msg)
+    joiner = Joiner(JOINER_ID, check_region(msg.get("region", "")), check_rtt(msg.get("rtt_ms", {})))
+    registry, settings = request.app[REGISTRY], request.app[SETTINGS]
+    async with request.app[ASSIGN_LOCK]:
+        if not uses_topology(settings.placement, registry.rtt_ms, registry.reports, joiner):
+            return web.json_response({"stage": registry.assign_stage(), "placement": "throughput"})
+        pending = [Joiner(f"{PENDING_PREFIX}{i}", p.region, p.rtt_ms, p.stage) for i, p in enumerate(registry.pending_joins())]
+        inputs = placement_inputs(
+            registry.live(), registry.rtt_ms, registry.reports, num_stages=registry.num_stages, average_every_s=settings.average_every_s,
+            averaging_codec=settings.averaging_codec, bandwidth_gbps=settings.placement_bandwidth_gbps, joiners=[*pending, joiner],
+        )  # fmt: skip
+        stage = await asyncio.to_thread(stage_for_joiner, inputs, JOINER_ID, registry.num_stages, time_budget_s=settings.placement_budget_s / 5)
+        registry.hand_out(stage, joiner.region, dict(joiner.rtt_ms))
+    request.app[LOG].info("placement.joiner", stage=stage, region=joiner.region or None, peers_timed=len(joiner.rtt_ms), pending=len(pending))
+    return web.json_response({"stage": stage, "placement": "topology"})
 
 
 async def heartbeat(request: web.Request) -> web.Response:
     msg = await read_json(request)
     registry = request.app[REGISTRY]
-    registry.heartbeat(msg.get("server_id"), msg.get("throughput"), msg.get("queue_length"), rtt_ms=msg.get("rtt_ms"))
+    registry.heartbeat(msg.get("server_id"), msg.get("throughput"), msg.get("queue_length"), rtt_ms=msg.get("rtt_ms"), report=check_report(msg))
     return web.json_response({"lease_s": registry.lease_s})
 
 
@@ -114,6 +139,7 @@ async def run(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
+    app[ASSIGN_LOCK] = asyncio.Lock()
     app.router.add_post("/register", register)
     app.router.add_post("/assign", assign)
     app.router.add_post("/heartbeat", heartbeat)

@@ -22,6 +22,7 @@ from shared.log import configure_logging, get_logger
 from services.stage_server.app import create_app
 from services.stage_server.routes import MOVE
 from shared.errors import RemoteError
+from services.stage_server.latency import probe_swarm
 from services.stage_server.membership import assign_stage
 
 
@@ -38,8 +39,9 @@ async def resolve(settings: StageServerSettings, log) -> StageServerSettings:
         if not coordinator:
             raise ValueError("SWARM_STAGE=auto needs a coordinator: set SWARM_COORDINATOR or run one on this LAN with mDNS")
         async with swarm_session(settings) as session:
-            stage = await assign_stage(session, coordinator, settings.run_id)
-        log.info("stage.assigned", stage=stage)
+            rtt_ms = await probe_swarm(session, coordinator)  # the coordinator places by the network where it can
+            stage = await assign_stage(session, coordinator, settings.run_id, region=settings.region, rtt_ms=rtt_ms)
+        log.info("stage.assigned", stage=stage, region=settings.region or None, peers_timed=len(rtt_ms))
     return settings.model_copy(update={"coordinator": coordinator, "stage": stage})
 
 

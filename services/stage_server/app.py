@@ -86,6 +86,20 @@ def _load(app: web.Application):
     return lambda: (runtime.stats.samples / worker.busy_s if worker.busy_s else 0.0, worker.queue_depth)
 
 
+def _report(settings: StageServerSettings, app: web.Application):
+    """What the coordinator's placement needs to know of this server, beyond its load:
+    where it is, and the work of its stage (parameters averaged, samples per optimizer
+    step, measured wire bytes per sample of the activation crossing its boundary)."""
+    parameters = sum(p.numel() for p in app[RUNTIME].params)
+    stage_metrics = app[STAGE_METRICS]
+
+    def report() -> dict:
+        workload = {"parameters": parameters, "samples_per_step": settings.samples_per_step, "activation_bytes_per_sample": round(stage_metrics.activation_bytes_per_sample, 3)}
+        return {"workload": workload, **({"region": settings.region} if settings.region else {})}
+
+    return report
+
+
 def _membership(settings: StageServerSettings, log):
     async def ctx(app: web.Application):
         async with swarm_session(settings) as session:
@@ -94,6 +108,7 @@ def _membership(settings: StageServerSettings, log):
                 url=advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls), version=package_version(),
                 heartbeat_s=settings.heartbeat_s, load=_load(app), log=log,
                 probe=LatencyProbe(session, settings.coordinator, stage=settings.stage, own_url=advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls)),
+                report=_report(settings, app),
             )
             app[MEMBERSHIP] = membership
             task = asyncio.create_task(membership.run())

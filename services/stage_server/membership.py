@@ -22,15 +22,23 @@ from shared.retry import RetryPolicy
 CONTROL_TIMEOUT_S = 5.0
 
 
-async def assign_stage(session: aiohttp.ClientSession, coordinator: str, run_id: str) -> int:
-    """Ask the coordinator which stage a server started with ``--stage auto`` should serve."""
-    return int((await post_json(session, coordinator + "/assign", {"run_id": run_id}, timeout_s=CONTROL_TIMEOUT_S))["stage"])
+async def assign_stage(session: aiohttp.ClientSession, coordinator: str, run_id: str, *, region: str = "", rtt_ms: dict[str, float] | None = None) -> int:
+    """Ask the coordinator which stage a server started with ``--stage auto`` should serve,
+    telling it where the server is (``region``) and its round-trip times to the swarm's
+    servers (``rtt_ms``, peer URL -> ms), so that it can place the server by the network."""
+    body: dict = {"run_id": run_id}
+    if region:
+        body["region"] = region
+    if rtt_ms:
+        body["rtt_ms"] = rtt_ms
+    return int((await post_json(session, coordinator + "/assign", body, timeout_s=CONTROL_TIMEOUT_S))["stage"])
 
 
 class Membership:
-    def __init__(self, session: aiohttp.ClientSession, coordinator: str, *, run_id: str, stage: int, url: str, version: str, heartbeat_s: float, load: Callable[[], tuple[float, int]], log, probe=None):
+    def __init__(self, session: aiohttp.ClientSession, coordinator: str, *, run_id: str, stage: int, url: str, version: str, heartbeat_s: float, load: Callable[[], tuple[float, int]], log, probe=None, report: Callable[[], dict] | None = None):
         self.session, self.coordinator, self.run_id, self.stage = session, coordinator, run_id, stage
         self.probe = probe  # a LatencyProbe: round-trip times to peers, reported in heartbeats
+        self.report = report or dict  # {region?, workload}: what placement needs, sent with every registration and heartbeat
         self.url, self.version, self.heartbeat_s, self.load, self.log = url, version, heartbeat_s, load, log
         self.server_id = f"s{stage}-{uuid.uuid4().hex[:12]}"
         self.registered = asyncio.Event()
@@ -71,7 +79,7 @@ class Membership:
         if self.leaving:
             return
         throughput, queue_length = self.load()
-        body = {"run_id": self.run_id, "server_id": self.server_id, "stage": self.stage, "url": self.url, "version": self.version, "throughput": throughput, "queue_length": queue_length}
+        body = {**self.report(), "run_id": self.run_id, "server_id": self.server_id, "stage": self.stage, "url": self.url, "version": self.version, "throughput": throughput, "queue_length": queue_length}
         await post_json(self.session, self.coordinator + "/register", body, timeout_s=CONTROL_TIMEOUT_S)
         self.registered.set()
         if self.leaving:  # deregister() ran while this registration was on its way
@@ -81,7 +89,7 @@ class Membership:
 
     async def _heartbeat(self) -> None:
         throughput, queue_length = self.load()
-        body = {"server_id": self.server_id, "throughput": throughput, "queue_length": queue_length}
+        body = {**self.report(), "server_id": self.server_id, "throughput": throughput, "queue_length": queue_length}
         if self.probe is not None:
             body["rtt_ms"] = await self.probe.maybe_probe()
         await post_json(self.session, self.coordinator + "/heartbeat", body, timeout_s=CONTROL_TIMEOUT_S)

@@ -20,7 +20,16 @@ class StageMetrics:
     def __init__(self, metrics: Metrics, runtime, worker, averager):
         self.runtime, self.worker, self.averager = runtime, worker, averager
         self.tensor_bytes = metrics.counter("swarm_stage_tensor_bytes", "tensor payload bytes of /forward and /backward, by direction and wire codec", ["direction", "codec"])
+        # wire bytes per sample of the activation that crosses this stage's boundary (the
+        # forward's outputs; the last stage: its inputs), as last seen on a training forward;
+        # heartbeats report it so that the coordinator's placement knows the pipeline traffic
+        self.activation_bytes_per_sample = 0.0
         metrics.add_state(self.collect)
+
+    def note_activation(self, tensor: Mapping | None, samples: int) -> None:
+        """Record the wire size per sample of an activation (an encoded tensor) of ``samples`` samples."""
+        if tensor is not None and samples > 0:
+            self.activation_bytes_per_sample = sum(tensor_bytes({"outputs": tensor}).values()) / samples
 
     def count_tensors(self, direction: str, msg: Mapping) -> None:
         """Count the wire tensors of a request (``direction="in"``) or reply (``"out"``)."""
@@ -38,6 +47,7 @@ class StageMetrics:
         yield counter("swarm_stage_busy_seconds", "seconds the compute worker spent on jobs", worker.busy_s)
         yield gauge("swarm_stage_queue_depth", "jobs accepted by the compute worker and not finished", worker.queue_depth)
         yield gauge("swarm_stage_throughput_samples_per_second", "samples per busy second: what the heartbeat reports", stats.samples / worker.busy_s if worker.busy_s else 0.0)
+        yield gauge("swarm_stage_activation_bytes_per_sample", "wire bytes per sample of the activation crossing this stage's boundary (last training forward)", self.activation_bytes_per_sample)
         yield gauge("swarm_stage_weights_version", "bumped by every change of the weights", self.runtime.version)
         yield gauge("swarm_stage_draining", "1 while the server drains before it stops", float(worker.draining))
         failed = max(0, averager.rounds_started - averager.rounds_completed - int(averager.running))

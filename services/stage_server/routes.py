@@ -92,7 +92,13 @@ async def _parse(request: web.Request, *, backward: bool) -> StageRequest:
     body_bytes = request.content_length if request.content_length is not None else OFF_LOOP_BYTES  # chunked: assume large
     tensors = await _off_loop(body_bytes, _decode_all, msg, names, device)
     request.app[STAGE_METRICS].count_tensors("in", msg)
+    if not is_eval and not request.app[RUNTIME].spec.is_first:  # the inputs are the previous stage's activations
+        request.app[STAGE_METRICS].note_activation(msg["inputs"], _samples(tensors[0]))
     return StageRequest(mb_id, seed, codec, is_eval, *tensors)
+
+
+def _samples(inputs: torch.Tensor) -> int:
+    return int(inputs.shape[0]) if inputs.dim() else 0
 
 
 def _decode_all(msg: dict, names: list[str], device: torch.device) -> list[torch.Tensor | None]:
@@ -125,6 +131,8 @@ async def forward(request: web.Request) -> web.Response:
     else:
         reply["outputs"] = await _encode(output, req.reply_codec, settings.int8_block)
     request.app[STAGE_METRICS].count_tensors("out", reply)
+    if not req.eval and "outputs" in reply:
+        request.app[STAGE_METRICS].note_activation(reply["outputs"], _samples(req.inputs))
     return _respond(settings, reply)
 
 

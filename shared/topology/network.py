@@ -82,6 +82,9 @@ class Network:
     region_links: Mapping[tuple[str, str], Link]
     intra: Link = INTRA_REGION
     measured: Mapping[tuple[str, str], Link] = field(default_factory=dict)  # keyed by sorted peer-id pair
+    # the link between two different regions that ``region_links`` does not know (e.g. a
+    # server that did not say where it is); None: such a pair is an error
+    fallback: Link | None = None
 
     @property
     def regions(self) -> list[str]:
@@ -93,6 +96,8 @@ class Network:
         try:
             return self.region_links[_pair(a, b)]
         except KeyError:
+            if self.fallback is not None:
+                return self.fallback
             raise KeyError(f"no link between regions {a!r} and {b!r}; known regions: {self.regions}") from None
 
     def link(self, a: Peer, b: Peer) -> Link:
@@ -103,13 +108,17 @@ class Network:
         """This network with ``links`` added or replacing region pairs."""
         merged = dict(self.region_links)
         merged.update({_pair(*k): v for k, v in links.items()})
-        return Network(merged, self.intra, self.measured)
+        return Network(merged, self.intra, self.measured, self.fallback)
 
     def with_measurements(self, links: Mapping[tuple[str, str], Link]) -> Network:
         """This network with per-peer-pair measurements (peer ids) added or replaced."""
         merged = dict(self.measured)
         merged.update({_pair(*k): v for k, v in links.items()})
-        return Network(self.region_links, self.intra, merged)
+        return Network(self.region_links, self.intra, merged, self.fallback)
+
+    def with_fallback(self, link: Link | None) -> Network:
+        """This network with ``link`` between regions it has no link for."""
+        return Network(self.region_links, self.intra, self.measured, link)
 
     def matrices(self, peers: Sequence[Peer]) -> tuple[np.ndarray, np.ndarray]:
         """``(rtt_s, bandwidth_gbps)``, both ``(n, n)`` float arrays over ``peers``.

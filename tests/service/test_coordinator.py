@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 from shared.config import CoordinatorSettings
 from services.coordinator.__main__ import main
 from services.coordinator.app import build_registry, create_app, expire_leases
-from services.coordinator.registry import Registry
+from services.coordinator.registry import Registry, ServerReport
 from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY
 
 RUN_ID = "test-run"
@@ -98,7 +98,7 @@ async def test_register_heartbeat_deregister_round_trip(start, clock):
     assert (swarm["run_id"], swarm["num_stages"], swarm["heartbeat_s"], swarm["lease_s"]) == (RUN_ID, 4, HEARTBEAT_S, LEASE_S)
     assert [s["capacity"] for s in swarm["stages"]] == [0.0, 0.0, 5.0, 0.0]
     assert swarm["stages"][2]["replicas"] == [
-        {"server_id": "s1", "url": "http://127.0.0.11:8100", "version": "0.1.0", "throughput": 5.0, "queue_length": 3, "lease_age_s": 0.5, "registered_at": T0, "rtt_ms": {}}
+        {"server_id": "s1", "url": "http://127.0.0.11:8100", "version": "0.1.0", "throughput": 5.0, "queue_length": 3, "lease_age_s": 0.5, "registered_at": T0, "rtt_ms": {}, "region": ""}
     ]
     assert reg.live() == []
     events = [(e["event"], e.get("server_id"), e.get("removed")) for e in logs if e["event"].startswith("registry.")]
@@ -113,15 +113,29 @@ async def test_swarm_orders_replicas_by_url_and_ignores_unknown_fields(start):
     assert [[r["server_id"] for r in s["replicas"]] for s in swarm["stages"]] == [["s1"], ["s2", "s3"], [], []]
 
 
+async def test_servers_report_region_and_workload_for_placement(start):
+    client, reg = await start()
+    await ok(await client.post("/register", json=server(1, stage=2, region="Oregon", workload={"parameters": 1000, "samples_per_step": 16})))
+    assert reg.reports["s1"] == ServerReport("Oregon", 1000, 16, 0.0)
+    beat = {"server_id": "s1", "throughput": 2.0, "queue_length": 0, "region": "Oregon"}
+    await ok(await client.post("/heartbeat", json={**beat, "workload": {"parameters": 1000, "samples_per_step": 16, "activation_bytes_per_sample": 4096.5}}))
+    assert reg.reports["s1"] == ServerReport("Oregon", 1000, 16, 4096.5)
+    assert (await ok(await client.get("/swarm")))["stages"][2]["replicas"][0]["region"] == "Oregon"
+    await ok(await client.post("/heartbeat", json={"server_id": "s1", "throughput": 2.0, "queue_length": 0}))  # an old server: report kept
+    assert reg.reports["s1"].activation_bytes_per_sample == 4096.5
+    await ok(await client.post("/deregister", json={"server_id": "s1"}))
+    assert reg.reports == {}
+
+
 async def test_assign_picks_the_weakest_stage(start):
     client, _ = await start()
-    assert await ok(await client.post("/assign", json={"run_id": RUN_ID})) == {"stage": 0}
+    assert await ok(await client.post("/assign", json={"run_id": RUN_ID})) == {"stage": 0, "placement": "throughput"}
     await ok(await client.post("/register", json=server(1, stage=0, throughput=2.0)))
     await ok(await client.post("/register", json=server(2, stage=1, throughput=2.0)))
     await ok(await client.post("/register", json=server(3, stage=3, throughput=1.0)))
-    assert await ok(await client.post("/assign", json={"run_id": RUN_ID})) == {"stage": 2}
+    assert await ok(await client.post("/assign", json={"run_id": RUN_ID})) == {"stage": 2, "placement": "throughput"}
     await ok(await client.post("/register", json=server(4, stage=2, throughput=3.0)))
-    assert await ok(await client.post("/assign", json={"run_id": RUN_ID})) == {"stage": 3}
+    assert await ok(await client.post("/assign", json={"run_id": RUN_ID})) == {"stage": 3, "placement": "throughput"}
 
 
 async def test_health_counts_live_servers(start, clock):
@@ -193,6 +207,11 @@ BAD_REGISTER = [
     ({"url": "ftp://x"}, "url"), ({"url": 5}, "url"), ({"version": ["1"]}, "version"),
     ({"throughput": -1}, "throughput"), ({"throughput": "fast"}, "throughput"),
     ({"queue_length": -3}, "queue_length"), ({"queue_length": 0.5}, "queue_length"), ({"run_id": 7}, "run_id"),
+    ({"region": "Tokyo 2"}, "region"), ({"region": 5}, "region"), ({"region": "x" * 65}, "region"),
+    ({"workload": [1]}, "workload"), ({"workload": {"parameters": -1}}, "workload.parameters"),
+    ({"workload": {"parameters": 1.5}}, "workload.parameters"), ({"workload": {"samples_per_step": "32"}}, "workload.samples_per_step"),
+    ({"workload": {"activation_bytes_per_sample": float("nan")}}, "workload.activation_bytes_per_sample"),
+    ({"workload": {"activation_bytes_per_sample": -1.0}}, "workload.activation_bytes_per_sample"),
 ]  # fmt: skip
 
 
@@ -201,11 +220,11 @@ async def populated(start):
     """A coordinator with two servers, and a function that asserts its registry is as it was."""
     client, reg = await start(max_servers=2)
     await ok(await client.post("/register", json=server(1, stage=0)))
-    await ok(await client.post("/register", json=server(2, stage=1)))
-    before = reg.view()
+    await ok(await client.post("/register", json=server(2, stage=1, region="Tokyo", workload={"parameters": 10, "samples_per_step": 32})))
+    before, reports_before, pending_before = reg.view(), dict(reg.reports), reg.pending_joins()
 
     def unchanged():
-        assert reg.view() == before
+        assert reg.view() == before and reg.reports == reports_before and reg.pending_joins() == pending_before
 
     return client, unchanged
 
@@ -231,6 +250,22 @@ async def test_heartbeat_and_deregister_bad_server_id_is_400(populated, path):
     client, unchanged = populated
     resp = await client.post(path, json={"server_id": "../etc", "throughput": 1.0, "queue_length": 0})
     await assert_json_error(resp, 400, "bad_payload", "server_id")
+    unchanged()
+
+
+@pytest.mark.parametrize("change,field", [c for c in BAD_REGISTER if set(c[0]) <= {"region", "workload"}])
+async def test_heartbeat_bad_report_is_400(populated, change, field):
+    client, unchanged = populated
+    resp = await client.post("/heartbeat", json={"server_id": "s2", "throughput": 3.0, "queue_length": 1, **change})
+    await assert_json_error(resp, 400, "bad_payload", field)
+    unchanged()
+
+
+@pytest.mark.parametrize("change,field", [({"region": "a/b"}, "region"), ({"rtt_ms": {"http://x:1": -1}}, "rtt_ms"), ({"rtt_ms": [1]}, "rtt_ms"), ({"rtt_ms": {"ftp://x": 1.0}}, "url")])
+async def test_assign_bad_joiner_is_400(populated, change, field):
+    client, unchanged = populated
+    resp = await client.post("/assign", json={"run_id": RUN_ID, **change})
+    await assert_json_error(resp, 400, "bad_payload", field)
     unchanged()
 
 

@@ -220,7 +220,7 @@ def test_view_orders_stages_and_replicas_by_url(registry, clock):
     assert [r["url"] for r in view["stages"][1]["replicas"]] == ["http://a:1", "http://b:1"]
     assert view["stages"][1]["replicas"][1] == {
         "server_id": "b", "url": "http://b:1", "version": "v", "throughput": 1.5,
-        "queue_length": 4, "lease_age_s": 0.25, "registered_at": T0, "rtt_ms": {},
+        "queue_length": 4, "lease_age_s": 0.25, "registered_at": T0, "rtt_ms": {}, "region": "",
     }  # fmt: skip
 
 

@@ -1,0 +1,204 @@
+"""Topology-aware placement in the coordinator: the registry's view turned into the
+planner's inputs (:mod:`shared.topology`), a stage for a joining server, and rebalancing
+moves confirmed on consecutive checks.
+
+What the planner needs and where it comes from:
+
+- **peers**: every live server with its reported throughput (samples per busy second);
+  a server that has not measured one yet (no work so far) counts at the median of the
+  others. Its region is the one it reports (``SWARM_REGION``); a server that reports
+  none is a region of its own.
+- **network**: the shipped 10-region table for pairs of known regions, the intra-region
+  link inside one region, and for any other pair a fallback link (the median measured
+  RTT, ``SWARM_PLACEMENT_BANDWIDTH_GBPS``). Every RTT a server measured to a peer (its
+  heartbeats' ``rtt_ms``; a joiner's ``/assign`` body) replaces the pair's latency (the
+  mean of both directions); bandwidth is never measured, it stays the pair's regions'.
+- **workload**: from the servers' reports: samples per optimizer step (their setting),
+  activation wire bytes per sample (measured on their traffic), the stage's parameters
+  (what averaging moves, in the averaging codec); the averaging period in steps is
+  ``average_every_s`` over the predicted compute time of a step.
+
+Pure logic, no I/O: the app gathers the inputs on its event loop and runs the planner in
+a thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from shared.topology import INTRA_REGION, Link, Network, Peer, Replan, StageMove, Workload, place_joiners, replan, world_network
+
+BYTES_PER_VALUE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+GB = 2**30
+DEFAULT_SAMPLES_PER_STEP = 32
+NEVER_AVERAGED_STEPS = 1e12  # averaging off: its traffic weighs nothing per step
+JOIN_EVALUATIONS = 5_000  # placements a join may evaluate (it also has a time budget)
+REBALANCE_EVALUATIONS = 40_000  # placements a rebalancing check may evaluate (it also has a time budget)...
+EVALUATIONS_PER_SERVER = 2_000  # ...and no more than this many per server: a small swarm is planned in milliseconds
+
+
+@dataclass(frozen=True)
+class Joiner:
+    """A server that asks for a stage (``/assign``), or was handed one and has not registered yet (``stage``)."""
+
+    peer_id: str
+    region: str = ""
+    rtt_ms: Mapping[str, float] = field(default_factory=dict)  # peer URL -> ms, measured by the joiner
+    stage: int | None = None
+
+
+@dataclass(frozen=True)
+class PlacementInputs:
+    peers: list[Peer]
+    network: Network
+    workload: Workload
+    current: dict[str, int]  # stage of every peer that has one (live servers, pending hand-outs)
+
+
+def uses_topology(mode: str, rtt_ms: Mapping[str, Mapping], reports: Mapping, joiner: Joiner | None = None) -> bool:
+    """Whether placement plans with the network (``mode`` 'topology', or 'auto' once some
+    server, or the joiner, reported round-trip times or a region) rather than by throughput."""
+    if mode != "auto":
+        return mode == "topology"
+    if joiner is not None and (joiner.rtt_ms or joiner.region):
+        return True
+    return any(rtt_ms.values()) or any(r.region for r in reports.values())
+
+
+@functools.lru_cache(maxsize=1)
+def _world() -> Network:
+    return world_network()
+
+
+def region_of(peer_id: str, region: str) -> str:
+    """The reported region, or a region of the peer's own when it reported none."""
+    return region or f"?{peer_id}"
+
+
+def placement_inputs(
+    servers: Sequence,
+    rtt_ms: Mapping[str, Mapping[str, float]],
+    reports: Mapping,
+    *,
+    num_stages: int,
+    average_every_s: float,
+    averaging_codec: str,
+    bandwidth_gbps: float,
+    joiners: Iterable[Joiner] = (),
+) -> PlacementInputs:
+    """The planner's inputs from the registry's live ``servers`` (``server_id``, ``stage``,
+    ``url``, ``throughput``), their measured ``rtt_ms`` and ``reports`` (``ServerReport``),
+    and ``joiners`` (pending hand-outs keep their stage; one without a stage is to be placed)."""
+    joiners = list(joiners)
+    measured_throughputs = [s.throughput for s in servers if s.throughput > 0]
+    typical = statistics.median(measured_throughputs) if measured_throughputs else 1.0
+    peers, current, id_of_url = [], {}, {}
+    for s in servers:
+        report = reports.get(s.server_id)
+        peers.append(Peer(s.server_id, region_of(s.server_id, report.region if report else ""), s.throughput if s.throughput > 0 else typical))
+        current[s.server_id] = s.stage
+        id_of_url[s.url.rstrip("/")] = s.server_id
+    for j in joiners:
+        peers.append(Peer(j.peer_id, region_of(j.peer_id, j.region), typical))
+        if j.stage is not None:
+            current[j.peer_id] = j.stage
+
+    # measured round-trip times, both directions of a pair averaged
+    samples: dict[tuple[str, str], list[float]] = {}
+    reported = [(s.server_id, rtt_ms.get(s.server_id, {})) for s in servers] + [(j.peer_id, j.rtt_ms) for j in joiners]
+    for a, times in reported:
+        for url, ms in times.items():
+            b = id_of_url.get(url.rstrip("/"))
+            if b is not None and b != a:
+                samples.setdefault((a, b) if a <= b else (b, a), []).append(ms)
+    all_times = [ms for values in samples.values() for ms in values]
+    fallback = Link(statistics.median(all_times) if all_times else INTRA_REGION.rtt_ms, bandwidth_gbps)
+    network = _world().with_fallback(fallback)
+    region = {p.peer_id: p.region for p in peers}
+    network = network.with_measurements(
+        {(a, b): Link(sum(v) / len(v), network.region_link(region[a], region[b]).bandwidth_gbps) for (a, b), v in samples.items()}
+    )
+
+    workload = _workload(peers, current, reports.values(), num_stages, average_every_s, averaging_codec)
+    return PlacementInputs(peers, network, workload, current)
+
+
+def _workload(peers: Sequence[Peer], current: Mapping[str, int], reports: Iterable, num_stages: int, average_every_s: float, codec: str) -> Workload:
+    reports = list(reports)
+    per_step = [r.samples_per_step for r in reports if r.samples_per_step > 0]
+    samples_per_step = statistics.median(per_step) if per_step else DEFAULT_SAMPLES_PER_STEP
+    activation_gb = max((r.activation_bytes_per_sample for r in reports), default=0.0) / GB
+    gradient_gb = max((r.parameters for r in reports), default=0) * BYTES_PER_VALUE.get(codec, 4) / GB
+    if average_every_s <= 0:
+        every_steps = NEVER_AVERAGED_STEPS
+    else:
+        capacity = [0.0] * num_stages
+        for p in peers:
+            if p.peer_id in current:
+                capacity[current[p.peer_id]] += p.throughput
+        weakest = min(capacity)
+        every_steps = max(1.0, average_every_s * weakest / samples_per_step) if weakest > 0 else 1.0
+    return Workload(samples_per_step, activation_gb, gradient_gb, every_steps)
+
+
+def stage_for_joiner(inputs: PlacementInputs, joiner_id: str, num_stages: int, *, time_budget_s: float, max_evaluations: float = JOIN_EVALUATIONS) -> int:
+    """The stage where ``joiner_id`` makes the predicted step cheapest (an empty stage
+    first); nobody else moves."""
+    placed = place_joiners(inputs.current, inputs.peers, inputs.network, inputs.workload, num_stages, time_budget_s=time_budget_s, max_evaluations=max_evaluations)
+    return placed[joiner_id]
+
+
+def split_moves(current: Mapping[str, int], moves: Sequence[StageMove]) -> tuple[list[StageMove], list[StageMove]]:
+    """(moves to order now, moves to leave for a later check): a server leaves its stage
+    now only if the stage keeps a member that is not leaving now, so no stage is ever
+    emptied while servers are between stages (and joiners of it can download its state)."""
+    members = Counter(current.values())
+    leaving: Counter = Counter()
+    now, later = [], []
+    for move in moves:
+        if members[move.from_stage] - leaving[move.from_stage] > 1:
+            leaving[move.from_stage] += 1
+            now.append(move)
+        else:
+            later.append(move)
+    return now, later
+
+
+class TopologyRebalancer:
+    """Replans with the network cost model and orders the moves only once a replan has
+    found a placement at least ``min_gain`` cheaper on ``confirmations`` consecutive
+    checks (each replan ignores gains below ``min_gain``: measurement noise moves
+    nothing), moving at most ``max_moves_fraction`` of the servers (at least one)."""
+
+    def __init__(self, *, min_gain: float, max_moves_fraction: float, time_budget_s: float, confirmations: int = 2, max_evaluations: float = REBALANCE_EVALUATIONS, seed: int = 0):
+        if confirmations < 1:
+            raise ValueError(f"confirmations must be >= 1, got {confirmations}")
+        self.min_gain, self.max_moves_fraction, self.time_budget_s = min_gain, max_moves_fraction, time_budget_s
+        self.confirmations, self.max_evaluations, self.seed = confirmations, max_evaluations, seed
+        self.seen = 0
+        self.last: Replan | None = None  # the latest replan, confirmed or not
+
+    def check(self, inputs: PlacementInputs, num_stages: int) -> Replan | None:
+        """Replan from the current assignment; the replan to carry out now, or None."""
+        if len(inputs.current) < 2 or len(inputs.peers) != len(inputs.current):
+            self.seen, self.last = 0, None  # nothing to move, or servers without a stage (not planned here)
+            return None
+        max_moves = max(1, math.floor(self.max_moves_fraction * len(inputs.current)))
+        self.last = replan(
+            inputs.current, inputs.peers, inputs.network, inputs.workload, num_stages, min_gain=self.min_gain,
+            max_moves=max_moves, time_budget_s=self.time_budget_s, seed=self.seed,
+            max_evaluations=min(self.max_evaluations, EVALUATIONS_PER_SERVER * len(inputs.peers)),
+        )  # fmt: skip
+        if not self.last.moves:
+            self.seen = 0
+            return None
+        self.seen += 1
+        if self.seen < self.confirmations:
+            return None
+        self.seen = 0
+        return self.last

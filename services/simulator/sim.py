@@ -14,8 +14,10 @@ What is simulated, and with which code:
 - **coordinator**: a registry that sees a dead peer only when its lease expires and
   publishes its view to trainers every ``registry_refresh_s``; places joiners with
   :func:`shared.topology.planner.place_joiners`; every ``rebalance_every_s`` replans with
-  :func:`shared.topology.planner.replan` (a moved server drains, downloads its new
-  stage's state, then serves); starts averaging rounds (each member's uplink is busy with
+  the coordinator's :class:`services.coordinator.placement.TopologyRebalancer`
+  (:func:`shared.topology.planner.replan`, moves ordered once confirmed on consecutive
+  checks, never emptying a stage; a moved server drains, downloads its new stage's
+  state, then serves); starts averaging rounds (each member's uplink is busy with
   its butterfly all-reduce share, which delays its activations);
 - **preemption**: every peer lives an exponential time (``mean_lifetime_s``); new peers
   join as a Poisson process (``join_rate_per_s``, by default the rate that keeps the
@@ -44,7 +46,8 @@ import numpy as np
 from services.trainer.wiring import NoReplica, ReplicaBalancer
 from shared.topology.cost import Workload, butterfly_time
 from shared.topology.network import Network, Peer, world_network
-from shared.topology.planner import place_joiners, replan
+from shared.topology.planner import place_joiners
+from services.coordinator.placement import PlacementInputs, TopologyRebalancer, split_moves
 
 BACKWARD_COST = 2.5  # backward (with the forward recomputed) over forward, as the balancer assumes
 MODES = ("swarm", "fixed")
@@ -77,6 +80,7 @@ class SimConfig:
     planner_budget_s: float = 2.0  # and the wall time it may take at most
     max_moves_fraction: float = 0.05  # of the serving peers, per rebalancing
     rebalance_min_gain: float = 0.02  # the planner's min_gain: lower than a coordinator's, the simulated measurements are exact
+    rebalance_confirmations: int = 2  # consecutive checks that must find a replan worth it before servers move (the coordinator's rule)
     windows: int = 10  # tokens/s is also reported per window of the run
     seed: int = 0
 
@@ -194,6 +198,10 @@ class Simulation:
         self.stage_serving = [0.0] * config.num_stages
         self.workload = self._planner_workload()
         self._pending_joiners: list[str] = []
+        self.rebalancer = TopologyRebalancer(
+            min_gain=config.rebalance_min_gain, max_moves_fraction=config.max_moves_fraction, time_budget_s=config.planner_budget_s,
+            confirmations=config.rebalance_confirmations, max_evaluations=config.planner_evaluations, seed=config.seed,
+        )  # fmt: skip
 
     # --- the event queue -----------------------------------------------------------
     def at(self, when: float, handler: Callable, *args) -> None:
@@ -479,13 +487,13 @@ class Simulation:
         serving = {pid: p for pid, p in self.peers.items() if p.state == "serving"}
         current = {pid: p.stage for pid, p in serving.items()}
         started = time.perf_counter()
-        result = replan(current, [p.peer for p in serving.values()], self.net, self.workload, self.cfg.num_stages,
-                        time_budget_s=self.cfg.planner_budget_s, max_evaluations=self.cfg.planner_evaluations,
-                        seed=self.cfg.seed,
-                        min_gain=self.cfg.rebalance_min_gain,
-                        max_moves=max(1, int(self.cfg.max_moves_fraction * len(serving))))
+        inputs = PlacementInputs([p.peer for p in serving.values()], self.net, self.workload, current)
+        result = self.rebalancer.check(inputs, self.cfg.num_stages)  # the coordinator's: confirmed on consecutive checks
         self.stats["planner_s"] += time.perf_counter() - started
-        for move in result.moves:
+        if result is None:
+            return
+        ordered, _deferred = split_moves(current, result.moves)  # as the coordinator: no stage emptied meanwhile
+        for move in ordered:
             peer = serving[move.peer_id]
             self._stop_serving(peer)
             peer.state, peer.next_stage = "draining", move.to_stage

@@ -21,6 +21,7 @@ seed, not on how busy the machine is.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -32,10 +33,12 @@ import numpy as np
 from .cost import Workload
 from .network import Network, Peer
 from .objective import DTFMObjective, Objective, State, SwarmObjective
-from .search import Budget, MoveLimit, chain, evolve, insertion, kick, local_search, pack, spread
+from .search import Budget, MoveLimit, chain, evolve, insertion, local_search, pack, spread
 
 MODELS = ("swarm", "dtfm")
 INSERTION_MAX_PEERS = 256  # the insertion seed costs peers x stages evaluations of the whole placement
+REPLAN_INSERTION_MAX_PEERS = 64  # a replan's fresh plans use it only for small swarms (~0.15 s at 64 peers)
+REPLAN_FRESH_RUNS = 3  # independent fresh plans a replan cuts and walks towards
 
 
 @dataclass(frozen=True)
@@ -201,42 +204,99 @@ def replan(
 ) -> Replan:
     """Replan from ``current`` (``{peer_id: stage}``; ids absent from ``peers`` are gone).
 
-    Joiners (peers absent from ``current``) are placed first (:func:`place_joiners`).
-    Then, stages keeping their numbers: iterated local search from there; a fresh plan
-    (evolutionary search seeded with both); and the walk from the former towards the
-    latter, one move at a time. The cheapest placement seen moves servers only if it is
-    at least ``min_gain`` cheaper than keeping them (moving costs a state download; a
-    gain within the measurement noise is not worth it), and then keeps only the moves
-    that matter: moves are undone, the least useful first, while the cost stays within
-    ``tolerance`` of the best or a move earns less than ``move_cost`` (a fraction of the
-    current cost: what a state download is worth), and further (whatever the cost) down
-    to ``max_moves``. A reshuffle that only noise favours spreads its gain over many
-    moves, each earning little, and is undone.
-    With ``max_moves``, a last local search improves the result without moving more
-    servers. Budget shares: 10% joiners, 30% local, 45% fresh, the rest undoing moves
-    (past the budget if ``max_moves`` requires it) and the last search.
+    Joiners (peers absent from ``current``) are placed first (:func:`place_joiners`) and
+    then wherever the cost is lowest (they move for free): the cheapest placement that
+    moves no server is the baseline (``cost_before_s``). Stages keep their numbers and no
+    search takes more than ``max_moves`` servers away from their stage (interchangeable
+    servers are traded so that the fewest count as moved): iterated local search from the
+    baseline; short fresh plans; towards each, walks one best move at a time from the
+    baseline and from the search's result, and a cut (the fresh plan with servers sent
+    home, the least useful first, until ``max_moves`` are away); iterated local search
+    from the cheapest walk state and from the cheapest cut. Of the cheapest placement,
+    moves are undone, the least useful first, while a move earns less than ``move_cost``
+    (a fraction of the cost: what a state download is worth) or the cost stays within
+    ``tolerance`` of it and no worse than the cheapest fresh plan, but never across the
+    ``min_gain`` line; a local search that moves no more servers improves the rest.
+    Servers move only if the result is at least ``min_gain`` cheaper than the baseline (a
+    gain within the measurement noise is not worth it) and, without ``max_moves``, still
+    is once the undoing goes on to ``tolerance`` of the best (a reshuffle that only noise
+    favours spreads its gain over many moves, each earning little; ``max_moves`` bounds
+    what noise can buy). Budget shares: 5% joiners, 5% the baseline, 20% the first
+    search, 25% fresh plans, up to 3% per walk and cut, the rest (to 95%) the last
+    searches; undoing moves may go past the budget. When the first local search does not
+    reach a local optimum within its share, it gets the whole budget instead.
     """
     rng = random.Random(seed)
     obj = build_objective(peers, network, workload, num_stages, model=model, order_free=False)
     fresh_obj = build_objective(peers, network, workload, num_stages, model=model, order_free=True)
     budget = Budget([obj, fresh_obj], time_budget_s, max_evaluations)
-    labels0, kept = _initial_labels(obj, current, peers, rng, _Share(budget, 0.1))
+    labels0, kept = _initial_labels(obj, current, peers, rng, _Share(budget, 0.05))
+    limit = MoveLimit(labels0, frozenset(kept), len(kept) if max_moves is None else max_moves)
     start = State(obj, labels0)
-    near = _iterated_local_search(start, rng, _Share(budget, 0.4))
-    fresh = evolve(fresh_obj, rng, [near.labels], budget=_Share(budget, 0.85), population_size=8)
-    best = min([near, *_relink(near, fresh, kept)], key=lambda s: s.score.total)
-    final = _prune(best, labels0, kept, best.score.total * (1 + tolerance), max_moves, budget,
-                   move_cost * start.score.total)
-    if max_moves is not None:  # pruning down to max_moves may have undone useful moves: search again within it
-        limit = MoveLimit(labels0, frozenset(kept), max_moves)
-        final = local_search(final, rng, budget=budget, limit=limit)
-    if not start.score.total > final.score.total * (1 + min_gain):
+    if len(kept) < obj.n:  # joiners move for free: the best placement that moves no server is the baseline
+        start = _iterated_local_search(start, rng, _Share(budget, 0.1), dataclasses.replace(limit, max_away=0))
+    best, fresh_cost = _search_within(start, fresh_obj, peers, limit, rng, budget)
+    # Keep the moves that matter: undo those earning less than move_cost, and others while the cost stays
+    # within tolerance of the best, no worse than the cheapest fresh plan and min_gain below the baseline.
+    # Without max_moves nothing bounds how many servers a reshuffle that only noise favours moves: its gain,
+    # spread over many moves, must survive undoing them on to tolerance of the best.
+    tolerated, worth = best.score.total * (1 + tolerance), start.score.total / (1 + min_gain)
+    bounds = [(max(best.score.total, min(tolerated, fresh_cost)), worth)] + ([(tolerated, math.inf)] if max_moves is None else [])
+    final, *check = _prune(best, limit, bounds, budget, move_cost * start.score.total)
+    final = local_search(final, rng, budget=budget, limit=dataclasses.replace(limit, max_away=limit.away(final.labels)))
+    final = State(obj, limit.fewest_moves(obj, final.labels))
+    if not start.score.total > max([final.score.total] + [c.score.total for c in check]) * (1 + min_gain):
         final = start
     assignment = {p.peer_id: final.labels[i] for i, p in enumerate(peers)}
     moves = [StageMove(peers[i].peer_id, current[peers[i].peer_id], final.labels[i])
              for i in kept if final.labels[i] != current[peers[i].peer_id]]
     joined = {p.peer_id: final.labels[i] for i, p in enumerate(peers) if p.peer_id not in current}
     return Replan(assignment, moves, joined, start.score.total, final.score.total)
+
+
+def _search_within(start: State, fresh_obj: Objective, peers: Sequence[Peer], limit: MoveLimit, rng: random.Random,
+                   budget: Budget) -> tuple[State, float]:
+    """The cheapest placement found with at most ``limit.max_away`` servers away from
+    home, and the cost of the cheapest fresh plan (inf if none was made): iterated local
+    search from ``start``; fresh plans; towards each, walks from ``start`` and from the
+    search's result, and a cut; iterated local search from the cheapest walk state and
+    from the cheapest cut. When the first local search does not reach a local optimum
+    within its share (up to 30% of the budget), it goes on alone to 95%."""
+    share = _Share(budget, 0.3)
+    near = local_search(start.copy(), rng, budget=share, limit=limit)
+    if share.over():
+        return _iterated_local_search(near, rng, _Share(budget, 0.95), limit, descended=True), math.inf
+    near = _iterated_local_search(near, rng, share, limit, descended=True)
+    fresh = _fresh_plans(fresh_obj, peers, rng, _Share(budget, 0.55))
+    walked, cut = [near], []
+    for target in fresh:  # each walk and cut may take 3% of the budget
+        walked += [_relink(origin, target, limit, _Share(budget, budget.spent() + 0.03)) for origin in (start, near)]
+        cut += [c for c in [_cut(start, target, limit, _Share(budget, budget.spent() + 0.03))] if c is not None]
+    origins = [min(walked, key=_by_cost)] + ([min(cut, key=_by_cost)] if cut else [])
+    begin = budget.spent()
+    best = min((_iterated_local_search(origin, rng, _Share(budget, begin + (0.95 - begin) * (k + 1) / len(origins)), limit)
+                for k, origin in enumerate(origins)), key=_by_cost)
+    return best, fresh[0].score.total
+
+
+def _by_cost(state: State) -> tuple[float, float]:
+    return state.score.total, state.score.secondary
+
+
+def _fresh_plans(obj: Objective, peers: Sequence[Peer], rng: random.Random, budget: Budget) -> list[State]:
+    """Placements from scratch (order-free ``obj``): the best of each of
+    ``REPLAN_FRESH_RUNS`` evolutionary searches from the greedy seeds, cheapest first.
+    Independent short runs differ more than one long run improves (its population
+    settles early)."""
+    throughput = [p.throughput for p in peers]
+    seeds = [chain(obj, rng, throughput), spread(obj, rng), pack(obj, rng)]
+    if len(peers) <= REPLAN_INSERTION_MAX_PEERS:
+        seeds.append(insertion(obj, rng, throughput))
+    plans = []
+    for k in range(REPLAN_FRESH_RUNS):
+        share = _Share(budget, (k + 1) / REPLAN_FRESH_RUNS)
+        plans.append(evolve(obj, random.Random(rng.getrandbits(32)), seeds, budget=share, population_size=8))
+    return sorted(plans, key=lambda s: (s.score.total, s.score.secondary))
 
 
 class _Share(Budget):
@@ -251,80 +311,120 @@ class _Share(Budget):
         return 1.0 if span <= 0 else (self.whole.spent() - self.begin) / span
 
 
-def _iterated_local_search(start: State, rng: random.Random, budget: Budget) -> State:
-    """Local search from ``start``, then kicks (a few random swaps) of the best and local
-    search again while the budget lasts, keeping the best: a local search alone stops at
-    the first local optimum near the current assignment."""
-    best = local_search(start.copy(), rng, budget=budget)
+def _iterated_local_search(start: State, rng: random.Random, budget: Budget, limit: MoveLimit,
+                           descended: bool = False) -> State:
+    """Local search from ``start`` within the ``limit``, then kicks (a few random swaps
+    within it) of the best and local search again while the budget lasts, keeping the
+    best: a local search alone stops at the first local optimum near the current
+    assignment."""
+    best = start if descended else local_search(start.copy(), rng, budget=budget, limit=limit)
     while not budget.over():
-        trial = local_search(State(best.objective, kick(best.objective, best.labels, rng, strength=3)), rng, budget=budget)
+        labels = limit.kick(best.objective, best.labels, rng, strength=3)
+        if labels is None:
+            break  # nothing can change within the limit
+        trial = local_search(State(best.objective, labels), rng, budget=budget, limit=limit)
         if trial.score.better_than(best.score):
             best = trial
     return best
 
 
-def _relink(near: State, fresh: State, kept: Sequence[int]) -> list[State]:
-    """Walk from ``near`` (stages as numbered) towards ``fresh`` (a placement found from
-    scratch, numbered along its own pipeline, or reversed: whichever keeps more servers
-    where they are), taking at each step the move (or, for equal stages, swap) towards it
-    that gives the lowest cost; returns the states along the way. The cheapest of them
-    may need far fewer moves than ``fresh`` itself."""
-    obj = near.objective
+def _aligned_target(near: State, fresh: State, limit: MoveLimit) -> list[int]:
+    """``fresh`` (numbered along its own pipeline) as stage labels of ``near``'s objective:
+    its pipeline order or the reverse, whichever needs fewer moves from home, with
+    interchangeable peers traded to need the fewest."""
     order = list(fresh.score.order)
-    candidates = [order, order[::-1]]
-    targets = []
-    for path in candidates:
+    best = None
+    for path in (order, order[::-1]):
         stage_of = {g: s for s, g in enumerate(path)}
-        targets.append([stage_of[g] for g in fresh.labels])
-    target = max(targets, key=lambda t: sum(t[i] == near.labels[i] for i in kept))
-    state, path = near.copy(), []
-    while True:
+        labels = limit.fewest_moves(near.objective, [stage_of[g] for g in fresh.labels])
+        # peers equally placed in near and the target: keep near's choice among interchangeable ones
+        key = (limit.away(labels), -sum(a == b for a, b in zip(labels, near.labels)))
+        if best is None or key < best[0]:
+            best = (key, labels)
+    return best[1]
+
+
+def _relink(near: State, fresh: State, limit: MoveLimit, budget: Budget) -> State:
+    """Walk from ``near`` towards ``fresh`` (a placement found from scratch, as
+    :func:`_aligned_target` numbers it), taking at each step the move (or, for equal
+    stages, swap) towards it that gives the lowest cost without taking more than
+    ``limit.max_away`` servers away from home; returns the cheapest state along the way.
+    Joiners and servers going home move freely, so the walk goes on after the limit is
+    reached."""
+    obj = near.objective
+    target = _aligned_target(near, fresh, limit)
+    state = near.copy()
+    best = state.copy()
+    away = limit.away(state.labels)
+    while not budget.over():
         off = [i for i in range(obj.n) if state.labels[i] != target[i]]
-        if not off:
-            return path
         options = []
         for i in off:
             if obj.equal_sizes:
                 changes = [[(i, target[i]), (j, state.labels[i])] for j in off if state.labels[j] == target[i]]
             else:
                 changes = [[(i, target[i])]] if len(state.members[state.labels[i]]) > 1 else []
-            options.extend(state.evaluate(c) for c in changes)
+            for change in changes:
+                step = limit.delta(state.labels, change)
+                if away + step <= limit.max_away:
+                    options.append((step, state.evaluate(change)))
         if not options:
-            return path
-        _, evaluated = min(options, key=lambda o: (o[0].total, o[0].secondary))
+            break
+        step, (_, evaluated) = min(options, key=lambda o: (o[1][0].total, o[1][0].secondary))
         state.apply(evaluated)
-        path.append(state.copy())
+        away += step
+        if state.score.better_than(best.score):
+            best = state.copy()
+    return best
 
 
-def _prune(state: State, labels0: Sequence[int], kept: Sequence[int], bound: float, max_moves: int | None,
-           budget: Budget, move_price: float) -> State:
-    """Undo moves of kept servers, the one whose undoing costs least first, while the cost
-    stays <= ``bound`` or the undoing costs less than ``move_price`` (seconds a moved
-    server must earn), then (whatever the cost, past the budget if need be) down to
-    ``max_moves``. A server goes back to its old stage alone when stage sizes are free,
+def _cut(start: State, fresh: State, limit: MoveLimit, budget: Budget) -> State | None:
+    """``fresh`` (as :func:`_aligned_target` numbers it) with servers sent home, the one
+    whose return costs least first, until at most ``limit.max_away`` are away: as much of
+    the fresh plan's structure as the limit allows, joiners where it put them. None if
+    the budget ends first."""
+    target = State(start.objective, _aligned_target(start, fresh, limit))
+    (cut,) = _prune(target, limit, [(-math.inf, math.inf)], budget, 0.0, past_budget=False)
+    return cut if limit.away(cut.labels) <= limit.max_away else None
+
+
+def _prune(state: State, limit: MoveLimit, bounds: Sequence[tuple[float, float]], budget: Budget, move_price: float,
+           past_budget: bool = True) -> list[State]:
+    """Undo moves of kept servers (interchangeable servers first traded to move the
+    fewest), the one whose undoing costs least first, while the undoing costs less than
+    ``move_price`` (seconds a moved server must earn) per server sent home or the cost
+    stays <= ``bound``, without rising above ``floor`` if it is below it, and (whatever
+    the cost) while more than ``limit.max_away`` are away. One sequence of undoings;
+    returns where it stops for each ``(bound, floor)`` of ``bounds`` (each allowing at
+    least what the one before allows). It stops at the end of the budget only without
+    ``past_budget``. A server goes back to its old stage alone when stage sizes are free,
     or swapped with a moved server (else a joiner) that sits there."""
-    state = state.copy()
     obj = state.objective
-    while True:
-        moved = [i for i in kept if state.labels[i] != labels0[i]]
-        over = max_moves is not None and len(moved) > max_moves
-        if not moved or (budget.over() and not over):
-            return state
+    state = State(obj, limit.fewest_moves(obj, state.labels))
+    home = limit.home
+    stops: list[State] = []
+    while len(stops) < len(bounds):
+        moved = [i for i in limit.counted if state.labels[i] != home[i]]
+        over = len(moved) > limit.max_away
+        if not moved or (not past_budget and budget.over()):
+            break
         options = []
         for i in moved:
-            home = labels0[i]
             if obj.equal_sizes:
-                partners = [j for j in moved if state.labels[j] == home] or [
-                    j for j in range(obj.n) if state.labels[j] == home and j not in kept]
-                changes = [[(i, home), (j, state.labels[i])] for j in partners]
+                partners = [j for j in moved if state.labels[j] == home[i]] or [
+                    j for j in range(obj.n) if state.labels[j] == home[i] and j not in limit.counted]
+                changes = [[(i, home[i]), (j, state.labels[i])] for j in partners]
             else:
-                changes = [[(i, home)]] if len(state.members[state.labels[i]]) > 1 else []
+                changes = [[(i, home[i])]] if len(state.members[state.labels[i]]) > 1 else []
             options.extend(state.evaluate(change) for change in changes)
         if not options:
-            return state
+            break
         score, evaluated = min(options, key=lambda o: (o[0].total, o[0].secondary))
-        undone = sum(1 for p, g in evaluated["changes"] if p in kept and g == labels0[p])
-        cheap = score.total - state.score.total < move_price * undone
-        if score.total > bound and not cheap and not over:
-            return state
+        cheap = score.total - state.score.total < move_price * -limit.delta(state.labels, evaluated["changes"])
+        while len(stops) < len(bounds):
+            bound, floor = bounds[len(stops)]
+            if over or ((cheap or score.total <= bound) and not score.total > floor >= state.score.total):
+                break
+            stops.append(state.copy())
         state.apply(evaluated)
+    return stops + [state] * (len(bounds) - len(stops))

@@ -184,17 +184,23 @@ def kick(obj: Objective, labels: Sequence[int], rng: random.Random, strength: in
 # --- local search --------------------------------------------------------------------------
 
 
-def _candidates(state: State, rng: random.Random, allow_moves: bool, frozen: frozenset[int]) -> list[tuple]:
+def _candidates(state: State, rng: random.Random, allow_moves: bool, frozen: frozenset[int],
+                limit: MoveLimit | None = None) -> list[tuple]:
     """Distinct swaps and moves (one per (group, class) -> (group, class): swapping
     interchangeable peers changes nothing), and block moves: all peers of one cluster
     (region) in a group go to another group, or two such blocks trade places. A block
     move takes the steps that single moves cannot take one at a time (moving one of two
     far-away peers out of a stage does not shorten its slowest link; moving both does).
+    With a ``limit``, a (group, class) is represented by a peer that moving costs least:
+    one already away from home, else one not counted (a joiner), else one at home.
     Shuffled."""
     obj = state.objective
     reps: dict[tuple[int, int], int] = {}  # (group, class) -> a representative peer
     blocks: dict[tuple[int, int], list[int]] = {}  # (group, cluster) -> its peers
-    for p in rng.sample(range(obj.n), obj.n):
+    order = rng.sample(range(obj.n), obj.n)
+    if limit is not None:
+        order.sort(key=lambda p: limit.price(state.labels, p))
+    for p in order:
         if p not in frozen:
             reps.setdefault((state.labels[p], obj.classes[p]), p)
             blocks.setdefault((state.labels[p], obj.clusters[p]), []).append(p)
@@ -259,6 +265,71 @@ class MoveLimit:
     def delta(self, labels: Sequence[int], changes: Sequence[tuple[int, int]]) -> int:
         return sum((g != self.home[p]) - (labels[p] != self.home[p]) for p, g in changes if p in self.counted)
 
+    def price(self, labels: Sequence[int], p: int) -> int:
+        """What moving peer ``p`` may cost at most: 0 if it is away from home (moving it
+        again costs nothing), 1 if it is not counted, 2 if it is at home."""
+        if p not in self.counted:
+            return 1
+        return 2 if labels[p] == self.home[p] else 0
+
+    def fewest_moves(self, obj: Objective, labels: Sequence[int]) -> list[int]:
+        """``labels`` with interchangeable peers (same class) traded so that as many
+        counted peers as possible sit at home: the same cost (it depends only on how many
+        peers of each class each group holds), the fewest peers away."""
+        by_class: dict[int, list[int]] = {}
+        for p in range(obj.n):
+            by_class.setdefault(obj.classes[p], []).append(p)
+        out = list(labels)
+        for peers in by_class.values():
+            if len(peers) < 2:
+                continue
+            slots = Counter(labels[p] for p in peers)
+            rest = []
+            for p in peers:
+                if p in self.counted and slots[self.home[p]] > 0:
+                    out[p] = self.home[p]
+                    slots[self.home[p]] -= 1
+                else:
+                    rest.append(p)
+            unplaced = []
+            for p in rest:  # the others keep their group where it still has room
+                if slots[labels[p]] > 0:
+                    out[p] = labels[p]
+                    slots[labels[p]] -= 1
+                else:
+                    unplaced.append(p)
+            free = [g for g, count in slots.items() for _ in range(count)]
+            for p, g in zip(unplaced, free):
+                out[p] = g
+        return out
+
+    def kick(self, obj: Objective, labels: Sequence[int], rng: random.Random, strength: int) -> list[int] | None:
+        """``strength`` random swaps of peers of different groups and classes that keep at
+        most ``max_away`` counted peers away from home (:func:`kick` within the limit);
+        None if no such swap was found."""
+        labels = self.fewest_moves(obj, labels)
+        away = self.away(labels)
+        cheap = [p for p in range(obj.n) if self.price(labels, p) < 2]  # peers whose swaps cost no more away
+        done = 0
+        for _ in range(20 * strength):
+            if done >= strength:
+                break
+            pool = range(obj.n) if away < self.max_away else cheap
+            if len(pool) < 2:
+                break
+            a, b = rng.sample(pool, 2)
+            if labels[a] == labels[b] or obj.classes[a] == obj.classes[b]:
+                continue
+            changes = [(a, labels[b]), (b, labels[a])]
+            step = self.delta(labels, changes)
+            if away + step > self.max_away:
+                continue
+            for p, g in changes:
+                labels[p] = g
+            away += step
+            done += 1
+        return labels if done else None
+
 
 def local_search(
     state: State,
@@ -305,7 +376,7 @@ def _descend(state: State, rng: random.Random, stop: Callable[[], bool], left: l
     improved = True
     while improved:
         improved = False
-        for candidate in _candidates(state, rng, allow_moves, frozen):
+        for candidate in _candidates(state, rng, allow_moves, frozen, limit):
             if stop():
                 return
             changes = _changes(state, candidate)

@@ -9,11 +9,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from shared.topology import INTRA_REGION, StageMove, placement_cost, world_network
+from shared.config import CoordinatorSettings
+from shared.topology import INTRA_REGION, Peer, StageMove, Workload, plan, placement_cost, world_network
 from services.coordinator.placement import (
-    GB, Joiner, TopologyRebalancer, placement_inputs, split_moves, stage_for_joiner, uses_topology,
+    GB, Joiner, PlacementInputs, TopologyRebalancer, placement_inputs, split_moves, stage_for_joiner, uses_topology,
 )  # fmt: skip
 from services.coordinator.registry import ServerReport
+
+MIN_GAIN = CoordinatorSettings.model_fields["placement_min_gain"].default  # what the coordinator runs with
+MAX_MOVES = CoordinatorSettings.model_fields["placement_max_moves"].default
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,39 @@ def test_measurement_noise_moves_nothing(seed):
     rtt = {a.server_id: {b.url: truth.region_link(region[a.server_id], region[b.server_id]).rtt_ms * rng.uniform(0.95, 1.05)
                          for b in live if b is not a} for a in live}  # fmt: skip
     inputs = inputs_for(live, rtt, reports, num_stages=3)
-    rebalancer = TopologyRebalancer(min_gain=0.1, max_moves_fraction=0.2, time_budget_s=10.0, confirmations=1, max_evaluations=3000)
+    rebalancer = TopologyRebalancer(min_gain=MIN_GAIN, max_moves_fraction=MAX_MOVES, time_budget_s=10.0, confirmations=1, max_evaluations=3000)
     assert rebalancer.check(inputs, 3) is None and rebalancer.last.moves == []
     assert placement_cost(inputs.current, inputs.peers, inputs.network, inputs.workload, 3) == pytest.approx(rebalancer.last.cost_before_s)
+
+
+CITIES = ["Oregon", "Virginia", "Ohio", "Tokyo", "Seoul", "London", "Frankfurt", "Ireland"]
+TRAFFIC_BOUND = Workload(samples_per_step=512, activation_gb_per_sample=0.004, gradient_gb=0.65, average_every_steps=4)
+
+
+def test_after_a_quarter_churn_the_coordinator_replans_near_a_fresh_plan():
+    """64 servers in 8 cities (GPUs of 4/8/16 samples/s: traffic dominates the step), planned
+    afresh; 16 leave and 16 join one at a time, each placed as ``/assign`` places it (nobody
+    else moves). The coordinator's check, at its default min gain and move limit, then
+    gets within 5% of a fresh plan of the new swarm moving at most 20% of the servers,
+    joiners included (they have downloaded their stage's state too). Evaluation budgets
+    make it deterministic; the default wall-time budget allows about as many on this
+    machine (~40,000 evaluations in ~2.6 s)."""
+    net, rng = world_network(), random.Random(2)
+    peers = [Peer(f"p{i}", rng.choice(CITIES), rng.choice([4.0, 8.0, 16.0])) for i in range(64)]
+    before = plan(peers, net, TRAFFIC_BOUND, 8, time_budget_s=120.0, max_evaluations=30_000, seed=2)
+    churn = random.Random(200)
+    gone = set(churn.sample(range(64), 16))
+    now = [p for i, p in enumerate(peers) if i not in gone]
+    current = {p.peer_id: before.assignment[p.peer_id] for p in now}
+    for i in range(16):
+        joiner = Peer(f"j{i}", churn.choice(CITIES), churn.choice([4.0, 8.0, 16.0]))
+        now.append(joiner)
+        current[joiner.peer_id] = stage_for_joiner(PlacementInputs(now, net, TRAFFIC_BOUND, current), joiner.peer_id, 8, time_budget_s=120.0)
+    rebalancer = TopologyRebalancer(min_gain=MIN_GAIN, max_moves_fraction=MAX_MOVES, time_budget_s=120.0, confirmations=1)
+    result = rebalancer.check(PlacementInputs(now, net, TRAFFIC_BOUND, current), 8)
+    fresh = plan(now, net, TRAFFIC_BOUND, 8, time_budget_s=120.0, max_evaluations=30_000, seed=0)
+    assert result is not None and 0 < len(result.moves) <= 12
+    assert result.cost_before_s > 1.05 * fresh.cost_s  # the joins alone left it off
+    assert result.cost_after_s <= 1.05 * fresh.cost_s
+    assert all(current[m.peer_id] == m.from_stage and result.assignment[m.peer_id] == m.to_stage for m in result.moves)
+    assert placement_cost(result.assignment, now, net, TRAFFIC_BOUND, 8) == pytest.approx(result.cost_after_s)

@@ -31,7 +31,9 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from shared.topology import INTRA_REGION, Link, Network, Peer, Replan, StageMove, Workload, place_joiners, replan, world_network
+from shared.topology import (
+    INTRA_REGION, Link, Network, Peer, Replan, StageMove, Workload, place_joiners, placement_cost, replan, world_network,
+)  # fmt: skip
 
 BYTES_PER_VALUE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 GB = 2**30
@@ -173,7 +175,11 @@ class TopologyRebalancer:
     """Replans with the network cost model and orders the moves only once a replan has
     found a placement at least ``min_gain`` cheaper on ``confirmations`` consecutive
     checks (each replan ignores gains below ``min_gain``: measurement noise moves
-    nothing), moving at most ``max_moves_fraction`` of the servers (at least one)."""
+    nothing), moving at most ``max_moves_fraction`` of the servers (at least one).
+
+    Each check searches with a seed of its own, so the confirming checks are independent
+    searches: of their replans from the same assignment, the one cheapest under the
+    latest measurements is ordered (an unlucky search is neither repeated nor final)."""
 
     def __init__(self, *, min_gain: float, max_moves_fraction: float, time_budget_s: float, confirmations: int = 2, max_evaluations: float = REBALANCE_EVALUATIONS, seed: int = 0):
         if confirmations < 1:
@@ -181,24 +187,36 @@ class TopologyRebalancer:
         self.min_gain, self.max_moves_fraction, self.time_budget_s = min_gain, max_moves_fraction, time_budget_s
         self.confirmations, self.max_evaluations, self.seed = confirmations, max_evaluations, seed
         self.seen = 0
+        self.checks = 0  # replans so far: the next one's seed is seed + checks
         self.last: Replan | None = None  # the latest replan, confirmed or not
+        self._streak: list[tuple[dict[str, int], Replan]] = []  # (assignment it started from, replan) of the unconfirmed checks
 
     def check(self, inputs: PlacementInputs, num_stages: int) -> Replan | None:
         """Replan from the current assignment; the replan to carry out now, or None."""
         if len(inputs.current) < 2 or len(inputs.peers) != len(inputs.current):
-            self.seen, self.last = 0, None  # nothing to move, or servers without a stage (not planned here)
+            self.seen, self.last, self._streak = 0, None, []  # nothing to move, or servers without a stage (not planned here)
             return None
         max_moves = max(1, math.floor(self.max_moves_fraction * len(inputs.current)))
         self.last = replan(
             inputs.current, inputs.peers, inputs.network, inputs.workload, num_stages, min_gain=self.min_gain,
-            max_moves=max_moves, time_budget_s=self.time_budget_s, seed=self.seed,
+            max_moves=max_moves, time_budget_s=self.time_budget_s, seed=self.seed + self.checks,
             max_evaluations=min(self.max_evaluations, EVALUATIONS_PER_SERVER * len(inputs.peers)),
         )  # fmt: skip
+        self.checks += 1
         if not self.last.moves:
-            self.seen = 0
+            self.seen, self._streak = 0, []
             return None
         self.seen += 1
+        self._streak.append((dict(inputs.current), self.last))
         if self.seen < self.confirmations:
             return None
-        self.seen = 0
+        best = self.last
+        for start, earlier in self._streak[:-1]:
+            if start != inputs.current:
+                continue  # planned from an assignment that has changed since
+            cost = placement_cost(earlier.assignment, inputs.peers, inputs.network, inputs.workload, num_stages)
+            if cost < best.cost_after_s:
+                best = Replan(earlier.assignment, earlier.moves, earlier.joined, self.last.cost_before_s, cost)
+        self.seen, self._streak = 0, []
+        self.last = best
         return self.last

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from shared.config import CoordinatorSettings
-from shared.topology import INTRA_REGION, Peer, StageMove, Workload, plan, placement_cost, world_network
+from shared.topology import INTRA_REGION, Peer, Replan, StageMove, Workload, plan, placement_cost, world_network
 from services.coordinator.placement import (
     GB, Joiner, PlacementInputs, TopologyRebalancer, placement_inputs, split_moves, stage_for_joiner, uses_topology,
 )  # fmt: skip
@@ -214,3 +214,35 @@ def test_after_a_quarter_churn_the_coordinator_replans_near_a_fresh_plan():
     assert result.cost_after_s <= 1.05 * fresh.cost_s
     assert all(current[m.peer_id] == m.from_stage and result.assignment[m.peer_id] == m.to_stage for m in result.moves)
     assert placement_cost(result.assignment, now, net, TRAFFIC_BOUND, 8) == pytest.approx(result.cost_after_s)
+
+
+def test_the_cheaper_of_the_confirming_replans_is_ordered(monkeypatch):
+    """Each check searches with its own seed; when the second confirms the first, the
+    replan cheapest under the latest inputs is ordered, unless the first started from an
+    assignment that has changed since."""
+    seeds = []
+    scripted = iter([
+        Replan({"a": 0, "c": 0, "b": 1, "d": 1}, [StageMove("c", 1, 0), StageMove("b", 0, 1)], {}, 9.0, 5.0),  # the cheap one
+        Replan({"a": 1, "c": 0, "b": 0, "d": 1}, [StageMove("a", 0, 1), StageMove("c", 1, 0)], {}, 9.0, 7.0),
+        Replan({"a": 0, "c": 0, "b": 1, "d": 1}, [StageMove("c", 1, 0), StageMove("b", 0, 1)], {}, 9.0, 5.0),
+        Replan({"a": 1, "c": 0, "b": 0, "d": 1}, [StageMove("a", 0, 1), StageMove("c", 1, 0)], {}, 9.0, 7.0),
+    ])
+
+    def fake_replan(current, peers, network, workload, num_stages, *, seed, **kw):
+        seeds.append(seed)
+        return next(scripted)
+
+    monkeypatch.setattr("services.coordinator.placement.replan", fake_replan)
+    costs = {(0, 0, 1, 1): 5.0, (1, 0, 0, 1): 7.0}  # the stages of a, c, b, d -> seconds per step
+    monkeypatch.setattr("services.coordinator.placement.placement_cost",
+                        lambda assignment, *a, **kw: costs[tuple(assignment[x] for x in "acbd")])
+    rebalancer = TopologyRebalancer(min_gain=MIN_GAIN, max_moves_fraction=0.5, time_budget_s=1.0, seed=10)
+    crossed = inputs_for(crossed_swarm(), two_clusters())
+    assert rebalancer.check(crossed, 2) is None
+    ordered = rebalancer.check(crossed, 2)
+    assert seeds == [10, 11]
+    assert ordered.assignment == {"a": 0, "c": 0, "b": 1, "d": 1} and ordered.cost_after_s == 5.0 and len(ordered.moves) == 2
+    # the first replan started from another assignment: the confirming one is ordered as it is
+    assert rebalancer.check(inputs_for(servers(("a", 0, 50.0), ("c", 1, 50.0), ("b", 0, 50.0), ("d", 1, 50.0)), two_clusters()), 2) is None
+    ordered = rebalancer.check(crossed, 2)
+    assert seeds == [10, 11, 12, 13] and ordered.cost_after_s == 7.0 and ordered.assignment["a"] == 1

@@ -12,6 +12,8 @@ import asyncio
 import json
 import ssl
 import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import aiohttp
 import structlog
@@ -19,6 +21,9 @@ from aiohttp import web
 
 from shared.codec import pack_message, unpack_message
 from shared.errors import PayloadTooLarge, RemoteError, SwarmError, UnsupportedMediaType
+
+T = TypeVar("T")
+MIN_RETRY_WAIT_S = 0.1  # a Retry-After of 0 still waits this long before asking again
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
@@ -135,6 +140,34 @@ async def post_json(session: aiohttp.ClientSession, url: str, body: dict, *, tim
     """POST a JSON control message and return the JSON object answered; failures raise :class:`RemoteError`."""
     data = json.dumps(body, allow_nan=False).encode()
     return _json_object(url, await request_bytes(session, "POST", url, expect=JSON, timeout_s=timeout_s, data=data, content_type=JSON))
+
+
+async def from_any_replica(urls: Sequence[str], fetch: Callable[[str], Awaitable[T]], *, deadline_s: float,
+                           on_error: Callable[[str, RemoteError], None]) -> T | None:
+    """``fetch(url)`` from the first of ``urls`` that answers, or None. A replica that
+    refused as overloaded (503 ``overloaded`` with Retry-After: its compute queue was
+    full) is asked again after the delay it gave, while ``deadline_s`` lasts; any other
+    failure rules it out. Each failure goes to ``on_error``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    pending = list(urls)
+    while pending:
+        busy: list[tuple[str, float]] = []
+        for url in pending:
+            try:
+                return await fetch(url)
+            except RemoteError as exc:
+                on_error(url, exc)
+                if exc.code == "overloaded" and exc.retry_after_s is not None:
+                    busy.append((url, max(MIN_RETRY_WAIT_S, exc.retry_after_s)))
+        if not busy:
+            return None
+        wait = min(delay for _, delay in busy)
+        if loop.time() + wait >= deadline:
+            return None
+        await asyncio.sleep(wait)
+        pending = [url for url, _ in busy]
+    return None
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -15,8 +15,11 @@ from pathlib import Path
 import aiohttp
 
 from shared import checkpoint
-from shared.errors import BadPayload
+from shared.errors import BadPayload, RemoteError
+from shared.http import from_any_replica, request_bytes
 from services.coordinator.registry import Registry
+
+OCTET_STREAM = "application/octet-stream"
 
 
 class Checkpointer:
@@ -54,16 +57,21 @@ class Checkpointer:
         return path
 
     async def _download(self, stage: int, urls: list[str]) -> bytes | None:
-        for url in urls:
+        """One replica's state: each in turn; a busy one (503 overloaded) again after its
+        Retry-After, within ``timeout_s``."""
+
+        async def fetch(url: str) -> bytes:
+            data = await request_bytes(self.session, "GET", url + "/state", expect=OCTET_STREAM, timeout_s=self.timeout_s)
             try:
-                async with self.session.get(url + "/state", timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
-                    resp.raise_for_status()
-                    data = await resp.read()
                 checkpoint.state_metadata(data)  # a readable state, not an error page
-                return data
-            except (aiohttp.ClientError, asyncio.TimeoutError, BadPayload) as exc:
-                self.log.warning("checkpoint.download_failed", stage=stage, replica=url, error=repr(exc))
-        return None
+            except BadPayload as exc:
+                raise RemoteError(url + "/state", 200, "bad_reply", exc.message) from None
+            return data
+
+        def failed(url: str, exc: RemoteError) -> None:
+            self.log.warning("checkpoint.download_failed", stage=stage, replica=url, error=str(exc))
+
+        return await from_any_replica(urls, fetch, deadline_s=self.timeout_s, on_error=failed)
 
     async def run(self, every_s: float) -> None:
         while True:

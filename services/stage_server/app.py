@@ -9,7 +9,7 @@ from aiohttp import web
 from shared import checkpoint, codec, package_version
 from shared.errors import RemoteError
 from shared.config import StageServerSettings, advertised_url
-from shared.http import auth_middlewares, error_middleware, get_json, request_log_middleware, swarm_session
+from shared.http import auth_middlewares, error_middleware, from_any_replica, get_json, request_log_middleware, swarm_session
 from shared.log import get_logger
 from shared.metrics import Metrics, add_metrics_route, metrics_middleware
 from services.stage_server.averaging_routes import AVERAGER, add_averaging_routes
@@ -161,12 +161,10 @@ async def _state_from_peers(settings: StageServerSettings, log):
             except (KeyError, IndexError, TypeError) as exc:
                 log.warning("stage.join.no_view", error=repr(exc))
                 return None
-        for url in peers:
-            try:
-                return await download_state(session, url, settings.join_timeout_s)
-            except RemoteError as exc:
-                log.warning("stage.join.download_failed", replica=url, error=str(exc))
-    return None
+        return await from_any_replica(
+            peers, lambda url: download_state(session, url, settings.join_timeout_s), deadline_s=max(0.0, deadline - loop.time()),
+            on_error=lambda url, exc: log.warning("stage.join.download_failed", replica=url, error=str(exc)),
+        )  # fmt: skip
 
 
 def _announcement(settings: StageServerSettings):

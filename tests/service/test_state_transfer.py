@@ -9,6 +9,9 @@ different seeds so that their weights differ until a transfer.
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import aiohttp
 import pytest
 import torch
@@ -17,7 +20,9 @@ from shared.codec import decode_tensor, encode_tensor
 from shared.errors import RemoteError
 from shared.http import post_message
 from shared.model import PRESETS
-from services.stage_server.routes import RUNTIME
+from services.coordinator.checkpointer import Checkpointer
+from services.coordinator.registry import Registry
+from services.stage_server.routes import RUNTIME, WORKER
 from services.stage_server.state import stage_state
 from services.stage_server.state_routes import OCTET_STREAM, download_state
 from tests.conftest import stage_settings
@@ -140,3 +145,48 @@ async def test_a_state_past_max_body_mb_is_refused_with_413(start_stages, http_s
 
     assert status == 413 and reply["error"]["code"] == "payload_too_large"
     assert all(torch.equal(before[n], t) for n, t in weights(small).items())
+
+
+class Recorder:
+    """A logger that keeps its warnings."""
+
+    def __init__(self):
+        self.warnings: list[tuple[str, dict]] = []
+
+    def warning(self, event: str, **fields) -> None:
+        self.warnings.append((event, fields))
+
+
+async def test_a_busy_replica_gives_its_state_once_its_queue_has_room(start_stages, http_session, tmp_path):
+    """The checkpointer asks a replica whose compute queue is full: 503 overloaded with
+    Retry-After. It asks again after that delay instead of skipping the checkpoint (a
+    busy swarm's only replica of a stage is busy most of the time)."""
+    apps, urls = await start_stages([[stage_settings(STAGE, seed=1, max_queue=1)]])
+    app, url = apps[0][0], urls[0][0]
+    gate = threading.Event()
+    blocker = asyncio.create_task(app[WORKER].run(gate.wait, 30.0))  # the one queue slot, taken until the gate opens
+    for _ in range(1000):
+        if app[WORKER].queue_depth == 1:
+            break
+        await asyncio.sleep(0)  # let the task take its slot (no timing involved)
+    assert app[WORKER].queue_depth == 1
+    try:
+        await _download_while_busy(app, url, blocker, gate, http_session, tmp_path)
+    finally:
+        gate.set()  # never leave the compute thread blocked
+
+
+async def _download_while_busy(app, url, blocker, gate, http_session, tmp_path) -> None:
+    log = Recorder()
+    checkpointer = Checkpointer(Registry(":memory:", num_stages=4, heartbeat_s=60.0), root=str(tmp_path), run_id="test", keep=1, timeout_s=20.0, log=log, session=http_session)
+    download = asyncio.create_task(checkpointer._download(STAGE, [url]))
+    for _ in range(2000):  # bounded: until the first refusal is logged
+        if log.warnings or download.done():
+            break
+        await asyncio.sleep(0.005)
+    assert [(e, f["replica"]) for e, f in log.warnings] == [("checkpoint.download_failed", url)]
+    assert "503 overloaded" in log.warnings[0][1]["error"] and not download.done()
+    gate.set()
+    assert await blocker
+    data = await asyncio.wait_for(download, 20.0)
+    assert data == await get_state(http_session, url) and len(log.warnings) == 1

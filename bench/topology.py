@@ -250,11 +250,10 @@ SECTIONS = {"cost": cost_model_rows, "planner": planner_rows, "small": small_ins
 
 
 def run(ctx) -> BenchResult:
-    rows = []
+    rows, draws = [], getattr(ctx, "draws", None)
     for name in getattr(ctx, "only", None) or SECTIONS:
         section = SECTIONS[name]
-        draws = getattr(ctx, "draws", None)
-        rows += section(ctx.quick, draws) if section is replan_rows and draws else section(ctx.quick)
+        rows += section(ctx.quick, draws) if section is replan_rows else section(ctx.quick)
         print(f"  bench.topology: {section.__name__} done", file=sys.stderr, flush=True)
     return BenchResult(
         "topology", "topology-aware placement and the swarm simulator (issue 8)", COLUMNS, rows,

@@ -27,6 +27,7 @@ MIN_RETRY_WAIT_S = 0.1  # a Retry-After of 0 still waits this long before asking
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
+OCTET_STREAM = "application/octet-stream"
 MICROBATCH_HEADER = "X-Swarm-Microbatch"  # the trainer's microbatch id, bound in the receiver's log lines
 MAX_MICROBATCH_HEADER_LEN = 128
 

@@ -16,10 +16,8 @@ import aiohttp
 
 from shared import checkpoint
 from shared.errors import BadPayload, RemoteError
-from shared.http import from_any_replica, request_bytes
+from shared.http import OCTET_STREAM, from_any_replica, request_bytes
 from services.coordinator.registry import Registry
-
-OCTET_STREAM = "application/octet-stream"
 
 
 class Checkpointer:

@@ -186,15 +186,19 @@ class TopologyRebalancer:
             raise ValueError(f"confirmations must be >= 1, got {confirmations}")
         self.min_gain, self.max_moves_fraction, self.time_budget_s = min_gain, max_moves_fraction, time_budget_s
         self.confirmations, self.max_evaluations, self.seed = confirmations, max_evaluations, seed
-        self.seen = 0
         self.checks = 0  # replans so far: the next one's seed is seed + checks
         self.last: Replan | None = None  # the latest replan, confirmed or not
         self._streak: list[tuple[dict[str, int], Replan]] = []  # (assignment it started from, replan) of the unconfirmed checks
 
+    @property
+    def seen(self) -> int:
+        """Consecutive checks so far that found moves worth making, not yet confirmed."""
+        return len(self._streak)
+
     def check(self, inputs: PlacementInputs, num_stages: int) -> Replan | None:
         """Replan from the current assignment; the replan to carry out now, or None."""
         if len(inputs.current) < 2 or len(inputs.peers) != len(inputs.current):
-            self.seen, self.last, self._streak = 0, None, []  # nothing to move, or servers without a stage (not planned here)
+            self.last, self._streak = None, []  # nothing to move, or servers without a stage (not planned here)
             return None
         max_moves = max(1, math.floor(self.max_moves_fraction * len(inputs.current)))
         self.last = replan(
@@ -204,9 +208,8 @@ class TopologyRebalancer:
         )  # fmt: skip
         self.checks += 1
         if not self.last.moves:
-            self.seen, self._streak = 0, []
+            self._streak = []
             return None
-        self.seen += 1
         self._streak.append((dict(inputs.current), self.last))
         if self.seen < self.confirmations:
             return None
@@ -217,6 +220,6 @@ class TopologyRebalancer:
             cost = placement_cost(earlier.assignment, inputs.peers, inputs.network, inputs.workload, num_stages)
             if cost < best.cost_after_s:
                 best = Replan(earlier.assignment, earlier.moves, earlier.joined, self.last.cost_before_s, cost)
-        self.seen, self._streak = 0, []
+        self._streak = []
         self.last = best
         return self.last

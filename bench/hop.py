@@ -92,7 +92,7 @@ def hivemind_status() -> str:
 def run(ctx) -> BenchResult:
     sizes, codecs, min_s = (QUICK_KIB, ("int8", "fp32"), 0.2) if ctx.quick else (FULL_KIB, ("int8", "fp32"), 1.0)
     with BenchProcesses(run_id("hop"), ctx.logs("hop")) as procs:
-        env = {"SWARM_WIRE_CODEC": "int8", "SWARM_SAMPLES_PER_STEP": str(10**9), "SWARM_MAX_BODY_MB": "256"}
+        env = {"SWARM_WIRE_CODEC": "int8", "SWARM_GLOBAL_BATCH": str(10**9), "SWARM_MAX_BODY_MB": "256"}
         name, url = procs.stage_server(STAGE, NUM_STAGES, env, dims=DIMS)
         procs.wait_healthy({name: url})
         rows = asyncio.run(measure(url, sizes, codecs, min_s))

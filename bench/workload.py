@@ -101,7 +101,7 @@ def measure_mesh(work: Workload, procs: BenchProcesses, *, stages: int, codec: s
     microbatches through them from this process and measure the window from the end of
     microbatch ``warmup`` to the end of microbatch ``warmup + measured``; the servers are
     stopped before returning. CPU seconds of servers and trainer in that window too."""
-    servers = dict(procs.stage_server(s, stages, {"SWARM_WIRE_CODEC": codec, "SWARM_SAMPLES_PER_STEP": str(work.samples_per_step)}, dims=work.dims) for s in range(stages))
+    servers = dict(procs.stage_server(s, stages, {"SWARM_WIRE_CODEC": codec, "SWARM_GLOBAL_BATCH": str(work.samples_per_step)}, dims=work.dims) for s in range(stages))
     try:
         procs.wait_healthy(servers)
         return asyncio.run(_pump_mesh(work, procs, servers, stages=stages, codec=codec, in_flight=in_flight, warmup=warmup, measured=measured))

@@ -108,10 +108,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=1, help="stage servers per stage (default 1)")
     p.add_argument("--trainers", type=int, default=1, help="trainers (default 1)")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period of the servers (default 1 s)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps to train (default 200)")
+    p.add_argument("--steps", type=int, default=200, help="global steps to train, all trainers together: each step is --global-batch samples and one AdamW step of every stage, whatever the replicas and trainers (default 200)")
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--wire-codec", default="int8", choices=FLOAT_CODECS)
-    p.add_argument("--samples-per-step", type=int, default=32, help="samples per optimizer step (default 32)")
+    p.add_argument("--global-batch", type=int, default=32, help="samples of one global step, all trainers and replicas together (default 32)")
     p.add_argument("--microbatch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--in-flight", type=int, default=4, help="microbatches in flight (default 4)")
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         display = choose_display(args.progress, sys.stderr, log_format=os.environ.get("SWARM_LOG_FORMAT", "console"))
         follower = MetricsFollower([run_dir / f"metrics{s}.jsonl" for s in trainer_suffixes(args.trainers)], start_step=start_step)
         trainers = start_trainers(procs, args, run_dir, {**common, "SWARM_START_STEP": str(start_step)}, logs_to_file=display == "bar")
-        status = watch_trainers(trainers, follower, ProgressDisplay(display, args.steps * args.trainers, stream=sys.stderr, initial_steps=start_step * args.trainers, every_steps=PROGRESS_EVERY_STEPS))
+        status = watch_trainers(trainers, follower, ProgressDisplay(display, args.steps, stream=sys.stderr, initial_steps=start_step, every_steps=PROGRESS_EVERY_STEPS))
         if display == "bar":
             report_trainers(trainers, run_dir)
         save_checkpoint(coordinator)
@@ -225,7 +225,7 @@ def start_servers(procs: LocalProcesses, args: argparse.Namespace, common: dict)
     for stage in range(args.stages):
         for replica in range(args.replicas):
             port = free_port(args.host)
-            env = {**common, "SWARM_STAGE": str(stage), "SWARM_PORT": str(port), "SWARM_HOST": args.host, "SWARM_LR": str(args.lr), "SWARM_SAMPLES_PER_STEP": str(args.samples_per_step)}
+            env = {**common, "SWARM_STAGE": str(stage), "SWARM_PORT": str(port), "SWARM_HOST": args.host, "SWARM_LR": str(args.lr), "SWARM_GLOBAL_BATCH": str(args.global_batch)}
             name = f"stage{stage}-{replica}"
             procs.start(name, ["services.stage_server"], env)
             servers[name] = f"{_scheme()}://{args.host}:{port}"
@@ -242,7 +242,8 @@ def start_trainers(procs: LocalProcesses, args: argparse.Namespace, run_dir: Pat
     for t, suffix in enumerate(trainer_suffixes(args.trainers)):
         env = {
             **common,
-            "SWARM_SEED": str(t),  # each trainer draws its own microbatches
+            "SWARM_SHARD_INDEX": str(t),  # the trainers share one sequence of microbatches
+            "SWARM_NUM_SHARDS": str(args.trainers),
             "SWARM_STEPS": str(args.steps),
             "SWARM_MICROBATCH_SIZE": str(args.microbatch_size),
             "SWARM_SEQ_LEN": str(args.seq_len),

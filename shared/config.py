@@ -115,9 +115,13 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     stage: int | Literal["auto"] = Field(0, description="stage to serve, or 'auto': the coordinator picks the weakest")
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.01, ge=0)
-    samples_per_step: int = Field(32, ge=1, description="samples accumulated per optimizer step")
-    warmup_steps: int = Field(10, ge=0, description="optimizer steps of linear learning-rate warm-up")
-    max_grad_norm: float = Field(1.0, ge=0, description="clip this stage's gradient norm to this before each step (per stage, not global); 0: no clipping")
+    global_batch: int = Field(32, ge=1, description="samples of one global step: the replicas of a stage together accumulate this many, all-reduce their gradients and take the same AdamW step; the same on every server of a run")
+    warmup_steps: int = Field(10, ge=0, description="global steps of linear learning-rate warm-up")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="learning rate after the warm-up: 'constant', or 'cosine' down to min_lr_ratio x lr at total_steps")
+    total_steps: int = Field(0, ge=0, description="the cosine schedule's length in global steps (warm-up included); needed by lr_schedule=cosine")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the cosine schedule ends at this fraction of lr")
+    max_grad_norm: float = Field(1.0, ge=0, description="clip the stage's all-reduced gradient to this norm before each step (per stage); 0: no clipping")
+    max_staleness: int = Field(1, ge=0, le=1000, description="a backward whose forward ran here more than this many global steps ago is refused (409 stale_forward) and the trainer runs the microbatch again")
     max_body_mb: float = Field(128.0, gt=0, description="largest request body accepted (413 past it)")
     max_queue: int = Field(64, ge=1, description="requests queued for compute before 503")
     backward_cache: int = Field(16, ge=0, description="forward graphs kept to skip the backward recompute")
@@ -130,6 +134,12 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     join_timeout_s: float = Field(60.0, gt=0, description="timeout of the state download when joining a stage")
     region: str = Field("", max_length=64, pattern=r"^[A-Za-z0-9._-]*$", description="where this server runs: a region of the shipped network table (Oregon, Virginia, Ohio, Tokyo, Seoul, Singapore, Sydney, London, Frankfurt, Ireland) or any name shared by servers in one place; the coordinator's placement uses it for links it has not measured; empty: unknown")
 
+    @model_validator(mode="after")
+    def _schedule(self):
+        if self.lr_schedule == "cosine" and self.total_steps <= self.warmup_steps:
+            raise ValueError(f"SWARM_LR_SCHEDULE=cosine needs SWARM_TOTAL_STEPS > SWARM_WARMUP_STEPS ({self.warmup_steps}), got {self.total_steps}")
+        return self
+
 
 class CoordinatorSettings(DiscoverySettings):
     host: str = "127.0.0.1"
@@ -139,9 +149,10 @@ class CoordinatorSettings(DiscoverySettings):
     state_db: str = Field("coordinator.sqlite", description="SQLite file with the registry and run state")
     lease_heartbeats: int = Field(3, ge=1, description="missed heartbeats after which a lease expires")
     max_servers: int = Field(4096, ge=1, description="registry size limit")
-    average_every_s: float = Field(30.0, ge=0, description="seconds between averaging rounds of each stage's replicas; 0: only when asked (POST /average)")
-    averaging_codec: Codec = Field("fp32", description="wire codec of the parts exchanged in averaging rounds")
+    average_every_s: float = Field(30.0, ge=0, description="seconds between checks that each stage's replicas are identical (a digest per replica); replicas that drifted apart are averaged; 0: only when asked (POST /average)")
+    averaging_codec: Codec = Field("fp32", description="wire codec of the parts exchanged in averaging and step rounds (the all-reduce of a stage's gradients)")
     averaging_timeout_s: float = Field(20.0, gt=0, description="an averaging round never waits longer than this")
+    step_timeout_s: float = Field(20.0, gt=0, description="a step round (the all-reduce of a stage's accumulated gradients) never waits longer than this: a member that lags is left out, its samples dropped")
     averaging_aggregator: Literal["mean", "centered_clip"] = Field("mean", description="how each part is reduced: the sample-weighted mean, or CenteredClip, which a faulty or malicious replica cannot drag away (honest majority)")
     rebalance_every_s: float = Field(30.0, ge=0, description="seconds between rebalancing checks; 0: never move servers")
     rebalance_min_gain: float = Field(1 / 0.75, ge=1.0, description="throughput placement: move a server only if the weakest stage's capacity grows by this factor")
@@ -161,20 +172,28 @@ class TrainerSettings(ModelSettings, DiscoverySettings):
     seq_len: int = Field(128, ge=1)
     microbatch_size: int = Field(8, ge=1)
     in_flight: int = Field(4, ge=1, le=1024, description="microbatches in flight at once")
-    steps: int = Field(200, ge=1, description="optimizer steps (of samples_per_step samples each) to train")
-    start_step: int = Field(0, ge=0, description="resume: the steps already trained (the run continues at this step)")
+    steps: int = Field(200, ge=1, description="global steps of the run (of SWARM_GLOBAL_BATCH samples each, all trainers together): the trainer stops once stage 0 took this many, and never feeds more than the samples of the steps left")
+    start_step: int = Field(0, ge=0, description="resume: the global steps already trained (the run continues at this step)")
+    shard_index: int = Field(0, ge=0, description="this trainer's share of the data: microbatches shard_index, shard_index + num_shards, ... of the run's sequence")
+    num_shards: int = Field(1, ge=1, le=4096, description="trainers sharing the run's microbatch sequence (see shard_index)")
     forward_timeout_s: float = Field(30.0, gt=0)
     backward_timeout_s: float = Field(60.0, gt=0)
     info_timeout_s: float = Field(5.0, gt=0, description="timeout of each GET /info when checking the swarm at start")
     max_retries: int = Field(3, ge=0, le=100, description="extra tries of a failed hop before the microbatch fails")
     log_every: int = Field(10, ge=1, description="log a line every N steps")
-    final_average: bool = Field(True, description="before the final evaluation, ask the coordinator to average every stage's replicas (POST /average)")
+    final_average: bool = Field(True, description="before the final evaluation, ask the coordinator to check that every stage's replicas are identical, repairing any drift (POST /average)")
     final_average_timeout_s: float = Field(120.0, gt=0, description="how long the final averaging may take before the trainer evaluates anyway")
     progress: Literal["auto", "bar", "off"] = Field("auto", description="progress on stderr: 'bar' (live, even into a pipe), 'off', or 'auto': a bar on a terminal, else a plain line every log_every steps (none with JSON logs)")
     metrics_file: str = Field("", description="append one JSON line per step here")
     summary_file: str = Field("", description="write the run's full summary (per-step losses included) here as JSON")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus GET /metrics on this port while training; 0: off")
     metrics_host: str = Field("127.0.0.1", description="interface of the metrics endpoint (0.0.0.0 in a container)")
+
+    @model_validator(mode="after")
+    def _shard(self):
+        if self.shard_index >= self.num_shards:
+            raise ValueError(f"SWARM_SHARD_INDEX={self.shard_index} must be below SWARM_NUM_SHARDS={self.num_shards}")
+        return self
 
     def stage_urls(self) -> list[list[str]]:
         """Parse ``stages`` into one list of replica URLs per stage."""

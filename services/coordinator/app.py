@@ -10,7 +10,7 @@ import aiohttp
 from aiohttp import web
 
 from shared import checkpoint, package_version
-from shared.errors import Overloaded, RemoteError
+from shared.errors import BadPayload, Overloaded, RemoteError
 from shared.config import CoordinatorSettings, advertised_url
 from shared.auth import OPEN_PATHS
 from shared.http import auth_middlewares, error_middleware, post_message, request_log_middleware, swarm_session
@@ -24,7 +24,8 @@ from services.coordinator.dashboard_routes import EVENTS, PROGRESS, add_dashboar
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.placement import TopologyRebalancer, placement_inputs, split_moves, uses_topology
 from services.coordinator.registry import RegisteredServer, Registry
-from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY, SETTINGS, TRAFFIC, add_routes
+from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY, SETTINGS, STEPS, TRAFFIC, _check_run, add_routes, read_json
+from services.coordinator.steps import StepScheduler, check_report
 
 
 def build_registry(settings: CoordinatorSettings) -> Registry:
@@ -96,6 +97,12 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     )
     app.cleanup_ctx.append(_averaging(settings))
     app.router.add_post("/average", average_now)
+    app[STEPS] = StepScheduler(
+        settings.num_stages, app[REGISTRY].live, codec=settings.averaging_codec, timeout_s=settings.step_timeout_s, aggregator=settings.averaging_aggregator, log=log,
+    )
+    app.cleanup_ctx.append(_steps())
+    app.router.add_post("/step/reserve", step_reserve)
+    app.router.add_post("/step/done", step_done)
     if settings.rebalance_every_s > 0:
         app.cleanup_ctx.append(_rebalancing(settings, log))
     if settings.checkpoint_dir:
@@ -109,6 +116,36 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     return app
 
 
+def _steps():
+    """Step rounds with their own client session (its bytes counted as 'steps': control only)."""
+    return _background("steps", lambda app, session: app[STEPS].run(session))
+
+
+async def step_reserve(request: web.Request) -> web.Response:
+    """``POST /step/reserve`` {run_id, stage, url, step, samples, global_batch, until_step?} from
+    a replica about to run a backward -> {bucket, closes, resync, complete, step}: see ``steps.py``."""
+    msg = await read_json(request)
+    _check_run(request, msg)
+    stage, url, step, samples, global_batch = check_report(msg, request.app[REGISTRY].num_stages, ("step", "samples", "global_batch"))
+    until_step = msg.get("until_step")
+    if until_step is not None and (type(until_step) is not int or until_step < 1):
+        raise BadPayload("'until_step' must be an int >= 1")
+    return web.json_response(await request.app[STEPS].reserve(stage, url, step, samples, global_batch, until_step))
+
+
+async def step_done(request: web.Request) -> web.Response:
+    """``POST /step/done`` {run_id, stage, url, step, bucket, reserved, samples, global_batch, closes?}
+    after the backward -> {round, step}: the step's round (a report that ``closes`` its step
+    is answered once the round started)."""
+    msg = await read_json(request)
+    _check_run(request, msg)
+    fields = ("step", "bucket", "reserved", "samples", "global_batch")
+    closes = msg.get("closes", False)
+    if type(closes) is not bool:
+        raise BadPayload("'closes' must be a bool")
+    return web.json_response(await request.app[STEPS].done(*check_report(msg, request.app[REGISTRY].num_stages, fields), closes=closes))
+
+
 def _averaging(settings: CoordinatorSettings):
     """Averaging passes every ``average_every_s`` (0: only when ``POST /average`` asks)."""
 
@@ -116,10 +153,12 @@ def _averaging(settings: CoordinatorSettings):
 
 
 async def average_now(request: web.Request) -> web.Response:
-    """``POST /average``: run an averaging pass now (after the one running, if any) and
-    answer when its rounds ended: {rounds: [{stage, round_id, members, accepted, ended}]}."""
-    rounds = await request.app[AVERAGING].average_now()
-    return web.json_response({"rounds": [r.as_json() for r in rounds]})
+    """``POST /average``: check now (after the pass running, if any) that each stage's
+    replicas are identical, repair those that drifted, and answer when the repairs ended:
+    {checks: [{stage, verdict, replicas, steps, digests}], rounds: [{stage, round_id, members, accepted, ended}]}."""
+    scheduler = request.app[AVERAGING]
+    rounds = await scheduler.average_now()
+    return web.json_response({"checks": scheduler.checks, "rounds": [r.as_json() for r in rounds]})
 
 
 def _rebalancing(settings: CoordinatorSettings, log):

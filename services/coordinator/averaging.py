@@ -25,7 +25,8 @@ from shared.log import get_logger
 START_TIMEOUT_S = 5.0  # cap on each /average/start call (a member answers it at once)
 
 
-async def start_round(session: aiohttp.ClientSession, stage: int, member_urls: list[str], *, codec: str, timeout_s: float, log=None, with_accepted: bool = False, aggregator: str = "mean"):
+async def start_round(session: aiohttp.ClientSession, stage: int, member_urls: list[str], *, codec: str, timeout_s: float, log=None, with_accepted: bool = False, aggregator: str = "mean",
+                      kind: str = "params", step: int = 0):
     """Start one averaging round of ``stage`` among ``member_urls`` (index = position); return its
     id (``with_accepted``: the id and how many members accepted).
 
@@ -41,10 +42,10 @@ async def start_round(session: aiohttp.ClientSession, stage: int, member_urls: l
         raise ValueError(f"averaging timeout_s must be > 0, got {timeout_s}")
     log = log or get_logger(service="coordinator")
     members = [url.rstrip("/") for url in member_urls]
-    round_id = f"avg-s{stage}-{uuid.uuid4().hex[:12]}"
+    round_id = f"{'step' if kind == 'step' else 'avg'}-s{stage}-{uuid.uuid4().hex[:12]}"
 
     async def tell(index: int, url: str) -> bool:
-        msg = {"round_id": round_id, "stage": stage, "members": members, "index": index, "codec": codec, "timeout_s": timeout_s, "aggregator": aggregator}
+        msg = {"round_id": round_id, "stage": stage, "members": members, "index": index, "codec": codec, "timeout_s": timeout_s, "aggregator": aggregator, "kind": kind, "step": step}
         try:
             await post_message(session, url + "/average/start", msg, timeout_s=min(START_TIMEOUT_S, timeout_s))
             return True
@@ -53,7 +54,7 @@ async def start_round(session: aiohttp.ClientSession, stage: int, member_urls: l
             return False
 
     accepted = await asyncio.gather(*(tell(i, url) for i, url in enumerate(members)))
-    log.info("averaging.round.started", round_id=round_id, stage=stage, members=len(members), accepted=sum(accepted), codec=codec, aggregator=aggregator, timeout_s=timeout_s)
+    log.info("averaging.round.started", round_id=round_id, kind=kind, stage=stage, members=len(members), accepted=sum(accepted), codec=codec, aggregator=aggregator, timeout_s=timeout_s)
     return (round_id, sum(accepted)) if with_accepted else round_id
 
 
@@ -75,17 +76,21 @@ class StageRound:
 
 
 class AveragingScheduler:
-    """Runs averaging passes: one round per stage with two or more live replicas, all stages
-    at once, and waits until the members report them ended (``GET /average/status``), so a
-    pass never overlaps the previous one. Passes run every ``every_s`` seconds (0: only on
-    demand) and when :meth:`average_now` asks for one (``POST /average``, e.g. a trainer
-    before its final evaluation, so that it evaluates one model, not replicas that drifted)."""
+    """Runs checks that the replicas of each stage are one model: every ``every_s`` seconds
+    (0: only on demand) and when :meth:`average_now` asks (``POST /average``, e.g. a trainer
+    before its final evaluation), each stage with two or more live replicas is asked for
+    their digests (``GET /digest``: step and SHA-256 of weights and optimizer state).
+    Replicas at one step with different digests drifted apart (a bug, a fault, a state
+    loaded by hand): they are repaired by a params round (their weights averaged), and the
+    pass waits until the members report it ended. Replicas caught between two steps are
+    checked next time."""
 
     def __init__(self, live_servers: Callable[[], Iterable], *, every_s: float, codec: str, timeout_s: float, log, aggregator: str = "mean"):
         self.live_servers, self.every_s, self.codec, self.timeout_s, self.log = live_servers, every_s, codec, timeout_s, log
         self.aggregator = aggregator
         self.session: aiohttp.ClientSession | None = None
         self.passes = 0
+        self.checks: list[dict] = []  # the last pass's checks, one per stage checked
         self._wake = asyncio.Event()
         self._waiters: list[asyncio.Future] = []
 
@@ -116,37 +121,73 @@ class AveragingScheduler:
         return await waiter
 
     async def average_once(self) -> list[StageRound]:
+        """One pass: check every stage with 2+ replicas; repair the drifted ones; their rounds."""
         by_stage: dict[int, list[str]] = {}
         for server in self.live_servers():
             by_stage.setdefault(server.stage, []).append(server.url)
         stages = [(stage, urls) for stage, urls in sorted(by_stage.items()) if len(urls) >= 2]
         if not stages or self.session is None:
+            self.checks = []
             return []
-        started = await asyncio.gather(*(self._start(stage, urls) for stage, urls in stages))
+        self.checks = list(await asyncio.gather(*(self._check(stage, urls) for stage, urls in stages)))
+        drifted = [(c["stage"], c["replicas"]) for c in self.checks if c["verdict"] == "drifted"]
+        started = await asyncio.gather(*(self._start(stage, urls) for stage, urls in drifted))
         await asyncio.gather(*(self._wait_ended(r) for r in started))
         self.passes += 1
         return list(started)
+
+    async def _check(self, stage: int, urls: list[str]) -> dict:
+        """{stage, verdict: identical | drifted | between_steps | unreachable, replicas, steps, digests}."""
+
+        async def digest(url: str) -> dict | None:
+            try:
+                return await get_json(self.session, url + "/digest", timeout_s=self.timeout_s)
+            except RemoteError as exc:
+                self.log.warning("averaging.check.unreachable", stage=stage, replica=url, error=str(exc))
+                return None
+
+        answers = dict(zip(urls, await asyncio.gather(*(digest(u) for u in urls))))
+        answered = {u: a for u, a in answers.items() if isinstance(a, dict) and "step" in a and "digest" in a}
+        steps = sorted({a["step"] for a in answered.values()})
+        digests = sorted({a["digest"] for a in answered.values()})
+        if len(answered) < 2:
+            verdict = "unreachable"
+        elif len(steps) > 1:
+            verdict = "between_steps"
+        else:
+            verdict = "identical" if len(digests) == 1 else "drifted"
+        check = {"stage": stage, "verdict": verdict, "replicas": sorted(answered), "steps": steps, "digests": len(digests)}
+        level = "warning" if verdict == "drifted" else "info"
+        getattr(self.log, level)(f"averaging.check.{verdict}", stage=stage, replicas=len(answered), steps=steps, digests=len(digests))
+        return check
 
     async def _start(self, stage: int, urls: list[str]) -> StageRound:
         round_id, accepted = await start_round(self.session, stage, urls, codec=self.codec, timeout_s=self.timeout_s, log=self.log, with_accepted=True, aggregator=self.aggregator)
         return StageRound(stage, round_id, [u.rstrip("/") for u in urls], accepted)
 
     async def _wait_ended(self, rnd: StageRound) -> None:
-        """Until every member's round ``rnd`` ended (its status no longer runs it) or it cannot
-        be asked, bounded by the round's timeout plus a grace period."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout_s + START_TIMEOUT_S
-        pending, delay = set(rnd.members), STATUS_POLL_S
-        while pending and loop.time() < deadline:
-            for url in list(pending):
-                try:
-                    status = await get_json(self.session, url + "/average/status", timeout_s=min(START_TIMEOUT_S, max(0.1, deadline - loop.time())))
-                except RemoteError:
-                    pending.discard(url)  # gone: its peers leave it out
-                    continue
-                if status.get("running") != rnd.round_id:
-                    pending.discard(url)
-            if pending:
-                await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
-                delay = min(0.5, delay * 2)
-        rnd.ended = len(rnd.members) - len(pending)
+        await wait_round_ended(self.session, rnd, self.timeout_s)
+
+
+async def wait_round_ended(session: aiohttp.ClientSession, rnd: StageRound, timeout_s: float) -> dict[str, dict]:
+    """Until every member's round ``rnd`` ended (its status no longer runs it) or it cannot
+    be asked, bounded by the round's timeout plus a grace period; sets ``rnd.ended`` and
+    returns the last status of each member that answered (URL -> ``/average/status``)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s + START_TIMEOUT_S
+    pending, delay, statuses = set(rnd.members), STATUS_POLL_S, {}
+    while pending and loop.time() < deadline:
+        for url in list(pending):
+            try:
+                status = await get_json(session, url + "/average/status", timeout_s=min(START_TIMEOUT_S, max(0.1, deadline - loop.time())))
+            except RemoteError:
+                pending.discard(url)  # gone: its peers leave it out
+                continue
+            statuses[url] = status
+            if status.get("running") != rnd.round_id:
+                pending.discard(url)
+        if pending:
+            await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+            delay = min(0.5, delay * 2)
+    rnd.ended = len(rnd.members) - len(pending)
+    return statuses

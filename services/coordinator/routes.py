@@ -12,7 +12,12 @@ unknown fields are ignored, so old and new servers interoperate::
                      -> {lease_s}   (/register takes region and workload too)
                      404 unknown_server: the lease is gone, register again
     POST /deregister {server_id} -> {removed}
-    GET  /swarm      -> {run_id, num_stages, heartbeat_s, lease_s, stages: [{stage, capacity, replicas}]}
+    GET  /swarm      -> {run_id, num_stages, heartbeat_s, lease_s, stages: [{stage, capacity, replicas,
+                         step: {step, reserved, accumulated, global_batch, round, samples_dropped, last_effective_batch}}]}
+    POST /step/reserve {run_id, stage, url, step, samples, global_batch} -> {bucket, closes, resync, step}
+    POST /step/done  {run_id, stage, url, step, bucket, reserved, samples, global_batch} -> {round, step}
+                     global steps: which step a backward's gradient goes to, and what it
+                     accumulated; the step round starts once a step is complete (app.py, steps.py)
     GET  /health     -> {status: "ok", servers}
     GET  /metrics, GET /, GET /dashboard.json, POST /progress: metrics.py, dashboard_routes.py
     POST /average    -> {rounds: [{stage, round_id, members, accepted, ended}]}  (app.py)
@@ -35,10 +40,12 @@ from shared.errors import BadPayload, SwarmError
 from shared.http import read_body
 from services.coordinator.placement import Joiner, placement_inputs, stage_for_joiner, uses_topology
 from services.coordinator.registry import Registry, check_region, check_report, check_rtt
+from services.coordinator.steps import StepScheduler
 
 SETTINGS = web.AppKey("settings", CoordinatorSettings)
 REGISTRY = web.AppKey("registry", Registry)
 TRAFFIC = web.AppKey("traffic", dict)  # loop name -> {"sent": bytes, "received": bytes}
+STEPS = web.AppKey("steps", StepScheduler)
 LOG = web.AppKey("log", structlog.typing.FilteringBoundLogger)
 ASSIGN_LOCK = web.AppKey("assign_lock", asyncio.Lock)
 JOINER_ID, PENDING_PREFIX = "<joiner>", "<pending>"  # peer ids no server can have (server ids are [A-Za-z0-9._-])
@@ -124,7 +131,12 @@ async def deregister(request: web.Request) -> web.Response:
 
 
 async def swarm(request: web.Request) -> web.Response:
-    return web.json_response({"run_id": request.app[SETTINGS].run_id, **request.app[REGISTRY].view()})
+    """The registry's view, each stage with its global step (``steps.py``)."""
+    view = request.app[REGISTRY].view()
+    if STEPS in request.app:
+        for stage, steps in zip(view["stages"], request.app[STEPS].counter.view()):
+            stage["step"] = {k: v for k, v in steps.items() if k != "stage"}
+    return web.json_response({"run_id": request.app[SETTINGS].run_id, **view})
 
 
 async def health(request: web.Request) -> web.Response:

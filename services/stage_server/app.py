@@ -9,17 +9,18 @@ from aiohttp import web
 from shared import checkpoint, codec, package_version
 from shared.errors import RemoteError
 from shared.config import StageServerSettings, advertised_url
-from shared.http import auth_middlewares, error_middleware, from_any_replica, get_json, request_log_middleware, swarm_session
+from shared.http import auth_middlewares, error_middleware, from_any_replica, get_json, post_json, request_log_middleware, swarm_session
 from shared.log import get_logger
 from shared.metrics import Metrics, add_metrics_route, metrics_middleware
 from services.stage_server.averaging_routes import AVERAGER, add_averaging_routes
 from services.stage_server.latency import LatencyProbe
 from services.stage_server.membership import Membership
 from services.stage_server.metrics import STAGE_METRICS, StageMetrics
-from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, WORKER, MoveOrder, add_routes
+from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, STEPPER, WORKER, MoveOrder, add_routes
 from services.stage_server.runtime import OptimizerConfig, StageRuntime
 from services.stage_server.state import load_stage_state
 from services.stage_server.state_routes import add_state_routes, download_state
+from services.stage_server.stepping import StepClient
 from services.stage_server.worker import ComputeWorker
 
 MEMBERSHIP = web.AppKey("membership", Membership)
@@ -36,12 +37,13 @@ def build_runtime(settings: StageServerSettings) -> StageRuntime:
         settings.num_stages,
         seed=settings.seed,
         optim=OptimizerConfig(
-            lr=settings.lr, weight_decay=settings.weight_decay, samples_per_step=settings.samples_per_step,
-            warmup_steps=settings.warmup_steps,
-            max_grad_norm=settings.max_grad_norm,
+            lr=settings.lr, weight_decay=settings.weight_decay, global_batch=settings.global_batch, warmup_steps=settings.warmup_steps,
+            schedule=settings.lr_schedule, total_steps=settings.total_steps, min_lr_ratio=settings.min_lr_ratio, max_grad_norm=settings.max_grad_norm,
         ),
         device=settings.device,
         cache_size=settings.backward_cache,
+        max_staleness=settings.max_staleness,
+        solo=not settings.coordinator,  # no coordinator counts the stage's samples: this server steps on its own
     )
 
 
@@ -94,7 +96,7 @@ def _report(settings: StageServerSettings, app: web.Application):
     stage_metrics = app[STAGE_METRICS]
 
     def report() -> dict:
-        workload = {"parameters": parameters, "samples_per_step": settings.samples_per_step, "activation_bytes_per_sample": round(stage_metrics.activation_bytes_per_sample, 3)}
+        workload = {"parameters": parameters, "samples_per_step": settings.global_batch, "activation_bytes_per_sample": round(stage_metrics.activation_bytes_per_sample, 3)}
         return {"workload": workload, **({"region": settings.region} if settings.region else {})}
 
     return report
@@ -111,13 +113,38 @@ def _membership(settings: StageServerSettings, log):
                 report=_report(settings, app),
             )
             app[MEMBERSHIP] = membership
+            app[STEPPER] = _stepper(app, settings, session, log)
             task = asyncio.create_task(membership.run())
             yield
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+            await app[STEPPER].close()
             await membership.deregister()  # no-op if the drain already did it
 
     return ctx
+
+
+def _stepper(app: web.Application, settings: StageServerSettings, session, log) -> StepClient:
+    """Global steps counted by the coordinator (see ``stepping.py``)."""
+    url = advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls)
+    runtime, worker = app[RUNTIME], app[WORKER]
+
+    async def resync() -> None:
+        state = await _state_from_peers(settings, log, exclude=url)
+        if state is None:
+            raise RemoteError(settings.coordinator + "/swarm", None, "no_state", "no other live replica of this stage gave its state")
+        await worker.run(load_stage_state, runtime, *state)
+        log.info("step.resynced", step=runtime.step)
+
+    async def post(path: str, body: dict) -> dict:
+        # a reservation may be held while the stage is a whole step ahead (the coordinator's step_timeout_s)
+        return await post_json(session, settings.coordinator + path, body, timeout_s=settings.join_timeout_s)
+
+    return StepClient(
+        runtime, post=post, resync=resync, wait_round=app[AVERAGER].wait_round, in_round=lambda: app[AVERAGER].running,
+        identity={"run_id": settings.run_id, "stage": settings.stage, "url": url, "global_batch": settings.global_batch},
+        round_wait_s=settings.join_timeout_s, log=log,
+    )  # fmt: skip
 
 
 def _join(settings: StageServerSettings, log):
@@ -139,8 +166,8 @@ def _join(settings: StageServerSettings, log):
     return ctx
 
 
-async def _state_from_peers(settings: StageServerSettings, log):
-    """The state of the first live replica of this stage that gives it, or None."""
+async def _state_from_peers(settings: StageServerSettings, log, *, exclude: str = ""):
+    """The state of the first live replica of this stage (but ``exclude``) that gives it, or None."""
     async with swarm_session(settings) as session:
         # An unreachable coordinator (restarting) is waited for up to join_timeout_s: a
         # server that gave up at once would serve fresh weights into a trained stage.
@@ -149,7 +176,7 @@ async def _state_from_peers(settings: StageServerSettings, log):
         while True:
             try:
                 view = await get_json(session, settings.coordinator + "/swarm", timeout_s=10)
-                peers = [r["url"] for r in view["stages"][settings.stage]["replicas"]]
+                peers = [r["url"] for r in view["stages"][settings.stage]["replicas"] if r["url"] != exclude]
                 break
             except RemoteError as exc:
                 attempt += 1

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from services.stage_server.runtime import Accumulated
 from shared.codec import encode_tensor, pack_message
 from shared.errors import BadPayload, RemoteError, SwarmError
 from services.stage_server.averaging import (
@@ -68,6 +69,7 @@ class Averager:
 
     def status(self) -> dict:
         return {
+            "step": self.runtime.step,
             "rounds_completed": self.rounds_completed,
             "running": self.round.spec.round_id if self.running else None,
             "last_round": self.last_round.summary() if self.last_round else None,
@@ -79,6 +81,8 @@ class Averager:
             raise RoundConflict("this server is not taking averaging rounds (starting up or shutting down)")
         if self.running:
             raise RoundConflict(f"round {self.round.spec.round_id!r} is still running here; one round at a time")
+        if spec.kind == "step" and spec.step != self.runtime.step:
+            raise RoundConflict(f"round {spec.round_id!r} takes step {spec.step}, this replica is at step {self.runtime.step}")
         self._retire()
         loop = asyncio.get_running_loop()
         rnd = AveragingRound(spec, self.num_params, self.int8_block, loop.time())
@@ -94,6 +98,12 @@ class Averager:
         self._close_handle = loop.call_at(rnd.deadline, rnd.close)
         self._task = asyncio.create_task(self._run(rnd), name=f"averaging-{spec.round_id}")
         self._wake_result_waiters()
+
+    async def wait_round(self, round_id: str, timeout_s: float) -> None:
+        """Until round ``round_id`` ended here (at once if it is not the one running)."""
+        if self.running and self.round.spec.round_id == round_id:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
 
     def refuse(self, round_id: str) -> None:
         """A start for another stage came: drop its parts sent ahead, refuse its messages from now on."""
@@ -157,24 +167,13 @@ class Averager:
     # -------------------------------------------------------------- the round itself
     async def _run(self, rnd: AveragingRound) -> None:
         spec, started = rnd.spec, time.perf_counter()
-        log = self.log.bind(round_id=spec.round_id, index=spec.index, members=spec.k)
+        log = self.log.bind(round_id=spec.round_id, index=spec.index, members=spec.k, kind=spec.kind)
         try:
-            flat, samples = await self.run_compute(snapshot, self.runtime)
-            sent = flat
-            if self.byzantine is not None:
-                sent = byzantine_values(flat, *self.byzantine, seed=self.rounds_completed)
-                log.warning("averaging.byzantine", mode=self.byzantine[0], factor=self.byzantine[1])
-            rnd.set_snapshot(sent, sample_weight(samples, self.samples_at_last_round))
-            log.info("averaging.round.started", weight=rnd.weight, codec=spec.codec, aggregator=spec.aggregator, parameters=self.num_params)
-            parts = await asyncio.gather(*(self._obtain(rnd, sent, j, log) for j in range(spec.k)))
-            averaged = flat.clone()
-            for (start, stop), part in zip(rnd.bounds, parts):
-                if part is not None:
-                    averaged[start:stop] = part.values
-            await self.run_compute(apply_average, self.runtime, flat, averaged)
-            self.samples_at_last_round = samples
-            self.rounds_completed += 1
-            rnd.finish(parts, time.perf_counter() - started)
+            if spec.kind == "step":
+                await self._step(rnd, log)
+            else:
+                await self._average(rnd, log)
+            rnd.finish(rnd.parts, time.perf_counter() - started)
             log.info("averaging.round.done", **{k: v for k, v in rnd.summary().items() if k not in ("round_id", "index", "members")})
         except asyncio.CancelledError:
             log.warning("averaging.round.failed", reason="cancelled (server shutting down)")
@@ -186,6 +185,49 @@ class Averager:
         finally:
             rnd.outcome["seconds"] = round(time.perf_counter() - started, 4)
             self.last_round = rnd
+
+    async def _reduce(self, rnd: AveragingRound, sent: torch.Tensor, weight: float, log) -> torch.Tensor:
+        """This member's side of the butterfly: ``sent`` in, the reduced parts out (``rnd.parts``:
+        None where a part failed, whose values stay ``sent``'s)."""
+        rnd.set_snapshot(sent, weight)
+        log.info("averaging.round.started", weight=weight, codec=rnd.spec.codec, aggregator=rnd.spec.aggregator, parameters=self.num_params)
+        rnd.parts = await asyncio.gather(*(self._obtain(rnd, sent, j, log) for j in range(rnd.spec.k)))
+        reduced = sent.clone()
+        for (start, stop), part in zip(rnd.bounds, rnd.parts):
+            if part is not None:
+                reduced[start:stop] = part.values
+        return reduced
+
+    def _as_sent(self, flat: torch.Tensor, log) -> torch.Tensor:
+        if self.byzantine is None:
+            return flat
+        log.warning("averaging.byzantine", mode=self.byzantine[0], factor=self.byzantine[1])
+        return byzantine_values(flat, *self.byzantine, seed=self.rounds_completed)
+
+    async def _average(self, rnd: AveragingRound, log) -> None:
+        """A params round: the members' weights averaged, what each learned meanwhile kept."""
+        flat, samples = await self.run_compute(snapshot, self.runtime)
+        averaged = await self._reduce(rnd, self._as_sent(flat, log), sample_weight(samples, self.samples_at_last_round), log)
+        await self.run_compute(apply_average, self.runtime, flat, averaged)
+        self.samples_at_last_round = samples
+        self.rounds_completed += 1
+
+    async def _step(self, rnd: AveragingRound, log) -> None:
+        """A step round: the accumulated gradients all-reduced (weighted by samples), then the
+        same optimizer step on every member. A member that missed a part does not step; it
+        gives its gradient back (if nobody stepped, nothing is lost; if the others stepped,
+        the coordinator tells it to take their state, and its samples count as dropped)."""
+        taken = await self.run_compute(self.runtime.take_gradients, rnd.spec.step)
+        weight = float(taken.samples) or (1.0 if self.byzantine else 0.0)  # an attacker claims a weight even when it served nothing
+        mean = await self._reduce(rnd, self._as_sent(taken.mean, log), weight, log)
+        if all(p is not None for p in rnd.parts):
+            effective = int(min(p.weight for p in rnd.parts))
+            await self.run_compute(self.runtime.apply_step, Accumulated(mean, effective, taken.microbatch_ids))
+            self.rounds_completed += 1
+            log.info("step.applied", step=self.runtime.step, effective_batch=effective, samples_here=taken.samples)
+        else:
+            await self.run_compute(self.runtime.give_back, taken, rnd.spec.step)
+            log.warning("step.missed", step=rnd.spec.step, samples_here=taken.samples, parts_failed=[j for j, p in enumerate(rnd.parts) if p is None])
 
     async def _obtain(self, rnd: AveragingRound, flat: torch.Tensor, j: int, log) -> ReducedPart | None:
         """Reduced part ``j``: reduced here, fetched from member ``j``, or from a backup reducer; None: keep ours."""

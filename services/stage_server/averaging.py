@@ -1,4 +1,9 @@
-"""Averaging: a butterfly all-reduce of one stage's weights among its replicas.
+"""Averaging: a butterfly all-reduce among the replicas of one stage.
+
+A round reduces one flat vector per member: in a ``step`` round the member's accumulated
+mean gradient, weighted by its samples (every member then applies the same optimizer
+step, see ``stepping.py``); in a ``params`` round its weights (repairs replicas that
+drifted apart, see the coordinator's ``averaging.py``).
 
 Plain logic, no aiohttp: ``averaging_routes.py`` is the HTTP edge and ``averager.py`` runs one
 server's side of a round; they hand this module decoded values and a :class:`Transport`
@@ -7,10 +12,11 @@ that posts packed messages to peers.
 A round as member ``i`` of ``k`` runs it (``T`` = the round's ``timeout_s``; times count
 from the moment this member accepted ``/average/start``):
 
-1. On the compute worker: snapshot the flat fp32 parameter vector and the weight ``w_i`` =
+1. On the compute worker: snapshot the flat fp32 vector and its weight ``w_i``: a step
+   round takes the accumulated gradient and its samples (0 for a replica that served
+   none: it still steps with the others); a params round takes the parameters and the
    samples processed since this member's last completed round, or ``EPSILON_WEIGHT`` if
-   none (an idle replica still counts, next to nothing beside a busy one; a round of idle
-   replicas is a plain mean).
+   none (an idle replica still counts, next to nothing beside a busy one).
 2. Split the vector into ``k`` contiguous parts (sizes differ by at most 1); post part
    ``j`` to member ``j``; keep part ``i``.
 3. As reducer of part ``i``: once all ``k`` parts are in, or at ``REDUCE_AT * T`` with what
@@ -22,8 +28,9 @@ from the moment this member accepted ``/average/start``):
    backup reduces once every member whose part reached it in step 3 (but ``j``) re-sent
    part ``j``, or at ``RETRY_REDUCE_AT * T``. If that fails too, part ``j`` keeps the
    local values (``averaging.part.failed``).
-5. On the compute worker: load the concatenated parts (bumps the weights' version and
-   drops the backward cache). Optimizer state stays local.
+5. On the compute worker: a step round applies the optimizer step with the concatenated
+   parts if every part was reduced (else it gives the gradient back and steps not); a
+   params round loads them (bumps the weights' version and drops the backward cache).
 
 Every member, the reducer included, loads a reduced part as it comes out of the round's
 codec, so the members of a round end with identical values. Nothing waits past ``T``: at
@@ -82,9 +89,12 @@ def split_bounds(n: int, k: int) -> list[tuple[int, int]]:
 
 
 def weighted_mean(contributions: Mapping[int, tuple[float, torch.Tensor]]) -> torch.Tensor:
-    """``sum(w x) / sum(w)`` over ``{member: (w, x)}``, summed in member order in float64; fp32."""
+    """``sum(w x) / sum(w)`` over ``{member: (w, x)}``, summed in member order in float64; fp32.
+    All weights 0 (a step round of replicas that served no sample): zeros."""
+    assert contributions, "a weighted mean needs a contribution"
     total = sum(w for w, _ in contributions.values())
-    assert contributions and total > 0, "a weighted mean needs at least one positive weight"
+    if total <= 0:
+        return torch.zeros_like(next(iter(contributions.values()))[1], dtype=torch.float32)
     acc = None
     for member in sorted(contributions):
         w, x = contributions[member]
@@ -117,6 +127,8 @@ def centered_clip(contributions: Mapping[int, tuple[float, torch.Tensor]], *, ta
     xs = torch.stack([contributions[m][1].to(torch.float64) for m in members])
     w = torch.tensor([contributions[m][0] for m in members], dtype=torch.float64)
     w = torch.minimum(w, w.median())
+    if float(w.sum()) <= 0:  # the median weight is 0: most members served nothing
+        w = torch.ones_like(w)
     w = w / w.sum()
     v = xs.median(dim=0).values if len(members) > 2 else xs.mean(dim=0)
     if tau is None:
@@ -212,9 +224,13 @@ def _is_number(x: Any) -> bool:
     return type(x) in (int, float) and math.isfinite(x)
 
 
+ROUND_KINDS = ("params", "step")
+
+
 @dataclass(frozen=True)
 class RoundSpec:
-    """``/average/start``: the round, its members in index order, this member's index."""
+    """``/average/start``: the round, its members in index order, this member's index; a
+    ``step`` round also names the stage's step it takes (the members must all be there)."""
 
     round_id: str
     stage: int
@@ -223,6 +239,8 @@ class RoundSpec:
     codec: str
     timeout_s: float
     aggregator: str = "mean"
+    kind: str = "params"
+    step: int = 0
 
     @property
     def k(self) -> int:
@@ -242,9 +260,12 @@ class RoundSpec:
         _require(_is_number(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S, f"'timeout_s' must be a number in (0, {MAX_TIMEOUT_S}]")
         aggregator = msg.get("aggregator", "mean")
         _require(isinstance(aggregator, str) and aggregator in AGGREGATORS, f"'aggregator' must be one of {AGGREGATORS}")
+        kind, step = msg.get("kind", "params"), msg.get("step", 0)
+        _require(isinstance(kind, str) and kind in ROUND_KINDS, f"'kind' must be one of {ROUND_KINDS}")
+        _require(type(step) is int and 0 <= step < 2**53, "'step' must be an int >= 0")
         if msg["stage"] != stage:
             raise WrongStage(f"this server holds stage {stage}, not {msg['stage']}")
-        return cls(round_id, stage, tuple(u.rstrip("/") for u in members), index, msg["codec"], float(timeout_s), aggregator)
+        return cls(round_id, stage, tuple(u.rstrip("/") for u in members), index, msg["codec"], float(timeout_s), aggregator, kind, step)
 
 
 @dataclass(frozen=True)
@@ -261,7 +282,7 @@ class PartMessage:
         round_id, part = parse_part_request(msg)
         sender, weight = msg.get("from"), msg.get("weight")
         _require(type(sender) is int and 0 <= sender < MAX_MEMBERS, f"'from' must be an int in [0, {MAX_MEMBERS})")
-        _require(_is_number(weight) and 0 < weight <= MAX_WEIGHT, f"'weight' must be a number in (0, {MAX_WEIGHT:g}]")
+        _require(_is_number(weight) and 0 <= weight <= MAX_WEIGHT, f"'weight' must be a number in [0, {MAX_WEIGHT:g}]")
         return cls(round_id, sender, part, float(weight))
 
 
@@ -380,6 +401,7 @@ class AveragingRound:
         self.dead: set[int] = set()
         self.bytes_sent = 0
         self.closed = False
+        self.parts: list[ReducedPart | None] = []
         self.outcome: dict = {"contributors": [], "part_contributors": [], "parts_failed": [], "seconds": None, "ok": False}
 
     def at(self, fraction: float) -> float:

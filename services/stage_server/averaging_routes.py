@@ -1,13 +1,16 @@
 """HTTP edge of averaging (the round itself is ``averaging.py``): decode, call the
 :class:`Averager`, encode. Bodies are msgpack maps, like ``/forward``::
 
-    POST /average/start  {round_id, stage, members, index, codec, timeout_s} -> {round_id, accepted}
-                         answered at once; the round runs in the background
+    POST /average/start  {round_id, stage, members, index, codec, timeout_s, aggregator?, kind?, step?}
+                         -> {round_id, accepted}; answered at once, the round runs in the
+                         background. kind 'step' (a global step: gradients all-reduced, then
+                         the same optimizer step) is refused (409) by a replica not at 'step'.
     POST /average/part   {round_id, from, part, weight, data} -> {round_id, part}
     POST /average/result {round_id, part} -> {round_id, part, data, contributors, weight}
                          waits (at most until the round's deadline) for the reduction
-    GET  /average/status -> JSON {rounds_completed, running, last_round: {round_id, members,
+    GET  /average/status -> JSON {step, rounds_completed, running, last_round: {round_id, members,
                          contributors, bytes_sent, seconds, ok, ...}}
+    GET  /digest         -> JSON {step, digest}: SHA-256 of the weights and optimizer state
 
 Errors are JSON: 400 bad_payload (malformed), 409 wrong_stage (another stage's round) or
 round_conflict (busy, unknown or finished round, not this member's part, duplicate part).
@@ -25,7 +28,7 @@ from shared.errors import WrongStage
 from shared.http import MSGPACK, msgpack_response, post_message, read_message, swarm_session
 from shared.log import get_logger
 from services.stage_server.averager import Averager
-from services.stage_server.averaging import OFF_LOOP_VALUES, PartMessage, RoundSpec, decode_values, parse_part_request
+from services.stage_server.averaging import OFF_LOOP_VALUES, PartMessage, RoundConflict, RoundSpec, decode_values, parse_part_request
 from services.stage_server.routes import RUNTIME, SETTINGS, WORKER
 
 AVERAGER = web.AppKey("averager", Averager)
@@ -50,7 +53,12 @@ async def start(request: web.Request) -> web.Response:
     except WrongStage:
         averager.refuse(msg["round_id"])  # so that peers find out at once that we are not in it
         raise
-    averager.start(spec)
+    try:
+        averager.start(spec)
+    except RoundConflict:
+        if not averager.running:  # e.g. a step round for another step: peers find out at once
+            averager.refuse(spec.round_id)
+        raise
     return msgpack_response({"round_id": spec.round_id, "accepted": True})
 
 
@@ -77,6 +85,12 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response(request.app[AVERAGER].status())
 
 
+async def digest(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    step, value = await request.app[WORKER].run(lambda: (runtime.step, runtime.digest()))
+    return web.json_response({"step": step, "digest": value})
+
+
 def add_averaging_routes(app: web.Application) -> None:
     """Routes and lifecycle of averaging; call after ``RUNTIME``, ``WORKER`` and ``SETTINGS`` are set."""
     settings = app[SETTINGS]
@@ -88,6 +102,7 @@ def add_averaging_routes(app: web.Application) -> None:
     app.router.add_post("/average/part", part)
     app.router.add_post("/average/result", result)
     app.router.add_get("/average/status", status)
+    app.router.add_get("/digest", digest)
 
     async def client_session(app: web.Application):
         async with swarm_session(settings) as session:

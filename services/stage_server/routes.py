@@ -3,9 +3,19 @@
 Request bodies (msgpack maps, see ``shared.codec``)::
 
     /forward  {v, run_id?, stage, microbatch_id, seed, codec?, eval?, inputs, targets?}
-              -> {stage, microbatch_id, outputs} or, on the last stage, {stage, microbatch_id, loss}
-    /backward {v, run_id?, stage, microbatch_id, seed, codec?, inputs, targets?, grad_outputs?}
-              -> {stage, microbatch_id, grad_inputs?, loss?}
+              -> {stage, microbatch_id, step, outputs} or, on the last stage, {stage, microbatch_id, step, loss}
+    /backward {v, run_id?, stage, microbatch_id, seed, codec?, forward_step?, until_step?, inputs, targets?, grad_outputs?}
+              -> {stage, microbatch_id, step, stage_step, accumulated, complete?, grad_inputs?, loss?}
+
+``step`` is the stage's global step (weights version) the computation ran at, ``stage_step``
+the stage's step when the backward answers (one more when it completed a global batch). A backward
+gives the ``step`` of its forward here as ``forward_step``; one more than
+``SWARM_MAX_STALENESS`` steps away is refused with 409 ``stale_forward`` (run the
+microbatch again). ``accumulated: false``: this microbatch's gradient was already
+accumulated here (a retried backward); its input gradient is returned all the same.
+``until_step``: the trainer's run ends at that global step; once its steps are all
+reserved at this stage, the backward computes the input gradient, accumulates nothing,
+and answers ``complete: true``.
 
 ``GET /metrics`` (Prometheus text) is added by the app factory (``shared.metrics``).
 
@@ -31,7 +41,8 @@ from shared.config import StageServerSettings
 from shared.errors import BadPayload, WrongStage
 from shared.http import MSGPACK, msgpack_response, read_message
 from services.stage_server.metrics import STAGE_METRICS
-from services.stage_server.runtime import StageRuntime
+from services.stage_server.runtime import NO_BUCKET, StageRuntime
+from services.stage_server.stepping import StepClient
 from services.stage_server.worker import ComputeWorker
 
 @dataclass
@@ -46,6 +57,7 @@ class MoveOrder:
 
 
 SETTINGS = web.AppKey("settings", StageServerSettings)
+STEPPER = web.AppKey("stepper", StepClient)  # absent without a coordinator (the runtime steps on its own)
 RUNTIME = web.AppKey("runtime", StageRuntime)
 WORKER = web.AppKey("worker", ComputeWorker)
 MOVE = web.AppKey("move", MoveOrder)
@@ -63,6 +75,8 @@ class StageRequest:
     inputs: torch.Tensor
     targets: torch.Tensor | None
     grad_outputs: torch.Tensor | None
+    forward_step: int | None = None
+    until_step: int | None = None
 
 
 async def _parse(request: web.Request, *, backward: bool) -> StageRequest:
@@ -87,6 +101,11 @@ async def _parse(request: web.Request, *, backward: bool) -> StageRequest:
     is_eval = msg.get("eval", False)
     if type(is_eval) is not bool:
         raise BadPayload("'eval' must be a bool")
+    forward_step, until_step = msg.get("forward_step"), msg.get("until_step")
+    if forward_step is not None and (type(forward_step) is not int or not 0 <= forward_step < 2**53):
+        raise BadPayload("'forward_step' must be an int >= 0")
+    if until_step is not None and (type(until_step) is not int or not 1 <= until_step < 2**53):
+        raise BadPayload("'until_step' must be an int >= 1")
     names = ["inputs", "targets"] + (["grad_outputs"] if backward else [])
     device = request.app[RUNTIME].device
     body_bytes = request.content_length if request.content_length is not None else OFF_LOOP_BYTES  # chunked: assume large
@@ -94,7 +113,7 @@ async def _parse(request: web.Request, *, backward: bool) -> StageRequest:
     request.app[STAGE_METRICS].count_tensors("in", msg)
     if not is_eval and not request.app[RUNTIME].spec.is_first:  # the inputs are the previous stage's activations
         request.app[STAGE_METRICS].note_activation(msg["inputs"], _samples(tensors[0]))
-    return StageRequest(mb_id, seed, codec, is_eval, *tensors)
+    return StageRequest(mb_id, seed, codec, is_eval, *tensors, forward_step=forward_step, until_step=until_step)
 
 
 def _samples(inputs: torch.Tensor) -> int:
@@ -123,9 +142,11 @@ async def _encode(t: torch.Tensor, codec: str, int8_block: int) -> dict:
 async def forward(request: web.Request) -> web.Response:
     req = await _parse(request, backward=False)
     runtime, settings = request.app[RUNTIME], request.app[SETTINGS]
-    run_forward = functools.partial(runtime.forward, keep_graph=not req.eval)
-    output = await request.app[WORKER].run(run_forward, req.microbatch_id, req.seed, req.inputs, req.targets)
-    reply = {"stage": settings.stage, "microbatch_id": req.microbatch_id}
+    def run_forward():
+        return runtime.forward(req.microbatch_id, req.seed, req.inputs, req.targets, keep_graph=not req.eval), runtime.step
+
+    output, step = await request.app[WORKER].run(run_forward)
+    reply = {"stage": settings.stage, "microbatch_id": req.microbatch_id, "step": step}
     if runtime.spec.is_last:
         reply["loss"] = float(output)
     else:
@@ -140,8 +161,23 @@ async def backward(request: web.Request) -> web.Response:
     req = await _parse(request, backward=True)
     runtime, settings = request.app[RUNTIME], request.app[SETTINGS]
     work = 3.0 if runtime.spec.is_last else 2.0  # the last stage's backward includes its forward
-    result = await request.app[WORKER].run(runtime.backward, req.microbatch_id, req.seed, req.inputs, req.targets, req.grad_outputs, work=work)
-    reply: dict = {"stage": settings.stage, "microbatch_id": req.microbatch_id}
+    stepper = request.app.get(STEPPER)
+    if stepper and req.forward_step is not None:
+        runtime.check_staleness(req.microbatch_id, req.forward_step)  # before a reservation: a stale backward takes none
+    reservation = await stepper.reserve(_samples(req.inputs), req.until_step) if stepper else None
+    complete = stepper is not None and reservation is None  # the run's steps are all reserved: compute, accumulate nothing
+    bucket = NO_BUCKET if complete else reservation.bucket if reservation else None
+    try:
+        result = await request.app[WORKER].run(runtime.backward, req.microbatch_id, req.seed, req.inputs, req.targets, req.grad_outputs, req.forward_step, bucket, work=work)
+    except BaseException:
+        if reservation:
+            await stepper.done(reservation, 0)  # the reservation goes back
+        raise
+    if reservation:
+        await stepper.done(reservation, _samples(req.inputs) if result.accumulated else 0)
+    reply: dict = {"stage": settings.stage, "microbatch_id": req.microbatch_id, "step": result.step, "stage_step": runtime.step, "accumulated": result.accumulated}
+    if complete:
+        reply["complete"] = True
     if result.grad_inputs is not None:
         reply["grad_inputs"] = await _encode(result.grad_inputs, req.reply_codec, settings.int8_block)
     if result.loss is not None:
@@ -166,6 +202,7 @@ async def health(request: web.Request) -> web.Response:
             "stage": request.app[SETTINGS].stage,
             "queue_depth": worker.queue_depth,
             "weights_version": runtime.version,
+            "step": runtime.step,
             "stats": asdict(runtime.stats),
         },
         status=503 if worker.draining else 200,
@@ -186,7 +223,8 @@ async def info(request: web.Request) -> web.Response:
             "wire_codec": settings.wire_codec,
             "int8_block": settings.int8_block,
             "wire_version": WIRE_VERSION,
-            "samples_per_step": settings.samples_per_step,
+            "global_batch": settings.global_batch,
+            "max_staleness": settings.max_staleness,
             "device": str(runtime.device),
             "version": package_version(),
         }

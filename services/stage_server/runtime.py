@@ -5,46 +5,100 @@ server's single compute worker, so none of them race. Backward is stateless: it 
 stage input again and recomputes the forward, so any replica can serve it. A bounded
 cache of forward graphs may skip the recompute; it is used only when the weights have
 not changed since and the input is bit-identical, so the result is the same either way.
+
+Steps are global (see ``stepping.py``): a backward only accumulates its gradient, into
+the bucket of the global step it was given (the coordinator hands each microbatch a
+step, so that every step holds exactly the global batch; a backward may fill the next
+step's bucket while the current one is all-reduced). The stage's replicas all-reduce a
+step's buckets, and every one of them calls :meth:`StageRuntime.apply_step` with the same
+mean gradient, so they stay bit-identical. ``solo=True`` (a server with no coordinator,
+or a test) steps on its own as soon as it alone holds the global batch.
+
+Staleness is bounded: a backward says at which step its forward ran here
+(``forward_step``); one older than ``max_staleness`` steps is refused with
+:class:`StaleForward`, and the trainer runs the microbatch again. A microbatch id whose
+gradient is already accumulated (in a step not applied yet or in one of the last
+``DEDUP_STEPS``) is computed again for its input gradient but not accumulated twice.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 import torch
 
-from shared.errors import BadPayload
+from shared.errors import BadPayload, SwarmError
 from shared.model import GPTConfig, StageModel, build_stage
+
+
+LR_SCHEDULES = ("constant", "cosine")
+NO_BUCKET = -1  # backward(bucket=NO_BUCKET): the input gradient only, nothing accumulated
+DEDUP_STEPS = 16  # a microbatch accumulated in one of this many last steps is not accumulated again (a re-run, a retry)
+
+
+class StaleForward(SwarmError):
+    """The backward's forward ran here more than ``max_staleness`` global steps ago: run the microbatch again."""
+
+    status = 409
+    code = "stale_forward"
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
+    """AdamW and its schedule, in global steps; the same on every replica of a run."""
+
     lr: float = 1e-3
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.95)
-    samples_per_step: int = 32
+    global_batch: int = 32  # samples of one global step (all replicas of the stage together)
     warmup_steps: int = 0  # learning rate rises linearly from lr/warmup_steps to lr
-    max_grad_norm: float = 0.0  # clip the stage's gradient norm (0: off)
+    schedule: str = "constant"  # after warm-up: 'constant', or 'cosine' down to min_lr_ratio x lr at total_steps
+    total_steps: int = 0  # the cosine's length in global steps (warm-up included)
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 0.0  # clip the stage's all-reduced gradient norm (0: off)
+
+    def __post_init__(self):
+        assert self.schedule in LR_SCHEDULES, f"schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}"
+        assert self.schedule != "cosine" or self.total_steps > self.warmup_steps, "a cosine schedule needs total_steps > warmup_steps"
 
     def lr_at(self, step: int) -> float:
-        """Learning rate of optimizer step ``step`` (0-based)."""
-        return self.lr * min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else self.lr
+        """Learning rate of global step ``step`` (0-based: the step that takes the weights from ``step`` to ``step + 1``)."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.schedule == "cosine":
+            progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+            return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+        return self.lr
 
 
 @dataclass
 class StageStats:
     forwards: int = 0
     backwards: int = 0
-    samples: int = 0  # samples whose backward ran here
-    optimizer_steps: int = 0
+    samples: int = 0  # samples whose gradient was accumulated here
+    optimizer_steps: int = 0  # global steps applied: the stage's step
     cache_hits: int = 0
     compute_s: float = 0.0
     last_grad_norm: float = 0.0  # norm of the last step's mean gradient, before clipping
     clipped_steps: int = 0
+    duplicate_backwards: int = 0  # backwards of a microbatch already accumulated: computed, not accumulated
+    stale_backwards: int = 0  # backwards refused: their forward was more than max_staleness steps old
+    samples_dropped: int = 0  # accumulated samples that never reached a step (a failed round, a resync)
+    last_effective_batch: int = 0  # samples that went into the last step's all-reduced gradient
+
+
+@dataclass
+class _Bucket:
+    """Gradients accumulated for one global step: sums of per-sample-weighted microbatch means."""
+
+    grad_sum: list[torch.Tensor]
+    samples: int = 0
+    ids: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -61,6 +115,17 @@ class _CachedForward:
 class BackwardResult:
     grad_inputs: torch.Tensor | None  # None on the first stage (token ids have no gradient)
     loss: float | None  # the microbatch loss, last stage only
+    step: int = 0  # the stage's step (weights version in global steps) the backward ran at
+    accumulated: bool = True  # False: a duplicate, its gradient was already accumulated
+
+
+@dataclass(frozen=True)
+class Accumulated:
+    """A stage's accumulated gradient handed to a step round (see :meth:`StageRuntime.take_gradients`)."""
+
+    mean: torch.Tensor  # flat fp32 CPU vector: the sample-weighted mean gradient
+    samples: int
+    microbatch_ids: frozenset[str]
 
 
 class StageRuntime:
@@ -74,8 +139,11 @@ class StageRuntime:
         optim: OptimizerConfig = OptimizerConfig(),
         device: str = "cpu",
         cache_size: int = 16,
+        max_staleness: int = 1,
+        solo: bool = True,
     ):
         self.cfg, self.device, self.optim_cfg = cfg, torch.device(device), optim
+        self.max_staleness, self.solo = max_staleness, solo
         self.model: StageModel = build_stage(cfg, stage, num_stages, seed).to(self.device)
         self.model.train()
         self.spec = self.model.spec
@@ -88,8 +156,8 @@ class StageRuntime:
             lr=optim.lr,
             betas=optim.betas,
         )
-        self._grad_sum = [torch.zeros_like(p) for p in self.params]
-        self._pending_samples = 0
+        self._buckets: dict[int, _Bucket] = {}  # global step -> what was accumulated for it
+        self._recent_ids: deque[frozenset[str]] = deque(maxlen=DEDUP_STEPS)  # microbatches of the last steps applied
         self.version = 0  # bumped by every change of the weights
         self.stats = StageStats()
         self._cache: OrderedDict[str, _CachedForward] = OrderedDict()
@@ -141,9 +209,15 @@ class StageRuntime:
         self.stats.compute_s += time.perf_counter() - started
         return output
 
-    def backward(self, microbatch_id: str, seed: int, inputs: torch.Tensor, targets: torch.Tensor | None, grad_outputs: torch.Tensor | None) -> BackwardResult:
-        """Accumulate this microbatch's parameter gradients; return the input gradient."""
+    def backward(self, microbatch_id: str, seed: int, inputs: torch.Tensor, targets: torch.Tensor | None, grad_outputs: torch.Tensor | None, forward_step: int | None = None, bucket: int | None = None) -> BackwardResult:
+        """Accumulate this microbatch's parameter gradients (once per microbatch id) for global
+        step ``bucket`` (None: the current step); return the input gradient. ``forward_step``:
+        the step at which this stage ran the microbatch's forward (None: the caller does not
+        know, e.g. the last stage's single call). A bucket of a step already applied counts
+        the samples as dropped."""
         self.validate(inputs, targets, grad_outputs, backward=True)
+        if forward_step is not None:
+            self.check_staleness(microbatch_id, forward_step)
         inputs, targets, grad_outputs = self._as_model_types(inputs, targets, grad_outputs)
         started = time.perf_counter()
         cached = self._cache.pop(microbatch_id, None)
@@ -154,24 +228,119 @@ class StageRuntime:
             leaf, output = self._run(seed, inputs, targets, grad=True)
         wrt = self.params + ([] if self.spec.is_first else [leaf])
         grads = torch.autograd.grad(output, wrt, grad_outputs=None if self.spec.is_last else grad_outputs, allow_unused=True)
+        step, bucket = self.step, self.step if bucket is None else bucket
+        duplicate = any(microbatch_id in ids for ids in self._recent_ids) or any(microbatch_id in b.ids for b in self._buckets.values())
         batch = inputs.shape[0]
-        for acc, g in zip(self._grad_sum, grads[: len(self.params)]):
-            if g is not None:
-                acc.add_(g, alpha=batch)  # gradients of the microbatch mean, weighted by its samples
-        self._pending_samples += batch
-        self.stats.backwards += 1
-        self.stats.samples += batch
-        if self._pending_samples >= self.optim_cfg.samples_per_step:
-            self._optimizer_step()
+        if duplicate:
+            self.stats.duplicate_backwards += 1
+        elif bucket == NO_BUCKET:
+            pass
+        elif bucket < self.step:  # its step was taken without it (the round timed out on it)
+            self.stats.samples_dropped += batch
+        else:
+            target = self._bucket(bucket)
+            for acc, g in zip(target.grad_sum, grads[: len(self.params)]):
+                if g is not None:
+                    acc.add_(g, alpha=batch)  # gradients of the microbatch mean, weighted by its samples
+            target.samples += batch
+            target.ids.add(microbatch_id)
+            self.stats.backwards += 1
+            self.stats.samples += batch
+            if self.solo and target.samples >= self.optim_cfg.global_batch and bucket == self.step:
+                self.apply_step(self.take_gradients())
         self.stats.compute_s += time.perf_counter() - started
         grad_inputs = None if self.spec.is_first else grads[-1]
         loss = float(output.detach()) if self.spec.is_last else None
-        return BackwardResult(grad_inputs, loss)
+        return BackwardResult(grad_inputs, loss, step, not duplicate and bucket >= step)
 
-    def accumulated_gradients(self) -> dict[str, torch.Tensor]:
-        """Mean gradient per parameter over the samples accumulated since the last step."""
-        n = max(self._pending_samples, 1)
-        return {name: acc / n for (name, _), acc in zip(self.model.named_parameters(), self._grad_sum)}
+    def check_staleness(self, microbatch_id: str, forward_step: int) -> None:
+        """:class:`StaleForward` if the forward ran more than ``max_staleness`` steps from now."""
+        if abs(self.step - forward_step) > self.max_staleness:
+            self.stats.stale_backwards += 1
+            raise StaleForward(f"the forward of {microbatch_id!r} ran at step {forward_step}, this stage is at step {self.step} (SWARM_MAX_STALENESS={self.max_staleness}): run the microbatch again")
+
+    @property
+    def step(self) -> int:
+        """Global steps applied to this stage: the weights' version in steps."""
+        return self.stats.optimizer_steps
+
+    def _bucket(self, step: int) -> _Bucket:
+        if step not in self._buckets:
+            self._buckets[step] = _Bucket([torch.zeros_like(p) for p in self.params])
+        return self._buckets[step]
+
+    def accumulators(self) -> list[torch.Tensor]:
+        """Every gradient accumulator of every bucket, by step (a write to one bumps its ``_version``)."""
+        return [acc for step in sorted(self._buckets) for acc in self._buckets[step].grad_sum]
+
+    def pending(self, step: int | None = None) -> int:
+        """Samples accumulated for global step ``step`` (default: the current one)."""
+        bucket = self._buckets.get(self.step if step is None else step)
+        return bucket.samples if bucket else 0
+
+    def take_gradients(self, step: int | None = None) -> Accumulated:
+        """Hand the gradient accumulated for ``step`` (default: the current one) to the step."""
+        bucket = self._buckets.pop(self.step if step is None else step, None)
+        if bucket is None:
+            return Accumulated(torch.zeros(sum(p.numel() for p in self.params)), 0, frozenset())
+        n = bucket.samples
+        mean = torch.cat([(acc / max(n, 1)).reshape(-1).to("cpu", torch.float32) for acc in bucket.grad_sum]) if bucket.grad_sum else torch.empty(0)
+        return Accumulated(mean, n, frozenset(bucket.ids))
+
+    def give_back(self, taken: Accumulated, step: int | None = None) -> None:
+        """A step round failed before anyone stepped: the gradient taken for it accumulates again."""
+        bucket, offset = self._bucket(self.step if step is None else step), 0
+        for acc in bucket.grad_sum:
+            acc.add_(taken.mean[offset : offset + acc.numel()].view_as(acc).to(acc.device, acc.dtype), alpha=taken.samples)
+            offset += acc.numel()
+        bucket.samples += taken.samples
+        bucket.ids |= taken.microbatch_ids
+
+    def drop(self, taken: Accumulated) -> None:
+        """The gradient taken for a step that this replica did not take part in: lost, and counted."""
+        self.stats.samples_dropped += taken.samples
+
+    def apply_step(self, gradient: Accumulated) -> None:
+        """One global step with ``gradient.mean`` (the stage's all-reduced mean gradient): clip,
+        schedule, AdamW. Every replica that calls it with the same values stays identical."""
+        offset = 0
+        for p in self.params:
+            p.grad = gradient.mean[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype)
+            offset += p.numel()
+        assert offset == gradient.mean.numel(), f"a step needs {offset} gradient values, got {gradient.mean.numel()}"
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.max_grad_norm if self.optim_cfg.max_grad_norm > 0 else math.inf)
+        self.stats.last_grad_norm = float(norm)
+        if 0 < self.optim_cfg.max_grad_norm < self.stats.last_grad_norm:
+            self.stats.clipped_steps += 1
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.optim_cfg.lr_at(self.step)
+        self.optimizer.step()
+        for p in self.params:
+            p.grad = None
+        self._recent_ids.append(gradient.microbatch_ids)
+        self.stats.last_effective_batch = gradient.samples
+        self.stats.optimizer_steps += 1
+        for old in [k for k in self._buckets if k < self.step]:  # came in after their step was taken
+            self.drop(self.take_gradients(old))
+        self.weights_changed()
+
+    def digest(self) -> str:
+        """SHA-256 of the weights and the optimizer state: replicas in step have equal digests."""
+        h = hashlib.sha256()
+        for name, p in self.model.named_parameters():
+            h.update(name.encode())
+            h.update(_tensor_bytes(p))
+            for key, value in sorted(self.optimizer.state.get(p, {}).items()):
+                h.update(key.encode())
+                h.update(_tensor_bytes(value) if isinstance(value, torch.Tensor) else repr(value).encode())
+        return h.hexdigest()
+
+    def accumulated_gradients(self, step: int | None = None) -> dict[str, torch.Tensor]:
+        """Mean gradient per parameter over the samples accumulated for ``step`` (default: the current one)."""
+        bucket = self._buckets.get(self.step if step is None else step)
+        if bucket is None:
+            return {name: torch.zeros_like(p) for name, p in self.model.named_parameters()}
+        return {name: acc / max(bucket.samples, 1) for (name, _), acc in zip(self.model.named_parameters(), bucket.grad_sum)}
 
     def weights_changed(self) -> None:
         """Call after the weights were changed from outside (averaging, a loaded state):
@@ -180,15 +349,16 @@ class StageRuntime:
         self._cache.clear()
 
     def reset_accumulation(self) -> None:
-        """Drop the accumulated gradients too (a state replaced the stage's training)."""
-        for acc in self._grad_sum:
-            acc.zero_()
-        self._pending_samples = 0
+        """Drop the accumulated gradients too (a state replaced the stage's training); they are counted as dropped."""
+        for step in list(self._buckets):
+            self.drop(self.take_gradients(step))
+        self._recent_ids.clear()
         self.weights_changed()
 
     @property
     def pending_samples(self) -> int:
-        return self._pending_samples
+        """Samples accumulated in every bucket not yet stepped."""
+        return sum(b.samples for b in self._buckets.values())
 
     # ---------------------------------------------------------------- internals
     def _as_model_types(self, inputs, targets, grad_outputs):
@@ -222,30 +392,6 @@ class StageRuntime:
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
 
-    def _optimizer_step(self) -> None:
-        n = self._pending_samples
-        for p, acc in zip(self.params, self._grad_sum):
-            p.grad = acc / n
-        # Per-stage clipping: one bad microbatch (an outlier, a gradient computed against
-        # weights that moved, a replica that just loaded an average) cannot throw the stage
-        # far. A global norm would need every stage's norm before any step; stages step
-        # asynchronously, so each clips its own.
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.max_grad_norm if self.optim_cfg.max_grad_norm > 0 else math.inf)
-        self.stats.last_grad_norm = float(norm)
-        if 0 < self.optim_cfg.max_grad_norm < self.stats.last_grad_norm:
-            self.stats.clipped_steps += 1
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.optim_cfg.lr_at(self.stats.optimizer_steps)
-        self.optimizer.step()
-        for p, acc in zip(self.params, self._grad_sum):
-            p.grad = None
-            acc.zero_()
-        self._pending_samples = 0
-        self.version += 1
-        self.stats.optimizer_steps += 1
-        self._cache.clear()  # cached graphs hold the old weights
-
-
 @contextlib.contextmanager
 def _fork_rng(seed: int, device: torch.device):
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -256,6 +402,11 @@ def _fork_rng(seed: int, device: torch.device):
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise BadPayload(message)
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

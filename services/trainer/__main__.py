@@ -57,7 +57,7 @@ async def check_stages(session: aiohttp.ClientSession, stage_urls: list[list[str
             first = first or info
         if not answered:
             raise SwarmMismatch(f"no replica of stage {stage} answered GET /info within {wait_s} s: {urls}")
-    log.info("swarm.checked", stages=len(stage_urls), replicas=sum(map(len, stage_urls)), samples_per_step=first["samples_per_step"])
+    log.info("swarm.checked", stages=len(stage_urls), replicas=sum(map(len, stage_urls)), global_batch=first["global_batch"])
     return first
 
 
@@ -114,6 +114,7 @@ async def train(settings: TrainerSettings) -> int:
             balancer,
             run_id=settings.run_id,
             codec=settings.wire_codec,
+            until_step=settings.steps,
             timeouts=HopTimeouts(settings.forward_timeout_s, settings.backward_timeout_s),
             retry=RetryPolicy(max_retries=settings.max_retries),
             log=log,
@@ -126,7 +127,9 @@ async def train(settings: TrainerSettings) -> int:
             client,
             batcher,
             steps=settings.steps,
-            samples_per_step=info["samples_per_step"],
+            global_batch=info["global_batch"],
+            shard_index=settings.shard_index,
+            num_shards=settings.num_shards,
             in_flight=settings.in_flight,
             seed=settings.seed,
             log_every=settings.log_every,
@@ -136,7 +139,8 @@ async def train(settings: TrainerSettings) -> int:
             on_step=lambda record: (display.show_record(record), telemetry.step_done(record)),
             before_final_eval=(lambda: view.average(settings.final_average_timeout_s)) if view and settings.final_average else None,
         )
-        log.info("train.start", steps=settings.steps, microbatches_per_step=trainer.microbatches_per_step, in_flight=settings.in_flight, codec=settings.wire_codec)
+        log.info("train.start", steps=settings.steps, global_batch=info["global_batch"], microbatches_per_step=trainer.microbatches_per_step, in_flight=settings.in_flight,
+                 codec=settings.wire_codec, shard=f"{settings.shard_index}/{settings.num_shards}")
         await telemetry.start(session, coordinator=view.coordinator if view else settings.coordinator, host=settings.metrics_host, port=settings.metrics_port)
         refresher = asyncio.create_task(view.run()) if view else None
         try:

@@ -9,6 +9,11 @@ retried on another replica with the same input.
 The last stage gets one call, ``/backward``: it recomputes its forward, returns the loss
 and the gradient of its input. Evaluation calls ``/forward`` on every stage with
 ``eval: true``.
+
+Each forward answer carries the stage's global step; the backward of that stage sends it
+back (``forward_step``). A stage that stepped more than ``SWARM_MAX_STALENESS`` times since
+refuses the backward (409 ``stale_forward``): the microbatch runs again from stage 0,
+counted as a re-run, at most ``MAX_RERUNS`` times.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from services.trainer.data import Microbatch
 from services.trainer.wiring import NoReplica, ReplicaBalancer
 
 
+MAX_RERUNS = 8  # times a microbatch runs again from the start after a stale backward
 MAX_OVERLOAD_WAITS = 30  # 503 "overloaded" answers a hop waits out (Retry-After) before they count as failures
 MAX_OVERLOAD_WAIT_S = 5.0
 
@@ -39,6 +45,19 @@ class MicrobatchFailed(Exception):
     def __init__(self, index: int, stage: int, path: str, errors: list[RemoteError]):
         super().__init__(f"microbatch {index}: {path} on stage {stage} failed {len(errors)} times; last: {errors[-1]}")
         self.index, self.stage, self.path, self.errors = index, stage, path, errors
+
+
+class StaleMicrobatch(Exception):
+    """A stage refused a backward: its forward is too many steps old. Run the microbatch again."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    loss: float  # mean over the microbatch's tokens
+    loss_step: int  # the last stage's step the loss was computed at
+    swarm_step: int  # stage 0's step when its backward answered (the last stage of a global batch to step)
+    reruns: int = 0  # times the microbatch ran again after a stale backward
+    complete: bool = False  # stage 0 had every step of the run (until_step) reserved: it took nothing of this one
 
 
 @dataclass(frozen=True)
@@ -55,6 +74,7 @@ class PipelineClient:
         *,
         run_id: str,
         codec: str,
+        until_step: int | None = None,
         timeouts: HopTimeouts = HopTimeouts(),
         retry: RetryPolicy = RetryPolicy(),
         log=None,
@@ -64,39 +84,61 @@ class PipelineClient:
     ):
         self.session, self.balancer, self.run_id = session, balancer, run_id
         self.codec, self.timeouts, self.retry, self.log = codec, timeouts, retry, log
+        self.until_step = until_step  # the run's last global step: stages refuse gradients past it
         self.on_stage_empty = on_stage_empty  # e.g. refresh the registry view at once
         self.client_id = client_id or uuid.uuid4().hex[:8]  # microbatch ids stay unique across trainers
         self.num_stages = balancer.num_stages
         self.telemetry = telemetry  # a TrainerTelemetry: hops, bytes and microbatches counted
 
-    async def train(self, mb: Microbatch, seed: int) -> float:
-        """Forward and backward one microbatch; returns its loss (mean over its tokens)."""
+    async def train(self, mb: Microbatch, seed: int) -> TrainResult:
+        """Forward and backward one microbatch, again from the start if a stage finds its
+        forward too old (at most ``MAX_RERUNS`` times); raises :class:`MicrobatchFailed`."""
+        for rerun in range(MAX_RERUNS + 1):
+            try:
+                loss, loss_step, swarm_step, complete = await self._train_once(mb, seed)
+                if self.telemetry:
+                    self.telemetry.microbatch_done(mb.num_tokens)
+                return TrainResult(loss, loss_step, swarm_step, rerun, complete)
+            except StaleMicrobatch as exc:
+                if self.telemetry:
+                    self.telemetry.microbatch_rerun()
+                if self.log:
+                    self.log.info("microbatch.rerun", microbatch=mb.index, rerun=rerun + 1, reason=str(exc))
+                error = exc
+        if self.telemetry:
+            self.telemetry.microbatch_failed()
+        raise MicrobatchFailed(mb.index, 0, "/backward", [RemoteError("pipeline", 409, "stale_forward", f"{MAX_RERUNS + 1} runs were all stale: {error}")])
+
+    async def _train_once(self, mb: Microbatch, seed: int) -> tuple[float, int, int, bool]:
         mb_id = f"{self.run_id}:{self.client_id}:{mb.index}"
         base = {"run_id": self.run_id, "microbatch_id": mb_id, "seed": seed, "codec": self.codec}
+        if self.until_step is not None:
+            base["until_step"] = self.until_step
         last = self.num_stages - 1
         targets = encode_tensor(mb.targets, "raw")
         stage_inputs = [encode_tensor(mb.inputs, "raw")]
+        forward_steps = []
         for stage in range(last):
             msg = {**base, "stage": stage, "inputs": stage_inputs[stage]}
-            stage_inputs.append(await self._call(mb, stage, "/forward", msg, _outputs))
+            outputs, step = await self._call(mb, stage, "/forward", msg, _outputs)
+            stage_inputs.append(outputs)
+            forward_steps.append(step)
         msg = {**base, "stage": last, "inputs": stage_inputs[last], "targets": targets}
-        loss, grad = await self._call(mb, last, "/backward", msg, _loss_and_grad if last else _loss_only)
+        loss, grad, loss_step, swarm_step, complete = await self._call(mb, last, "/backward", msg, _loss_and_grad if last else _loss_only)
         for stage in range(last - 1, -1, -1):
             stage_inputs[stage + 1] = None  # no longer needed: free it early
-            msg = {**base, "stage": stage, "inputs": stage_inputs[stage], "grad_outputs": grad}
-            grad = await self._call(mb, stage, "/backward", msg, _grad_inputs if stage else _nothing)
-        if self.telemetry:
-            self.telemetry.microbatch_done(mb.num_tokens)
-        return loss
+            msg = {**base, "stage": stage, "inputs": stage_inputs[stage], "grad_outputs": grad, "forward_step": forward_steps[stage]}
+            grad, swarm_step, complete = await self._call(mb, stage, "/backward", msg, _grad_inputs if stage else _nothing)
+        return loss, loss_step, swarm_step, complete
 
     async def evaluate(self, mb: Microbatch, seed: int) -> float:
         """Forward only (no gradients, nothing cached on the servers); returns the loss."""
         base = {"run_id": self.run_id, "microbatch_id": f"{self.run_id}:{self.client_id}:eval:{mb.index}", "seed": seed, "codec": self.codec, "eval": True}
         x = encode_tensor(mb.inputs, "raw")
         for stage in range(self.num_stages - 1):
-            x = await self._call(mb, stage, "/forward", {**base, "stage": stage, "inputs": x}, _outputs)
+            x, _ = await self._call(mb, stage, "/forward", {**base, "stage": stage, "inputs": x}, _outputs)
         msg = {**base, "stage": self.num_stages - 1, "inputs": x, "targets": encode_tensor(mb.targets, "raw")}
-        loss, _ = await self._call(mb, self.num_stages - 1, "/forward", msg, _loss_only)
+        loss, *_ = await self._call(mb, self.num_stages - 1, "/forward", msg, _loss_only)
         return loss
 
     async def _call(self, mb: Microbatch, stage: int, path: str, msg: dict, read: Callable[[dict], Any]) -> Any:
@@ -139,6 +181,8 @@ class PipelineClient:
                 tried.append(url)
                 if err.retryable:  # the replica's fault (down, overloaded, moved): ban it for a while
                     self.balancer.report_failure(stage, url)
+                if err.code == "stale_forward":  # no replica can take this backward: start over
+                    raise StaleMicrobatch(str(err)) from None
                 if self.log:
                     self.log.warning("hop.failed", microbatch=msg["microbatch_id"], stage=stage, path=path, replica=url, status=err.status, code=err.code, attempt=attempt)
                 if not err.retryable:
@@ -169,6 +213,13 @@ def _tensor(reply: dict, name: str) -> dict:
     return value
 
 
+def _step(reply: dict, name: str = "step") -> int:
+    value = reply.get(name)
+    if type(value) is not int or value < 0:
+        raise RemoteError("reply", 200, "bad_reply", f"reply carries no {name!r}: {value!r}")
+    return value
+
+
 def _loss(reply: dict) -> float:
     loss = reply.get("loss")
     if not isinstance(loss, (int, float)) or not math.isfinite(loss):
@@ -176,21 +227,26 @@ def _loss(reply: dict) -> float:
     return float(loss)
 
 
-def _outputs(reply: dict) -> dict:
-    return _tensor(reply, "outputs")
+def _outputs(reply: dict) -> tuple[dict, int]:
+    """A forward: the outputs and the step they were computed at."""
+    return _tensor(reply, "outputs"), _step(reply)
 
 
-def _grad_inputs(reply: dict) -> dict:
-    return _tensor(reply, "grad_inputs")
+def _grad_inputs(reply: dict) -> tuple[dict, int, bool]:
+    """A middle stage's backward: the input gradient, the stage's step now, whether the run's steps were all reserved."""
+    return _tensor(reply, "grad_inputs"), _step(reply, "stage_step"), reply.get("complete") is True
 
 
-def _loss_and_grad(reply: dict) -> tuple[float, dict]:
-    return _loss(reply), _tensor(reply, "grad_inputs")
+def _loss_and_grad(reply: dict) -> tuple[float, dict, int, int, bool]:
+    """The last stage's backward: loss, input gradient, the step it ran at, its step now, complete."""
+    return _loss(reply), _tensor(reply, "grad_inputs"), _step(reply), _step(reply, "stage_step"), reply.get("complete") is True
 
 
-def _loss_only(reply: dict) -> tuple[float, None]:
-    return _loss(reply), None
+def _loss_only(reply: dict) -> tuple[float, None, int, int, bool]:
+    """A one-stage pipeline's backward, or the last stage's evaluation forward."""
+    return _loss(reply), None, _step(reply), _step(reply, "stage_step") if "stage_step" in reply else _step(reply), reply.get("complete") is True
 
 
-def _nothing(reply: dict) -> None:
-    return None
+def _nothing(reply: dict) -> tuple[None, int, bool]:
+    """Stage 0's backward: the stage's step now, and whether the run's steps were all reserved."""
+    return None, _step(reply, "stage_step"), reply.get("complete") is True

@@ -154,9 +154,10 @@ class MetricsFollower:
                     self.bad_lines += 1
 
     def totals(self) -> tuple[int, float | None, float]:
-        """All trainers together: steps done (summed), the mean of their latest losses, tokens/s (summed)."""
+        """All trainers together: the swarm's global steps done (the furthest any trainer
+        saw), the mean of their latest losses, tokens/s (summed)."""
         records = [self.latest.get(p) for p in self.paths]
-        done = sum(r["step"] if r else self.start_step for r in records)
+        done = max((r["step"] if r else self.start_step for r in records), default=self.start_step)
         losses = [r["loss"] for r in records if r and r["loss"] is not None]
         loss = sum(losses) / len(losses) if losses else None
         return done, loss, sum(r["tokens_per_s"] for r in records if r)

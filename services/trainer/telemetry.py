@@ -29,7 +29,7 @@ from shared.metrics import Metrics, MetricsServer, tensor_bytes
 REPORT_EVERY_S = 1.0
 REPORT_TIMEOUT_S = 2.0
 MAX_PENDING_RECORDS = 256  # the coordinator takes at most this many per report
-HOP_OUTCOMES = frozenset({"ok", "timeout", "unreachable", "overloaded", "draining", "wrong_stage", "bad_payload", "bad_reply", "no_replica"})
+HOP_OUTCOMES = frozenset({"ok", "timeout", "unreachable", "overloaded", "draining", "wrong_stage", "bad_payload", "bad_reply", "no_replica", "stale_forward"})
 
 
 class TrainerTelemetry:
@@ -39,12 +39,12 @@ class TrainerTelemetry:
         self.hops = m.counter("swarm_trainer_hops", "hops (one stage's /forward or /backward) by stage, kind and outcome", ["stage", "kind", "outcome"])
         self.hop_latency = m.histogram("swarm_trainer_hop_duration_seconds", "time of a hop that succeeded, by stage and kind", ["stage", "kind"])
         self.bytes = m.counter("swarm_trainer_tensor_bytes", "tensor payload bytes sent to and received from stage servers, by codec", ["direction", "codec"])
-        self.microbatches = m.counter("swarm_trainer_microbatches", "training microbatches by outcome", ["outcome"])
+        self.microbatches = m.counter("swarm_trainer_microbatches", "training microbatches by outcome (rerun: run again from the start after a stale backward)", ["outcome"])
         self.tokens = m.counter("swarm_trainer_tokens", "tokens of the microbatches that completed")
-        self.step = m.gauge("swarm_trainer_step", "optimizer steps completed (the latest step)")
-        self.loss = m.gauge("swarm_trainer_loss", "mean loss of the latest step (NaN if all its microbatches failed)")
+        self.step = m.gauge("swarm_trainer_step", "the swarm's global step as this trainer saw it last (stage 0's step)")
+        self.loss = m.gauge("swarm_trainer_loss", "mean loss of this trainer's microbatches of the latest global step")
         self.tokens_per_s = m.gauge("swarm_trainer_tokens_per_second", "tokens per second since training started")
-        for outcome in ("completed", "failed"):
+        for outcome in ("completed", "failed", "rerun"):
             self.microbatches.labels(outcome)  # present (at 0) from the first scrape
         self.latest: dict | None = None  # the latest step record
         self._pending: deque[dict] = deque(maxlen=MAX_PENDING_RECORDS)  # step records not reported yet
@@ -68,6 +68,9 @@ class TrainerTelemetry:
 
     def microbatch_failed(self) -> None:
         self.microbatches.labels("failed").inc()
+
+    def microbatch_rerun(self) -> None:
+        self.microbatches.labels("rerun").inc()
 
     def step_done(self, record: dict) -> None:
         """A step's record ``{step, loss, tokens_per_s, elapsed_s}`` (the trainer's ``on_step``)."""

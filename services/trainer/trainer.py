@@ -1,8 +1,13 @@
 """Trainer: keeps ``in_flight`` microbatches going through the pipeline and accounts for each.
 
 Every scheduled microbatch ends either completed (its loss counted) or failed (logged
-with the reason and counted); none is dropped silently. A step is ``samples_per_step``
-samples, the batch after which each stage server runs its optimizer.
+with the reason and counted); none is dropped silently. Steps are the swarm's global
+steps: each takes ``global_batch`` samples from all trainers together, and the stages
+step when their replicas hold them (see the stage server's ``stepping.py``). The trainer
+runs until it sees stage 0 (the last stage of a batch to step) reach ``steps``, and feeds
+at most the samples of the steps left, so that a lone trainer feeds exactly those.
+Its microbatches are ``shard_index``, ``shard_index + num_shards``, ... of the run's
+sequence, so trainers sharing a run take the same data as one trainer would.
 """
 
 from __future__ import annotations
@@ -24,53 +29,55 @@ class TrainSummary:
     microbatches_scheduled: int = 0
     microbatches_completed: int = 0
     microbatches_failed: int = 0
+    microbatch_reruns: int = 0  # runs again from the start after a stale backward
+    microbatches_surplus: int = 0  # completed after stage 0 had every step of the run: nothing accumulated there (in flight at the end)
     tokens: int = 0
     elapsed_s: float = 0.0
     tokens_per_s: float = 0.0
     eval_loss_before: float | None = None
     eval_loss_after: float | None = None
-    step_losses: list[float] = field(default_factory=list)
-    step_elapsed_s: list[float] = field(default_factory=list)  # when each step completed
+    step_losses: list[float] = field(default_factory=list)  # this trainer's mean loss of each global step (NaN: it fed none)
+    step_elapsed_s: list[float] = field(default_factory=list)  # when the trainer saw each step done
     failures: list[str] = field(default_factory=list)
 
 
-class StepTracker:
-    """Collects microbatch results (out of order) and releases steps in order once complete."""
+class StepLosses:
+    """This trainer's losses by the global step whose weights computed them; a step's mean
+    is released once the swarm has moved past it (its microbatches still in flight then
+    feed the next step, at most ``max_staleness`` old)."""
 
-    def __init__(self, microbatches_per_step: int, first_step: int = 0):
-        self.per_step = microbatches_per_step
+    def __init__(self, first_step: int = 0):
         self._losses: dict[int, list[float]] = {}
-        self._resolved: dict[int, int] = {}
-        self.next_step = first_step
+        self.next_step = first_step  # the first step not released yet
 
-    def record(self, index: int, loss: float | None) -> list[tuple[int, float]]:
-        """Record microbatch ``index`` (loss None if it failed); return the steps now complete."""
-        step = index // self.per_step
-        self._resolved[step] = self._resolved.get(step, 0) + 1
-        if loss is not None:
-            self._losses.setdefault(step, []).append(loss)
+    def record(self, loss_step: int, loss: float) -> None:
+        if loss_step >= self.next_step:
+            self._losses.setdefault(loss_step, []).append(loss)
+
+    def release(self, swarm_step: int) -> list[tuple[int, float]]:
+        """Steps below ``swarm_step`` not released yet: (step, mean loss or NaN)."""
         done = []
-        while self._resolved.get(self.next_step, 0) == self.per_step:
+        while self.next_step < swarm_step:
             losses = self._losses.pop(self.next_step, [])
-            del self._resolved[self.next_step]
             done.append((self.next_step, sum(losses) / len(losses) if losses else math.nan))
             self.next_step += 1
         return done
 
 
 class Trainer:
-    def __init__(self, client: PipelineClient, batcher: ByteBatcher, *, steps: int, samples_per_step: int, in_flight: int, seed: int = 0, log_every: int = 10, eval_microbatches: int = 4, metrics_file: str = "", log=None, start_step: int = 0, before_final_eval=None, on_step: Callable[[dict], None] | None = None):
-        """Trains steps ``start_step`` .. ``steps - 1`` (a resumed run starts past 0).
+    def __init__(self, client: PipelineClient, batcher: ByteBatcher, *, steps: int, global_batch: int, in_flight: int, seed: int = 0, log_every: int = 10, eval_microbatches: int = 4, metrics_file: str = "", log=None, start_step: int = 0, before_final_eval=None, on_step: Callable[[dict], None] | None = None, shard_index: int = 0, num_shards: int = 1):
+        """Trains global steps ``start_step`` .. ``steps - 1`` (a resumed run starts past 0).
         ``before_final_eval``: an async callable awaited after the last step, before the
-        final evaluation (the swarm's replicas averaged, so one model is evaluated).
+        final evaluation (e.g. the coordinator checks that replicas are one model).
         ``on_step``: called with each step's metrics record as the step completes (progress)."""
         self.client, self.batcher, self.log = client, batcher, log
         self.steps, self.in_flight, self.seed, self.log_every = steps, in_flight, seed, log_every
-        self.start_step = start_step
+        self.start_step, self.global_batch = start_step, global_batch
+        self.shard_index, self.num_shards = shard_index, num_shards
         self.eval_microbatches, self.metrics_file = eval_microbatches, metrics_file
         self.before_final_eval = before_final_eval
         self.on_step = on_step
-        self.microbatches_per_step = max(1, math.ceil(samples_per_step / batcher.microbatch_size))
+        self.microbatches_per_step = max(1, math.ceil(global_batch / batcher.microbatch_size))
 
     async def evaluate(self) -> float:
         """Mean loss over fixed held-out microbatches, forward only."""
@@ -78,31 +85,46 @@ class Trainer:
         losses = await asyncio.gather(*(self.client.evaluate(mb, seed=0) for mb in mbs))
         return sum(losses) / len(losses)
 
+    def microbatch_index(self, k: int) -> int:
+        """The run's index of this trainer's ``k``-th microbatch (from the start of the run)."""
+        return self.shard_index + self.num_shards * k
+
     async def run(self) -> TrainSummary:
-        first = self.start_step * self.microbatches_per_step
-        summary = TrainSummary(steps=self.start_step, microbatches_scheduled=max(0, self.steps - self.start_step) * self.microbatches_per_step)
+        budget = max(0, self.steps - self.start_step) * self.microbatches_per_step  # microbatches enough to finish alone
+        first = -(-self.start_step * self.microbatches_per_step // self.num_shards)  # where a resumed run picks up its share
+        summary = TrainSummary(steps=self.start_step)
         summary.eval_loss_before = await self.evaluate()
         self._emit("train.eval", when="before", loss=round(summary.eval_loss_before, 4))
-        tracker = StepTracker(self.microbatches_per_step, first_step=self.start_step)
-        queue: asyncio.Queue[int] = asyncio.Queue()
-        for i in range(first, first + summary.microbatches_scheduled):
-            queue.put_nowait(i)
+        losses = StepLosses(self.start_step)
         started = time.perf_counter()
+        state = {"next": 0, "swarm_step": self.start_step, "complete": False}
+
+        def more() -> bool:
+            return state["swarm_step"] < self.steps and state["next"] < budget and not state["complete"]
 
         async def worker() -> None:
-            while not queue.empty():
-                index = queue.get_nowait()
+            while more():
+                k = first + state["next"]
+                state["next"] += 1
+                summary.microbatches_scheduled += 1
+                index = self.microbatch_index(k)
                 mb = self.batcher.microbatch(index)
                 try:
-                    loss = await self.client.train(mb, seed=self.seed * 1_000_003 + index)
-                    summary.microbatches_completed += 1
-                    summary.tokens += mb.num_tokens
+                    result = await self.client.train(mb, seed=self.seed * 1_000_003 + index)
                 except MicrobatchFailed as exc:
-                    loss = None
                     summary.microbatches_failed += 1
                     summary.failures.append(str(exc))
                     self._emit("microbatch.failed", level="error", microbatch=index, stage=exc.stage, path=exc.path, error=str(exc.errors[-1]))
-                for step, step_loss in tracker.record(index, loss):
+                    continue
+                summary.microbatches_completed += 1
+                summary.microbatch_reruns += result.reruns
+                if result.complete:  # stage 0 has every step of the run: no need for more
+                    summary.microbatches_surplus += 1
+                    state["complete"] = True
+                summary.tokens += mb.num_tokens
+                losses.record(result.loss_step, result.loss)
+                state["swarm_step"] = max(state["swarm_step"], result.swarm_step)
+                for step, step_loss in losses.release(min(state["swarm_step"], self.steps)):
                     summary.steps = step + 1
                     summary.step_losses.append(step_loss)
                     summary.step_elapsed_s.append(time.perf_counter() - started)
@@ -111,6 +133,8 @@ class Trainer:
         await asyncio.gather(*(worker() for _ in range(self.in_flight)))
         summary.elapsed_s = time.perf_counter() - started
         summary.tokens_per_s = summary.tokens / summary.elapsed_s if summary.elapsed_s else 0.0
+        if state["swarm_step"] < self.steps:
+            self._emit("train.short", level="warning", swarm_step=state["swarm_step"], steps=self.steps, reason="this trainer fed the samples of every step left, and the swarm did not step that far (other trainers gone, failed microbatches, dropped samples)")
         if self.before_final_eval is not None:
             await self.before_final_eval()
         summary.eval_loss_after = await self.evaluate()

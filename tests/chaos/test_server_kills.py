@@ -33,7 +33,7 @@ SEED = 6
 # Every server works like a device slower than these cores (+0.05 s per forward pass of
 # work): the run's length then depends little on how busy the 2 shared cores are, and the
 # cores have time left for the restarts (each imports torch).
-SERVER = {"SWARM_SAMPLES_PER_STEP": "32", "SWARM_INJECT_DELAY_S": "0.05"}  # 32 >= in_flight x microbatch: see "Staleness" in docs/architecture.md
+SERVER = {"SWARM_GLOBAL_BATCH": "32", "SWARM_INJECT_DELAY_S": "0.05"}  # 32 >= in_flight x microbatch: see "Staleness" in docs/architecture.md
 TRAINER = {"SWARM_STEPS": str(STEPS), "SWARM_MICROBATCH_SIZE": "8", "SWARM_SEQ_LEN": "64", "SWARM_IN_FLIGHT": "4", "SWARM_SEED": "1"}
 
 

@@ -29,7 +29,7 @@ def start_small_swarm(processes: Processes, *, trainer_env: dict | None = None, 
     started = []
     for stage, count in enumerate(REPLICAS):
         for _ in range(count):
-            started.append((stage, *processes.server(stage, coordinator=coordinator, heartbeat_s=0.5, extra={**common, "SWARM_SAMPLES_PER_STEP": "8"})))
+            started.append((stage, *processes.server(stage, coordinator=coordinator, heartbeat_s=0.5, extra={**common, "SWARM_GLOBAL_BATCH": "8"})))
     urls = {url for _, _, url in started}
 
     def all_listed() -> bool:

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.e2e
 SAMPLES = 1920
 
 
-def train(run_dir, *, replicas: int, samples_per_step: int) -> tuple[dict, str]:
-    args = [*SWARM, "up", "--stages", "4", "--replicas", str(replicas), "--samples-per-step", str(samples_per_step), "--steps", str(SAMPLES // samples_per_step), "--average-every-s", "2", "--rebalance-every-s", "0", "--run-dir", str(run_dir)]
+def train(run_dir, *, replicas: int, global_batch: int) -> tuple[dict, str]:
+    args = [*SWARM, "up", "--stages", "4", "--replicas", str(replicas), "--global-batch", str(global_batch), "--steps", str(SAMPLES // global_batch), "--average-every-s", "2", "--rebalance-every-s", "0", "--run-dir", str(run_dir)]
     result = subprocess.run(args, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     assert processes_of_run(run_dir.name) == []
@@ -33,9 +33,9 @@ def train(run_dir, *, replicas: int, samples_per_step: int) -> tuple[dict, str]:
 
 
 def test_two_averaged_replicas_per_stage_train_as_well_as_one(tmp_path):
-    one, _ = train(tmp_path / f"e2e-one-{os.getpid()}", replicas=1, samples_per_step=32)
+    one, _ = train(tmp_path / f"e2e-one-{os.getpid()}", replicas=1, global_batch=32)
     # two replicas, each stepping on half the batch: together the same 32 samples per step
-    two, logs = train(tmp_path / f"e2e-two-{os.getpid()}", replicas=2, samples_per_step=16)
+    two, logs = train(tmp_path / f"e2e-two-{os.getpid()}", replicas=2, global_batch=16)
     assert one["microbatches_failed"] == two["microbatches_failed"] == 0
     assert one["tokens"] == two["tokens"]  # the same samples
     rounds = len(re.findall(r"averaging.round.started", logs))

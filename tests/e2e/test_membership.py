@@ -204,7 +204,7 @@ def test_mdns_server_and_trainer_find_the_coordinator(processes, tmp_path):
     try:
         _, coord = processes.coordinator(heartbeat_s=1.0, mdns=True, num_stages=2)
         discover = {"SWARM_COORDINATOR": "", "SWARM_MDNS": "true", "SWARM_MDNS_INTERFACES": "127.0.0.1", "SWARM_NUM_STAGES": "2", **FAST}
-        servers = [processes.server(stage, extra={**discover, "SWARM_SAMPLES_PER_STEP": "8"}) for stage in (0, 1)]
+        servers = [processes.server(stage, extra={**discover, "SWARM_GLOBAL_BATCH": "8"}) for stage in (0, 1)]
         summary_file = tmp_path / "summary.json"
         trainer = processes.start(
             "trainer",

@@ -29,7 +29,7 @@ def steps_per_s(metrics_file, since_s: float, until_s: float) -> float:
 
 def test_coordinator_moves_a_replica_to_the_weak_stage_and_throughput_rises(processes, tmp_path):
     _, coordinator = processes.coordinator(heartbeat_s=0.5, num_stages=2, extra={"SWARM_REBALANCE_EVERY_S": "2", "SWARM_AVERAGE_EVERY_S": "0"})
-    server_env = {"SWARM_NUM_STAGES": "2", "SWARM_INJECT_DELAY_S": str(DELAY_S), "SWARM_SAMPLES_PER_STEP": "8", "SWARM_WIRE_CODEC": "fp32"}
+    server_env = {"SWARM_NUM_STAGES": "2", "SWARM_INJECT_DELAY_S": str(DELAY_S), "SWARM_GLOBAL_BATCH": "8", "SWARM_WIRE_CODEC": "fp32"}
     for stage in (0, 0, 0, 1):
         processes.server(stage, coordinator=coordinator, heartbeat_s=0.5, extra=server_env)
     wait_until(lambda: replicas_per_stage(coordinator) == [3, 1], 120, "3 replicas on stage 0 and 1 on stage 1")

@@ -222,7 +222,7 @@ def gradient_versions(target: Target) -> list[tuple[int, int]]:
     """Identity and in-place version counter of every gradient accumulator: any write to one
     (``add_``, ``zero_``, a copy into it) bumps its version. As exact as comparing copies,
     without copying the stage's gradients for each of thousands of bodies."""
-    return [(id(g), g._version) for g in target.app[RUNTIME]._grad_sum]
+    return [(id(g), g._version) for g in target.app[RUNTIME].accumulators()]
 
 
 def fuzz(examples: int):
@@ -281,7 +281,7 @@ def test_fuzz_registry(coordinator, case):
 
 def test_fuzz_left_the_weights_as_they_were_and_sent_every_kind_of_body(stage):
     """Runs after the fuzz tests (file order): no accepted body could step the optimizer
-    (samples_per_step is 10**6), so the weights are the initial ones; and the fuzzers
+    (global_batch is 10**6), so the weights are the initial ones; and the fuzzers
     reached both refusals and real work."""
     reference = create_app(stage_settings(STAGE, num_stages=NUM_STAGES, max_body_mb=1))[RUNTIME]
     now = stage.run(asyncio.to_thread(flat_parameters, stage.app[RUNTIME].params))

@@ -71,7 +71,7 @@ async def coordinator():
 
 
 async def test_metrics_of_stage_servers_and_trainer_move_with_training(start_stages, http_session):
-    _, urls = await start_stages([[stage_settings(s, num_stages=2, samples_per_step=4)] for s in range(2)])
+    _, urls = await start_stages([[stage_settings(s, num_stages=2, global_batch=4)] for s in range(2)])
     telemetry = TrainerTelemetry(run_id=RUN_ID, trainer_id="t1")
     client = client_for(http_session, urls, telemetry)
     batcher = ByteBatcher(load_corpus(), 16, 2)
@@ -213,9 +213,10 @@ async def test_dashboard_page_is_self_contained(coordinator, http_session):
 
 
 async def test_trainer_serves_metrics_and_reports_progress_while_it_trains(start_stages, coordinator, http_session):
-    _, urls = await start_stages([[stage_settings(s, num_stages=2)] for s in range(2)])
+    # servers that step on every microbatch (the trainer's global batch), whatever its age: the hops are counted exactly
+    _, urls = await start_stages([[stage_settings(s, num_stages=2, global_batch=2, max_staleness=1000)] for s in range(2)])
     telemetry = TrainerTelemetry(run_id=RUN_ID, trainer_id="t1")
-    trainer = Trainer(client_for(http_session, urls, telemetry), ByteBatcher(load_corpus(), 16, 2), steps=3, samples_per_step=2, in_flight=2, eval_microbatches=1, on_step=telemetry.step_done)
+    trainer = Trainer(client_for(http_session, urls, telemetry), ByteBatcher(load_corpus(), 16, 2), steps=3, global_batch=2, in_flight=2, eval_microbatches=1, on_step=telemetry.step_done)
     port = free_port()
     await telemetry.start(http_session, coordinator=coordinator, host="127.0.0.1", port=port)
     try:

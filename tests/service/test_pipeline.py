@@ -14,10 +14,16 @@ from tests.conftest import balancer_for, stage_settings
 NUM_STAGES = 4
 
 
-def make_trainer(session, urls, *, steps, in_flight, microbatch_size=1, seq_len=16, samples_per_step=1, retry=RetryPolicy(max_retries=3, base_delay_s=0.01)):
+def server(stage: int, **overrides):
+    """A stage server that steps after each microbatch (global batch 1, as the trainers here
+    take it) and accepts any staleness: these tests are about the pipeline, not the optimizer."""
+    return stage_settings(stage, **{"wire_codec": "int8", "global_batch": 1, "max_staleness": 1000, **overrides})
+
+
+def make_trainer(session, urls, *, steps, in_flight, microbatch_size=1, seq_len=16, global_batch=1, retry=RetryPolicy(max_retries=3, base_delay_s=0.01), start_step=0):
     client = PipelineClient(session, balancer_for(urls), run_id="test", codec="int8", timeouts=HopTimeouts(10, 10), retry=retry)
     batcher = ByteBatcher(load_corpus(), seq_len, microbatch_size)
-    return Trainer(client, batcher, steps=steps, samples_per_step=samples_per_step, in_flight=in_flight, eval_microbatches=1)
+    return Trainer(client, batcher, steps=steps, global_batch=global_batch, in_flight=in_flight, eval_microbatches=1, start_step=start_step)
 
 
 async def test_microbatches_in_flight_keep_every_stage_busy(start_stages, http_session):
@@ -26,9 +32,9 @@ async def test_microbatches_in_flight_keep_every_stage_busy(start_stages, http_s
     >= 0.75*4 the throughput of 1 in flight: the stages work on different microbatches at
     once. Throughput is measured in steady state: the middle half of the run, after the
     pipeline has filled and before it drains (one microbatch per step here)."""
-    _, urls = await start_stages([[stage_settings(s, inject_delay_s=0.03, wire_codec="int8")] for s in range(NUM_STAGES)])
+    _, urls = await start_stages([[server(s, inject_delay_s=0.03)] for s in range(NUM_STAGES)])
     one = await make_trainer(http_session, urls, steps=6, in_flight=1).run()
-    four = await make_trainer(http_session, urls, steps=40, in_flight=4).run()
+    four = await make_trainer(http_session, urls, steps=6 + 40, in_flight=4, start_step=6).run()  # the same swarm goes on from step 6
     assert one.microbatches_completed == 6 and four.microbatches_completed == 40
     rate_one = steady_rate(one.step_elapsed_s, 1, 5)
     rate_four = steady_rate(four.step_elapsed_s, 10, 30)
@@ -43,7 +49,7 @@ def steady_rate(step_elapsed_s: list[float], first: int, last: int) -> float:
 
 async def test_failed_hop_is_retried_on_another_replica(start_stages, http_session):
     """A dead replica of stage 1 (nothing listens at its address): every microbatch still completes."""
-    apps, urls = await start_stages([[stage_settings(s, wire_codec="int8")] for s in range(NUM_STAGES)])
+    apps, urls = await start_stages([[server(s)] for s in range(NUM_STAGES)])
     dead = "http://127.0.0.1:9"  # discard port: connection refused on loopback
     urls[1] = [dead, *urls[1]]
     summary = await make_trainer(http_session, urls, steps=8, in_flight=4).run()
@@ -52,7 +58,7 @@ async def test_failed_hop_is_retried_on_another_replica(start_stages, http_sessi
 
 
 async def test_microbatch_that_exhausts_retries_is_reported_not_dropped(start_stages, http_session):
-    _, urls = await start_stages([[stage_settings(s, wire_codec="int8")] for s in range(NUM_STAGES)])
+    _, urls = await start_stages([[server(s)] for s in range(NUM_STAGES)])
     urls[2] = ["http://127.0.0.1:9"]  # the only replica of stage 2 is gone
     trainer = make_trainer(http_session, urls, steps=3, in_flight=2, retry=RetryPolicy(max_retries=2, base_delay_s=0.01))
     mb = trainer.batcher.microbatch(0)
@@ -65,7 +71,7 @@ async def test_microbatch_that_exhausts_retries_is_reported_not_dropped(start_st
 async def test_trainer_accounts_for_every_scheduled_microbatch(start_stages, http_session):
     """Half the replicas of stage 3 reject everything as malformed (400, not retryable):
     the trainer counts each microbatch exactly once, completed or failed, with the reason."""
-    apps, urls = await start_stages([[stage_settings(s, wire_codec="int8")] for s in range(NUM_STAGES)] + [[stage_settings(3, wire_codec="int8", run_id="other")]])
+    apps, urls = await start_stages([[server(s)] for s in range(NUM_STAGES)] + [[server(3, run_id="other")]])
     urls = urls[:3] + [urls[3] + urls[4]]  # stage 3: one good replica, one from another run (409, retried)
     summary = await make_trainer(http_session, urls, steps=12, in_flight=3).run()
     assert summary.microbatches_completed + summary.microbatches_failed == summary.microbatches_scheduled == 12
@@ -102,7 +108,7 @@ async def test_overloaded_answers_are_waited_out_per_retry_after_without_using_u
         client = PipelineClient(http_session, balancer_for([[url]]), run_id="test", codec="fp32", retry=RetryPolicy(max_retries=3, base_delay_s=0.01))
         mb = ByteBatcher(load_corpus(None), 16, 2, seed=0).microbatch(0)
         started = time.monotonic()
-        loss = await client.train(mb, seed=0)
+        loss = (await client.train(mb, seed=0)).loss
         assert loss > 0 and busy["left"] == 0
         assert time.monotonic() - started >= 6 * 0.25, "Retry-After was not honoured"
     finally:

@@ -49,7 +49,7 @@ async def test_heartbeats_carry_region_parameters_and_measured_activation_size(h
             average_every_s=0, rebalance_every_s=0)))  # fmt: skip
         servers.append(coordinator_server)
         registry = coordinator_server.app[REGISTRY]
-        stage_app = create_app(stage_settings(1, num_stages=3, coordinator=coordinator, heartbeat_s=0.05, region="Tokyo", samples_per_step=24))
+        stage_app = create_app(stage_settings(1, num_stages=3, coordinator=coordinator, heartbeat_s=0.05, region="Tokyo", global_batch=24))
         stage_server, url = await start(stage_app)
         servers.append(stage_server)
         parameters = sum(p.numel() for p in stage_app[RUNTIME].params)

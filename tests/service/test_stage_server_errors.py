@@ -41,7 +41,7 @@ def settings(stage: int, **overrides) -> StageServerSettings:
         int8_block=4096,
         lr=1e-3,
         warmup_steps=0,
-        samples_per_step=10**6,  # no optimizer step unless a test asks for one
+        global_batch=10**6,  # no optimizer step unless a test asks for one
         max_body_mb=16.0,
         max_queue=64,
         backward_cache=16,
@@ -390,7 +390,7 @@ async def test_forward_at_a_middle_stage(start, reply_codec, tol):
     resp = await post(client, "/forward", body(1, **fields))
     assert resp.status == 200, await resp.text()
     reply = unpack_message(await resp.read())
-    assert set(reply) == {"v", "stage", "microbatch_id", "outputs"}
+    assert set(reply) == {"v", "stage", "microbatch_id", "step", "outputs"} and reply["step"] == runtime.step == 0
     assert reply["outputs"]["codec"] == (reply_codec or "fp32")
     out = decode_tensor(reply["outputs"])
     assert out.dtype == torch.float32 and list(out.shape) == [3, 16, D_MODEL]
@@ -427,7 +427,7 @@ async def test_backward_at_a_middle_stage_accumulates(start):
     assert bool(torch.isfinite(grad).all()) and float(grad.abs().sum()) > 0
     assert runtime.pending_samples == 3
     assert any(float(g.abs().sum()) > 0 for g in runtime.accumulated_gradients().values())
-    # No optimizer step yet (samples_per_step is huge): the weights are as they were.
+    # No optimizer step yet (global_batch is huge): the weights are as they were.
     assert all(torch.equal(before[k], v) for k, v in runtime.model.state_dict().items())
 
     resp = await post(client, "/backward", body(1, backward=True, microbatch_id="mb-2"))
@@ -456,7 +456,7 @@ async def test_backward_at_the_first_stage_has_no_grad_inputs(start):
 
 async def test_optimizer_step_changes_weights_once_enough_samples(start):
     """The counterpart of ``assert_untouched``: an accepted backward does step the weights."""
-    client = await start(1, samples_per_step=B)
+    client = await start(1, global_batch=B)
     runtime = client.app[RUNTIME]
     before = snapshot(client.app)
     resp = await post(client, "/backward", body(1, backward=True))
@@ -477,7 +477,7 @@ async def test_health(start):
 
 
 async def test_info(start):
-    client = await start(1, wire_codec="bf16", samples_per_step=96)
+    client = await start(1, wire_codec="bf16", global_batch=96)
     resp = await client.get("/info")
     assert resp.status == 200
     info = await resp.json()
@@ -485,7 +485,7 @@ async def test_info(start):
     assert info["num_stages"] == NUM_STAGES
     assert info["model"] == "tiny"
     assert info["wire_codec"] == "bf16"
-    assert info["samples_per_step"] == 96
+    assert info["global_batch"] == 96
     assert info["run_id"] == RUN_ID
     assert info["wire_version"] == WIRE_VERSION
     assert info["layers"] == [1, 2]

@@ -69,7 +69,7 @@ def weights(app) -> dict[str, torch.Tensor]:
 async def replicas(start_stages):
     """Two replicas of stage 1 with different weights (A, B) and a server of stage 2."""
     apps, urls = await start_stages(
-        [[stage_settings(STAGE, seed=1, samples_per_step=4), stage_settings(STAGE, seed=2, samples_per_step=4)], [stage_settings(2)]]
+        [[stage_settings(STAGE, seed=1, global_batch=4), stage_settings(STAGE, seed=2, global_batch=4)], [stage_settings(2)]]
     )
     return apps, urls
 

@@ -55,6 +55,7 @@ def test_weighted_mean_is_sum_of_w_x_over_sum_of_w():
     # order of arrival does not matter; one contributor is returned exactly
     assert torch.equal(got, weighted_mean({2: (ws[2], xs[2]), 0: (ws[0], xs[0]), 1: (ws[1], xs[1])}))
     assert torch.equal(weighted_mean({4: (7.5, xs[0])}), xs[0])
+    assert torch.equal(weighted_mean({0: (0.0, xs[0]), 1: (0.0, xs[1])}), torch.zeros_like(xs[0]))  # nobody served a sample
 
 
 def test_sample_weight_counts_samples_since_the_last_round_and_an_idle_replica_barely():
@@ -120,7 +121,8 @@ def test_round_spec_validates_and_refuses_another_stage():
 def test_part_message_validates_weight_sender_and_part():
     msg = PartMessage.from_message({"round_id": "r1/retry-2", "from": 0, "part": 2, "weight": 3})
     assert msg == PartMessage("r1/retry-2", 0, 2, 3.0)
-    for bad in [{"from": 0, "part": 0, "weight": 0}, {"from": 0, "part": 0, "weight": True}, {"from": "0", "part": 0, "weight": 1}, {"from": 0, "weight": 1}]:
+    assert PartMessage.from_message({"round_id": "r1", "from": 0, "part": 0, "weight": 0}).weight == 0.0  # a step round's idle replica
+    for bad in [{"from": 0, "part": 0, "weight": -1}, {"from": 0, "part": 0, "weight": True}, {"from": "0", "part": 0, "weight": 1}, {"from": 0, "weight": 1}]:
         with pytest.raises(BadPayload):
             PartMessage.from_message({"round_id": "r1", **bad})
 

@@ -26,8 +26,8 @@ NUM_STAGES = 4
 BATCH, SEQ = 2, 8
 
 
-def runtime(stage: int, *, seed: int = 0, samples_per_step: int = 4, cfg=CFG, num_stages: int = NUM_STAGES) -> StageRuntime:
-    return StageRuntime(cfg, stage, num_stages, seed=seed, optim=OptimizerConfig(samples_per_step=samples_per_step))
+def runtime(stage: int, *, seed: int = 0, global_batch: int = 4, cfg=CFG, num_stages: int = NUM_STAGES) -> StageRuntime:
+    return StageRuntime(cfg, stage, num_stages, seed=seed, optim=OptimizerConfig(global_batch=global_batch))
 
 
 def microbatch(seed: int, cfg=CFG):
@@ -83,7 +83,7 @@ def test_loaded_state_has_the_same_weights_and_optimizer_state_and_steps_the_sam
     assert_same(params(joiner), params(source))
     assert_same(optimizer_state(joiner), optimizer_state(source))
     assert len(optimizer_state(joiner)) == len(source.params)
-    assert joiner.pending_samples == 0 and not any(acc.any() for acc in joiner._grad_sum)
+    assert joiner.pending_samples == 0 and not any(acc.any() for acc in joiner.accumulators())
     assert joiner.version > version and joiner.stats.optimizer_steps == 2
     train(source, [10, 11])  # one more optimizer step on each
     train(joiner, [10, 11])
@@ -176,7 +176,7 @@ def test_a_mismatched_state_is_refused_and_changes_nothing(source, corrupt, erro
         corrupt(tensors, meta)
     rt = runtime(1, seed=5)
     train(rt, range(3))  # one step done, one microbatch pending
-    before = (params(rt), optimizer_state(rt), rt.version, rt.pending_samples, [a.clone() for a in rt._grad_sum], rt.stats.optimizer_steps)
+    before = (params(rt), optimizer_state(rt), rt.version, rt.pending_samples, [a.clone() for a in rt.accumulators()], rt.stats.optimizer_steps)
 
     with pytest.raises(error) as info:
         load_stage_state(rt, tensors, meta)
@@ -185,7 +185,7 @@ def test_a_mismatched_state_is_refused_and_changes_nothing(source, corrupt, erro
     assert_same(params(rt), before[0])
     assert_same(optimizer_state(rt), before[1])
     assert (rt.version, rt.pending_samples, rt.stats.optimizer_steps) == (before[2], before[3], before[5])
-    assert all(torch.equal(a, b) for a, b in zip(rt._grad_sum, before[4]))
+    assert all(torch.equal(a, b) for a, b in zip(rt.accumulators(), before[4]))
 
 
 @pytest.mark.parametrize(
@@ -255,7 +255,7 @@ def test_prune_keeps_the_newest_committed_and_what_is_being_written(tmp_path):
 
 # ---------------------------------------------------------------- export
 def trained_stages() -> list[StageRuntime]:
-    stages = [runtime(s, samples_per_step=2) for s in range(NUM_STAGES)]
+    stages = [runtime(s, global_batch=2) for s in range(NUM_STAGES)]
     for rt in stages:
         train(rt, [rt.spec.index])  # one optimizer step each: not the initial weights
     return stages

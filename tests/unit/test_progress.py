@@ -166,13 +166,13 @@ def test_follower_reads_whole_lines_only_and_keeps_the_latest_record(tmp_path):
     assert follower.totals() == (3, 3.0, 15002.0) and follower.bad_lines == 0
 
 
-def test_follower_sums_steps_and_tokens_per_s_and_averages_loss_over_trainers(tmp_path):
+def test_follower_takes_the_furthest_global_step_sums_tokens_per_s_and_averages_loss(tmp_path):
     paths = [tmp_path / "metrics-0.jsonl", tmp_path / "metrics-1.jsonl", tmp_path / "metrics-2.jsonl"]
-    follower = MetricsFollower(paths, start_step=5)  # a resumed run: every trainer starts at step 5
+    follower = MetricsFollower(paths, start_step=5)  # a resumed run: the swarm starts at step 5
     append(paths[0], json.dumps({"step": 7, "loss": 3.0, "tokens_per_s": 100.0}) + "\n")
     append(paths[1], json.dumps({"step": 6, "loss": 2.0, "tokens_per_s": 50.0}) + "\n")
     follower.poll()
-    assert follower.totals() == (7 + 6 + 5, 2.5, 150.0)  # the third has no step yet
+    assert follower.totals() == (7, 2.5, 150.0)  # steps are the swarm's: the furthest any trainer saw; the third has none yet
 
 
 def test_follower_skips_an_earlier_run_in_the_file_and_counts_bad_lines(tmp_path):
@@ -190,14 +190,14 @@ def test_bar_drawn_from_followed_files(tmp_path):
     """What `swarm up` does: follow the trainers' files and draw one bar of them all."""
     paths = [tmp_path / "metrics-0.jsonl", tmp_path / "metrics-1.jsonl"]
     follower, stream = MetricsFollower(paths), Stream(tty=True)
-    with ProgressDisplay("bar", 2 * 3, stream=stream) as display:
+    with ProgressDisplay("bar", 3, stream=stream) as display:  # 3 global steps, both trainers feeding them
         for step in (1, 2, 3):
             for t, path in enumerate(paths):
                 append(path, json.dumps({"step": step, "loss": 3.0 - step + t, "tokens_per_s": 1000.0}) + "\n")
             follower.poll()
             display.show(*follower.totals())
     final = stream.getvalue().rstrip("\n").split("\r")[-1]
-    assert "6/6" in final and "loss=0.500" in final and "tokens/s=2,000" in final
+    assert "3/3" in final and "loss=0.500" in final and "tokens/s=2,000" in final
 
 
 # --- the trainer feeds the display ---------------------------------------------------------
@@ -207,11 +207,15 @@ async def test_trainer_calls_on_step_with_each_metrics_record(tmp_path):
     import torch
 
     from services.trainer.data import ByteBatcher
+    from services.trainer.pipeline import TrainResult
     from services.trainer.trainer import Trainer
 
-    class Client:
-        async def train(self, mb, seed: int) -> float:
-            return 2.0
+    class Client:  # a swarm that steps every two microbatches (global batch 4 of microbatches of 2)
+        done = 0
+
+        async def train(self, mb, seed: int) -> TrainResult:
+            Client.done += 1
+            return TrainResult(2.0, mb.index // 2, Client.done // 2)
 
         async def evaluate(self, mb, seed: int) -> float:
             return 5.0
@@ -219,7 +223,7 @@ async def test_trainer_calls_on_step_with_each_metrics_record(tmp_path):
     batcher = ByteBatcher(torch.arange(4096, dtype=torch.int64).remainder(256).to(torch.uint8), 16, 2, seed=0)
     metrics = tmp_path / "metrics.jsonl"
     seen: list[dict] = []
-    trainer = Trainer(Client(), batcher, steps=3, samples_per_step=4, in_flight=2, eval_microbatches=1, metrics_file=str(metrics), on_step=seen.append)
+    trainer = Trainer(Client(), batcher, steps=3, global_batch=4, in_flight=2, eval_microbatches=1, metrics_file=str(metrics), on_step=seen.append)
     await trainer.run()
     assert seen == [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in seen] == [1, 2, 3]

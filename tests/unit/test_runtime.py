@@ -9,13 +9,13 @@ import torch
 
 from shared.errors import BadPayload
 from shared.model import PRESETS
-from services.stage_server.runtime import OptimizerConfig, StageRuntime
+from services.stage_server.runtime import Accumulated, OptimizerConfig, StageRuntime, StaleForward
 
 CFG = PRESETS["tiny"]
 
 
-def runtime(stage=1, *, samples_per_step=10**6, cache_size=16, cfg=CFG, warmup_steps=0):
-    return StageRuntime(cfg, stage, 4, seed=0, optim=OptimizerConfig(samples_per_step=samples_per_step, warmup_steps=warmup_steps), cache_size=cache_size)
+def runtime(stage=1, *, global_batch=10**6, cache_size=16, cfg=CFG, warmup_steps=0, solo=True):
+    return StageRuntime(cfg, stage, 4, seed=0, optim=OptimizerConfig(global_batch=global_batch, warmup_steps=warmup_steps), cache_size=cache_size, solo=solo)
 
 
 def hidden(batch=2, seq=8, seed=0):
@@ -26,8 +26,8 @@ def weights(rt):
     return {k: v.clone() for k, v in rt.model.state_dict().items()}
 
 
-def test_optimizer_steps_after_samples_per_step_and_changes_the_weights():
-    rt = runtime(samples_per_step=4)
+def test_optimizer_steps_after_global_batch_and_changes_the_weights():
+    rt = runtime(global_batch=4)
     before = weights(rt)
     rt.backward("a", 0, hidden(batch=2), None, hidden(batch=2, seed=1))
     assert rt.stats.optimizer_steps == 0 and rt.pending_samples == 2
@@ -76,7 +76,7 @@ def test_dropout_is_seeded_by_the_request():
 
 
 def test_cache_is_not_used_after_the_weights_changed_or_for_another_input():
-    rt = runtime(samples_per_step=2)
+    rt = runtime(global_batch=2)
     x = hidden()
     rt.forward("a", 0, x, None)
     rt.forward("b", 0, x, None)
@@ -152,3 +152,70 @@ def test_backward_of_a_middle_stage_needs_a_finite_grad_of_the_right_shape():
         with pytest.raises(BadPayload, match=match):
             rt.backward("m", 0, hidden(), None, grad)
     assert rt.pending_samples == 0
+
+
+# ---------------------------------------------------------------- global steps
+def test_a_duplicate_backward_returns_its_gradient_but_is_accumulated_once():
+    rt = runtime()
+    x, g = hidden(), hidden(seed=1)
+    first = rt.backward("mb", 0, x, None, g)
+    again = rt.backward("mb", 0, x, None, g)
+    assert first.accumulated and not again.accumulated
+    assert torch.equal(first.grad_inputs, again.grad_inputs)
+    assert rt.pending_samples == 2 and rt.stats.duplicate_backwards == 1
+
+
+def test_a_backward_whose_forward_is_too_old_is_refused_before_it_touches_anything():
+    rt = runtime(global_batch=2)
+    rt.backward("a", 0, hidden(), None, hidden(seed=1))  # step 1
+    rt.backward("b", 0, hidden(seed=2), None, hidden(seed=3))  # step 2
+    assert rt.step == 2
+    rt.backward("c", 0, hidden(), None, hidden(seed=1), forward_step=1)  # 1 step old: within the bound (and step 3)
+    with pytest.raises(StaleForward, match="step 1, this stage is at step 3"):
+        rt.backward("d", 0, hidden(), None, hidden(seed=1), forward_step=1)
+    assert rt.pending_samples == 0 and rt.stats.stale_backwards == 1 and rt.stats.samples == 6
+
+
+def test_gradients_go_to_the_bucket_of_their_step_and_a_step_takes_only_its_own():
+    rt = runtime(solo=False)
+    rt.backward("a", 0, hidden(), None, hidden(seed=1), bucket=0)
+    rt.backward("b", 0, hidden(seed=2), None, hidden(seed=3), bucket=1)  # the next step's, computed meanwhile
+    solo = runtime(solo=False)
+    solo.backward("a", 0, hidden(), None, hidden(seed=1))
+    taken = rt.take_gradients(0)
+    assert taken.samples == 2 and taken.microbatch_ids == {"a"}
+    assert torch.equal(taken.mean, solo.take_gradients().mean)
+    rt.apply_step(taken)
+    assert rt.step == 1 and rt.pending() == 2  # b waits for step 1
+    rt.backward("c", 0, hidden(), None, hidden(seed=1), bucket=0)  # late for a step already taken: dropped
+    assert rt.stats.samples_dropped == 2 and rt.pending_samples == 2
+
+
+def test_replicas_that_apply_the_same_gradient_stay_bit_identical():
+    a, b = runtime(solo=False), runtime(solo=False)
+    assert a.digest() == b.digest()
+    a.backward("x", 0, hidden(), None, hidden(seed=1))
+    b.backward("y", 0, hidden(seed=2), None, hidden(seed=3))
+    ga, gb = a.take_gradients(), b.take_gradients()
+    mean = Accumulated((ga.mean * ga.samples + gb.mean * gb.samples) / (ga.samples + gb.samples), 4, ga.microbatch_ids | gb.microbatch_ids)
+    a.apply_step(mean)
+    assert a.digest() != b.digest()
+    b.apply_step(mean)
+    assert a.digest() == b.digest() and a.step == b.step == 1
+
+
+def test_a_round_that_failed_gives_the_gradient_back():
+    rt = runtime(solo=False)
+    rt.backward("a", 0, hidden(), None, hidden(seed=1))
+    before = rt.accumulated_gradients()
+    rt.give_back(rt.take_gradients())
+    assert rt.pending_samples == 2
+    assert all(torch.allclose(before[k], v) for k, v in rt.accumulated_gradients().items())
+
+
+def test_cosine_schedule_warms_up_then_decays_to_its_floor():
+    cfg = OptimizerConfig(lr=1.0, warmup_steps=2, schedule="cosine", total_steps=12, min_lr_ratio=0.1)
+    assert [cfg.lr_at(s) for s in range(2)] == [0.5, 1.0]
+    assert cfg.lr_at(2) == pytest.approx(1.0) and cfg.lr_at(7) == pytest.approx(0.55)
+    assert cfg.lr_at(12) == pytest.approx(0.1) and cfg.lr_at(50) == pytest.approx(0.1)
+    assert OptimizerConfig(lr=1.0, warmup_steps=2).lr_at(50) == 1.0

@@ -15,46 +15,33 @@ from shared.errors import RemoteError
 from shared.retry import RetryPolicy
 from services.trainer.data import ByteBatcher
 from services.trainer.pipeline import MicrobatchFailed
-from services.trainer.trainer import StepTracker, Trainer, summary_json
+from services.trainer.pipeline import TrainResult
+from services.trainer.trainer import StepLosses, Trainer, summary_json
 
-# --- StepTracker ---------------------------------------------------------------------
-
-
-def test_step_tracker_releases_steps_in_order_once_every_microbatch_resolved():
-    tracker = StepTracker(3)  # step 0: 0-2, step 1: 3-5, step 2: 6-8
-    assert tracker.record(4, 40.0) == []
-    assert tracker.record(3, 30.0) == []
-    assert tracker.record(5, 50.0) == []  # step 1 complete, but step 0 is not: held back
-    assert tracker.record(0, 1.0) == []
-    assert tracker.record(2, 3.0) == []
-    assert tracker.record(7, 70.0) == []
-    assert tracker.record(1, 2.0) == [(0, 2.0), (1, 40.0)]  # both, in order
-    assert tracker.next_step == 2
-    assert tracker.record(6, 60.0) == []
-    assert tracker.record(8, 80.0) == [(2, 70.0)]
-    assert tracker.next_step == 3
+# --- StepLosses ----------------------------------------------------------------------
 
 
-def test_step_tracker_failed_microbatches_resolve_but_do_not_count_in_the_mean():
-    tracker = StepTracker(4)
-    assert tracker.record(0, 1.0) == []
-    assert tracker.record(1, None) == []
-    assert tracker.record(2, 3.0) == []
-    assert tracker.record(3, None) == [(0, 2.0)]
+def test_step_losses_are_released_once_the_swarm_moved_past_their_step():
+    losses = StepLosses()
+    losses.record(1, 40.0)
+    losses.record(0, 1.0)
+    losses.record(0, 3.0)
+    assert losses.release(0) == []
+    assert losses.release(1) == [(0, 2.0)]
+    losses.record(0, 99.0)  # a late microbatch of a released step: not counted again
+    losses.record(1, 60.0)
+    done = losses.release(3)
+    assert done[0] == (1, 50.0) and done[1][0] == 2 and math.isnan(done[1][1])
+    assert losses.release(3) == []
 
 
-def test_step_tracker_step_with_every_microbatch_failed_is_nan():
-    tracker = StepTracker(2)
-    assert tracker.record(1, None) == []
-    done = tracker.record(0, None)
-    assert len(done) == 1 and done[0][0] == 0 and math.isnan(done[0][1])
-    assert tracker.record(2, 5.0) == [] and tracker.record(3, 7.0) == [(1, 6.0)]
-
-
-def test_step_tracker_one_microbatch_per_step():
-    tracker = StepTracker(1)
-    assert tracker.record(1, 2.0) == []
-    assert tracker.record(0, 1.0) == [(0, 1.0), (1, 2.0)]
+def test_step_losses_step_without_a_loss_of_this_trainer_is_nan_and_resume_starts_later():
+    losses = StepLosses(first_step=5)
+    losses.record(4, 1.0)  # before the resumed run: ignored
+    losses.record(6, 2.0)
+    done = losses.release(7)
+    assert [s for s, _ in done] == [5, 6] and math.isnan(done[0][1]) and done[1][1] == 2.0
+    assert losses.next_step == 7
 
 
 # --- RetryPolicy ---------------------------------------------------------------------
@@ -136,18 +123,21 @@ def test_remote_error_retryable(status, code, retryable):
 
 
 class FakeClient:
-    """Stands in for the network. Blocks every train() call until ``in_flight`` calls are
-    running at once (then lets everything through), so the test sees the trainer reach its
-    concurrency without any timing; counts the calls in progress at each moment."""
+    """Stands in for the network and a swarm that steps every ``per_step`` microbatches that
+    complete. Blocks every train() call until ``in_flight`` calls are running at once (then
+    lets everything through), so the test sees the trainer reach its concurrency without any
+    timing; counts the calls in progress at each moment."""
 
-    def __init__(self, in_flight: int, fail: set[int], eval_loss: float = 5.0):
-        self.in_flight, self.fail, self.eval_loss = in_flight, fail, eval_loss
+    def __init__(self, in_flight: int, fail: set[int], eval_loss: float = 5.0, per_step: int = 2, others: int = 0, complete_at: int | None = None):
+        self.in_flight, self.fail, self.eval_loss, self.per_step = in_flight, fail, eval_loss, per_step
+        self.completed = others  # microbatches other trainers fed
+        self.complete_at = complete_at  # from this swarm step on, stage 0 says the run's steps are all reserved
         self.current = self.max_current = 0
         self.reached = asyncio.Event()
         self.train_calls: list[tuple[int, int]] = []
         self.eval_calls: list[int] = []
 
-    async def train(self, mb, seed: int) -> float:
+    async def train(self, mb, seed: int) -> TrainResult:
         self.train_calls.append((mb.index, seed))
         self.current += 1
         self.max_current = max(self.max_current, self.current)
@@ -160,7 +150,10 @@ class FakeClient:
             if mb.index in self.fail:
                 err = RemoteError("http://s1", 503, "overloaded", "queue full")
                 raise MicrobatchFailed(mb.index, 1, "/forward", [err])
-            return float(mb.index)
+            self.completed += 1
+            swarm_step = self.completed // self.per_step
+            complete = self.complete_at is not None and swarm_step >= self.complete_at
+            return TrainResult(float(mb.index), mb.index // self.per_step, swarm_step, complete=complete)
         finally:
             self.current -= 1
 
@@ -190,12 +183,12 @@ def make_batcher(microbatch_size: int = 2, seq_len: int = 8) -> ByteBatcher:
 
 
 async def test_trainer_accounts_for_every_microbatch_and_respects_in_flight(tmp_path):
-    in_flight, steps, per_step = 3, 5, 2  # samples_per_step 4 / microbatch_size 2
+    in_flight, steps, per_step = 3, 5, 2  # global_batch 4 / microbatch_size 2
     fail = {1, 6, 7}  # step 0: one of two failed; step 3: both failed
     client = FakeClient(in_flight, fail)
     log = RecordingLog()
     metrics = tmp_path / "metrics.jsonl"
-    trainer = Trainer(client, make_batcher(), steps=steps, samples_per_step=4, in_flight=in_flight, seed=2,
+    trainer = Trainer(client, make_batcher(), steps=steps, global_batch=4, in_flight=in_flight, seed=2,
                       log_every=1, eval_microbatches=3, metrics_file=str(metrics), log=log)
     assert trainer.microbatches_per_step == per_step
     summary = await run_guarded(trainer)
@@ -215,14 +208,16 @@ async def test_trainer_accounts_for_every_microbatch_and_respects_in_flight(tmp_
     assert all(seed == 2 * 1_000_003 + i for i, seed in client.train_calls)
     assert summary.tokens == summary.microbatches_completed * 2 * 8
 
-    # steps: all released, in order, each the mean of its completed microbatches (loss = index)
-    assert summary.steps == steps
-    assert len(summary.step_losses) == len(summary.step_elapsed_s) == steps
-    expected = [0.0, 2.5, 4.5, math.nan, 8.5]
-    for got, want in zip(summary.step_losses, expected):
-        assert (math.isnan(got) and math.isnan(want)) or got == want
+    # the trainer fed the samples of every step (its budget); 3 failed microbatches kept the
+    # swarm from its last steps: it says so. Steps seen done are released in order, each the
+    # mean of this trainer's microbatches computed at that step (loss = index, step = index // 2)
+    swarm_steps = (scheduled - len(fail)) // per_step
+    assert summary.steps == swarm_steps == 3
+    assert summary.step_losses == [0.0, 2.5, 4.5]
+    assert len(summary.step_elapsed_s) == swarm_steps
     assert summary.step_elapsed_s == sorted(summary.step_elapsed_s)
     assert summary.elapsed_s >= summary.step_elapsed_s[-1]
+    assert [f["swarm_step"] for level, event, f in log.events if event == "train.short" and level == "warning"] == [swarm_steps]
 
     # concurrency: never above in_flight, and in_flight actually reached
     assert client.max_current == in_flight
@@ -233,32 +228,55 @@ async def test_trainer_accounts_for_every_microbatch_and_respects_in_flight(tmp_
     assert client.eval_calls == [0, 1, 2, 0, 1, 2]
 
     lines = metrics.read_text().splitlines()
-    assert len(lines) == steps
+    assert len(lines) == swarm_steps
     records = [json.loads(line) for line in lines]
     for n, record in enumerate(records, start=1):
         assert set(record) == {"step", "loss", "tokens_per_s", "elapsed_s"}
         assert record["step"] == n
         assert record["tokens_per_s"] >= 0 and record["elapsed_s"] >= 0
-    assert [r["loss"] for r in records if r["loss"] is not None] == [0.0, 2.5, 4.5, 8.5]
+    assert [r["loss"] for r in records] == [0.0, 2.5, 4.5]
     assert json.loads(summary_json(summary))["microbatches_failed"] == len(fail)
 
 
 @pytest.mark.parametrize("in_flight", [1, 4])
 async def test_trainer_concurrency_is_bounded_by_in_flight(in_flight):
     client = FakeClient(in_flight, fail=set())
-    trainer = Trainer(client, make_batcher(microbatch_size=4), steps=6, samples_per_step=8, in_flight=in_flight, eval_microbatches=1)
+    trainer = Trainer(client, make_batcher(microbatch_size=4), steps=6, global_batch=8, in_flight=in_flight, eval_microbatches=1)
     summary = await run_guarded(trainer)
     assert client.max_current == in_flight
     assert summary.microbatches_completed == summary.microbatches_scheduled == 12
     assert summary.microbatches_failed == 0 and summary.failures == []
-    assert summary.step_losses == [0.5 + 2 * s for s in range(6)]
+    # each step's loss: the mean of its microbatches (2s, 2s + 1) that completed before the
+    # swarm moved past it (out of order here, so possibly one or none of them)
+    assert len(summary.step_losses) == 6
+    for s, loss in enumerate(summary.step_losses):
+        assert math.isnan(loss) or loss in (2 * s, 2 * s + 1, 2 * s + 0.5), (s, loss)
+    if in_flight == 1:
+        assert summary.step_losses == [0.5 + 2 * s for s in range(6)]
     assert summary.tokens_per_s > 0
+
+
+async def test_trainer_stops_feeding_once_the_swarm_reached_its_steps():
+    """Another trainer fed most of the run: this one stops when it sees stage 0 at ``steps``."""
+    client = FakeClient(1, fail=set(), per_step=2, others=2 * 5)  # the swarm is at step 5 of 6
+    trainer = Trainer(client, make_batcher(microbatch_size=4), steps=6, global_batch=8, in_flight=1, eval_microbatches=1, shard_index=1, num_shards=2)
+    summary = await run_guarded(trainer)
+    assert summary.microbatches_scheduled == 2  # the last step's two microbatches, not its budget of 12
+    assert [i for i, _ in client.train_calls] == [1, 3]  # its shard of the run's sequence
+    assert summary.steps == 6
+
+
+async def test_trainer_stops_feeding_when_stage_0_has_every_step_of_the_run():
+    client = FakeClient(1, fail=set(), per_step=2, complete_at=1)
+    trainer = Trainer(client, make_batcher(microbatch_size=4), steps=6, global_batch=8, in_flight=1, eval_microbatches=1)
+    summary = await run_guarded(trainer)
+    assert summary.microbatches_scheduled == 2 and summary.microbatches_surplus == 1
 
 
 async def test_metrics_file_is_strict_json_when_a_whole_step_failed(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     client = FakeClient(1, fail={0, 1})
-    trainer = Trainer(client, make_batcher(), steps=2, samples_per_step=4, in_flight=1, eval_microbatches=1, metrics_file=str(metrics))
+    trainer = Trainer(client, make_batcher(), steps=2, global_batch=4, in_flight=1, eval_microbatches=1, metrics_file=str(metrics))
     await run_guarded(trainer)
 
     def reject(constant):

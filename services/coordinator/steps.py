@@ -1,0 +1,317 @@
+"""Global steps, coordinator side: which step each microbatch's gradient belongs to, and
+when a stage's replicas all-reduce and step.
+
+Every global step of a stage holds the run's global batch (``SWARM_GLOBAL_BATCH``
+samples), whatever the replicas and trainers. Before a replica runs a backward it asks
+which step the microbatch's gradient goes to (``POST /step/reserve``): the stage's step until its reservations reach the
+global batch (the reservation that gets there ``closes`` it), then the next one. Only one step ahead of the stage's is handed out: a
+reservation past that waits until the stage steps, bounded by ``step_timeout_s``. After
+the backward the replica says what it accumulated (``POST /step/done``; 0 samples for a
+duplicate or a failed backward, which gives the reservation back). Once every sample
+reserved for the stage's step is accumulated, the coordinator starts a ``step`` round
+among the stage's live replicas (the butterfly all-reduce of the stage server's
+``averaging.py``; the coordinator moves no tensor), waits until the members report it
+ended, and moves the stage to the step they reached. Reservations still out
+``step_timeout_s`` after the step closed (a replica died with them) are given up: the
+round starts with what was accumulated and the rest is counted as dropped.
+
+A replica at an older step than its stage's is told to take a live replica's state
+(``resync``); a newer one (this coordinator restarted) moves the stage's count forward.
+A replica that could not reach the coordinator accumulates into its current step and
+reports it afterwards (``reserved: 0``): that step may then hold more than the global batch.
+
+:class:`StepCounter` is the plain logic; :class:`StepScheduler` runs it with HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from shared.errors import BadPayload, Overloaded, SwarmError
+from services.coordinator.averaging import StageRound, start_round, wait_round_ended
+
+STARTING = "<starting>"  # round_id while a round's start messages are on their way
+CHECK_EVERY_S = 0.5  # how often stalled steps are looked for
+RETRY_FAILED_ROUND_S = 1.0  # a step round that nobody completed is tried again after this
+
+
+class GlobalBatchMismatch(SwarmError):
+    """Replicas of one stage disagree on SWARM_GLOBAL_BATCH."""
+
+    status = 409
+    code = "global_batch_mismatch"
+
+
+@dataclass
+class StageCount:
+    """A stage's step and the samples reserved and accumulated for its next steps."""
+
+    step: int = 0  # global steps the stage has taken (as its replicas reported them)
+    global_batch: int = 0  # from the first report (0: none yet)
+    reserved: dict[int, int] = field(default_factory=dict)  # step -> samples reserved (accumulated ones included)
+    done: dict[int, int] = field(default_factory=dict)  # step -> samples accumulated
+    closed_at: dict[int, float] = field(default_factory=dict)  # step -> when its reservations reached the global batch
+    round_id: str | None = None  # the step round running, if any
+    replica_steps: dict[str, int] = field(default_factory=dict)  # replica URL -> the step it last reported
+    not_before: float = 0.0  # a failed round is not retried before this time
+    samples_dropped: int = 0  # reserved samples never accumulated, and accumulated ones of replicas that did not step
+    last_effective_batch: int = 0
+
+    def closed(self, step: int) -> bool:
+        return step in self.closed_at
+
+
+@dataclass(frozen=True)
+class Reservation:
+    bucket: int | None  # the step the microbatch's gradient goes to; None: resync, or wait
+    closes: bool = False
+    resync: bool = False
+    complete: bool = False
+
+    def as_json(self, stage_step: int) -> dict:
+        return {"bucket": self.bucket, "closes": self.closes, "resync": self.resync, "complete": self.complete, "step": stage_step}
+
+
+class StepCounter:
+    """Per-stage reservations and the decision to step; ``clock`` is monotonic seconds."""
+
+    def __init__(self, num_stages: int, *, timeout_s: float, clock: Callable[[], float] = time.monotonic):
+        self.stages = [StageCount() for _ in range(num_stages)]
+        self.timeout_s, self.clock = timeout_s, clock
+
+    def _check(self, stage: int, url: str, replica_step: int, global_batch: int) -> StageCount:
+        st = self.stages[stage]
+        st.replica_steps[url] = max(replica_step, st.replica_steps.get(url, 0))  # a report sent before a step may arrive after it
+        if st.global_batch and global_batch != st.global_batch:
+            raise GlobalBatchMismatch(f"stage {stage} steps every {st.global_batch} samples, this replica every {global_batch}: set the same SWARM_GLOBAL_BATCH on every server of the run")
+        st.global_batch = global_batch
+        if replica_step > st.step and st.round_id is None:  # its replicas are further than we know (e.g. after a restart)
+            self._advance(st, replica_step)
+        return st
+
+    def reserve(self, stage: int, url: str, replica_step: int, samples: int, global_batch: int, until_step: int | None = None) -> Reservation:
+        """The step a microbatch of ``samples`` gets, or None: the replica must resync
+        (``resync``), the trainer's run ends before that step (``complete``: its ``until_step``
+        steps are all reserved), or the stage is a whole step ahead already (wait for it to step)."""
+        st = self._check(stage, url, replica_step, global_batch)
+        if replica_step < st.step:
+            return Reservation(None, resync=True)
+        open_steps = ([] if st.round_id is not None else [st.step]) + [st.step + 1]  # the round running took its step's buckets
+        k = next((k for k in open_steps if st.reserved.get(k, 0) < st.global_batch), None)
+        if k is None:
+            return Reservation(None)  # a whole step ahead already: wait
+        if until_step is not None and k >= until_step:
+            return Reservation(None, complete=True)
+        st.reserved[k] = st.reserved.get(k, 0) + samples
+        closes = st.reserved[k] >= st.global_batch
+        if closes:
+            st.closed_at[k] = self.clock()
+        return Reservation(k, closes)
+
+    def done(self, stage: int, url: str, replica_step: int, bucket: int, reserved: int, samples: int, global_batch: int) -> None:
+        """A replica accumulated ``samples`` of the ``reserved`` it asked for ``bucket``."""
+        st = self._check(stage, url, replica_step, global_batch)
+        if bucket < st.step:  # its step was taken without it
+            st.samples_dropped += samples
+            return
+        if reserved == 0:  # accumulated without a reservation (the coordinator was away)
+            st.reserved[bucket] = st.reserved.get(bucket, 0) + samples
+            if st.reserved[bucket] >= st.global_batch and not st.closed(bucket):
+                st.closed_at[bucket] = self.clock()
+        else:
+            st.reserved[bucket] = st.reserved.get(bucket, 0) - (reserved - samples)  # given back
+            if st.reserved[bucket] < st.global_batch:  # open again: the next reservation completes it
+                st.closed_at.pop(bucket, None)
+        st.done[bucket] = st.done.get(bucket, 0) + samples
+
+    def ready(self, stage: int) -> bool:
+        """Start the stage's step round now? Its step is closed and everything reserved for
+        it accumulated, or its reservations have been out ``timeout_s``."""
+        st = self.stages[stage]
+        k = st.step
+        if st.round_id is not None or not st.closed(k) or self.clock() < st.not_before:
+            return False
+        return st.done.get(k, 0) >= st.reserved.get(k, 0) or self.clock() - st.closed_at[k] >= self.timeout_s
+
+    def members(self, stage: int, live: list[str]) -> list[str]:
+        """Who takes part in the stage's step round: its live replicas, but those known to
+        be behind (they would refuse; they resync on their next reservation)."""
+        st = self.stages[stage]
+        return [url for url in live if st.replica_steps.get(url, st.step) >= st.step]
+
+    def forget(self, url: str) -> None:
+        for st in self.stages:
+            st.replica_steps.pop(url, None)
+
+    def round_started(self, stage: int, round_id: str) -> None:
+        self.stages[stage].round_id = round_id
+
+    def round_ended(self, stage: int, member_steps: dict[str, int], member_samples: dict[str, int]) -> tuple[int, int]:
+        """The round's members reached ``member_steps`` (URL -> step, members that answered);
+        the stage moves to the furthest. Returns (effective batch, samples dropped)."""
+        st = self.stages[stage]
+        st.round_id = None
+        for url, step in member_steps.items():
+            st.replica_steps[url] = max(step, st.replica_steps.get(url, 0))
+        before = st.step
+        reached = max(member_steps.values(), default=before)
+        if reached <= before:  # nobody stepped: they gave their gradients back; try again a little later
+            st.not_before = self.clock() + RETRY_FAILED_ROUND_S
+            return 0, 0
+        stepped = [url for url, s in member_steps.items() if s >= reached]
+        effective = sum(member_samples.get(url, 0) for url in stepped)
+        dropped = max(0, st.done.get(before, 0) - effective)  # accumulated, yet not in the step: members that failed or vanished
+        st.samples_dropped += dropped
+        st.last_effective_batch = effective
+        self._advance(st, reached)
+        return effective, dropped
+
+    def _advance(self, st: StageCount, step: int) -> None:
+        for k in [k for k in st.reserved if k < step]:
+            st.reserved.pop(k, None)
+        for table in (st.done, st.closed_at):
+            for k in [k for k in table if k < step]:
+                table.pop(k)
+        st.step = step
+
+    def view(self) -> list[dict]:
+        """Per stage: step, samples reserved and accumulated for it, dropped samples."""
+        return [
+            {"stage": i, "step": st.step, "reserved": st.reserved.get(st.step, 0), "accumulated": st.done.get(st.step, 0), "global_batch": st.global_batch,
+             "round": st.round_id, "samples_dropped": st.samples_dropped, "last_effective_batch": st.last_effective_batch}
+            for i, st in enumerate(self.stages)
+        ]  # fmt: skip
+
+
+def check_report(msg: dict, num_stages: int, fields: tuple[str, ...]) -> tuple:
+    """(stage, url, *fields) of a ``/step/reserve`` or ``/step/done`` body, validated."""
+    stage, url = msg.get("stage"), msg.get("url")
+    if type(stage) is not int or not 0 <= stage < num_stages:
+        raise BadPayload(f"'stage' must be an int in [0, {num_stages})")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > 512:
+        raise BadPayload("'url' must be the replica's http(s) URL")
+    values = []
+    for name in fields:
+        value, low = msg.get(name), 1 if name == "global_batch" else 0
+        if type(value) is not int or not low <= value < 2**53:
+            raise BadPayload(f"'{name}' must be an int >= {low}")
+        values.append(value)
+    return (stage, url.rstrip("/"), *values)
+
+
+class StepScheduler:
+    """Runs :class:`StepCounter` with real rounds among the live replicas of each stage."""
+
+    def __init__(self, num_stages: int, live_servers: Callable[[], Iterable], *, codec: str, timeout_s: float, aggregator: str, log):
+        self.live_servers, self.codec, self.timeout_s, self.aggregator, self.log = live_servers, codec, timeout_s, aggregator, log
+        self.counter = StepCounter(num_stages, timeout_s=timeout_s)
+        self.session: aiohttp.ClientSession | None = None
+        self._stepped = asyncio.Condition()  # the stage stepped: held reservations look again
+        self._changed = asyncio.Condition()  # a round started or ended: held closing reports look again
+        self._tasks: set[asyncio.Task] = set()
+
+    def _live(self, stage: int) -> list[str]:
+        return sorted(s.url for s in self.live_servers() if s.stage == stage)
+
+    async def reserve(self, stage: int, url: str, replica_step: int, samples: int, global_batch: int, until_step: int | None = None) -> dict:
+        """A reservation; while the stage is a whole step ahead, wait (at most ``timeout_s``) for it to step."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        async with self._stepped:
+            while True:
+                r = self.counter.reserve(stage, url, replica_step, samples, global_batch, until_step)
+                if r.bucket is not None or r.resync or r.complete:
+                    return r.as_json(self.counter.stages[stage].step)
+                if loop.time() >= deadline:
+                    raise Overloaded(f"stage {stage} is a whole global step ahead of its step {self.counter.stages[stage].step}", retry_after_s=1.0)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stepped.wait(), deadline - loop.time())
+
+    async def done(self, stage: int, url: str, replica_step: int, bucket: int, reserved: int, samples: int, global_batch: int, closes: bool = False) -> dict:
+        """Record what a replica accumulated; start the stage's round if that completed its
+        step. The report of the reservation that closed a step is answered once that step's
+        round started (other reports of the step may still be on their way; at most
+        ``timeout_s``), so that its replica can wait for the step."""
+        self.counter.done(stage, url, replica_step, bucket, reserved, samples, global_batch)
+        await self.maybe_start(stage)
+        st = self.counter.stages[stage]
+        if closes:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.timeout_s
+            async with self._changed:
+                while st.step <= bucket and not (st.step == bucket and st.round_id not in (None, STARTING)) and loop.time() < deadline:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), deadline - loop.time())
+        return {"round": st.round_id if st.round_id != STARTING else None, "step": st.step}
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def maybe_start(self, stage: int) -> None:
+        if not self.counter.ready(stage) or self.session is None:
+            return
+        st = self.counter.stages[stage]
+        step, members = st.step, self.counter.members(stage, self._live(stage))
+        if not members:
+            return
+        st.round_id = STARTING  # no second round while this one is being started
+        try:
+            round_id, accepted = await start_round(self.session, stage, members, codec=self.codec, timeout_s=self.timeout_s, log=self.log,
+                                                   with_accepted=True, aggregator=self.aggregator, kind="step", step=step)  # fmt: skip
+        except BaseException:
+            st.round_id = None
+            raise
+        self.counter.round_started(stage, round_id)
+        await self._notify()
+        self.log.info("step.round.started", stage=stage, step=step, round_id=round_id, members=len(members), accepted=accepted,
+                      reserved=st.reserved.get(step, 0), accumulated=st.done.get(step, 0))  # fmt: skip
+        task = asyncio.create_task(self._finish(StageRound(stage, round_id, members, accepted), step), name=f"step-{round_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _finish(self, rnd: StageRound, step: int) -> None:
+        statuses = await wait_round_ended(self.session, rnd, self.timeout_s)
+        member_steps = {url: s["step"] for url, s in statuses.items() if type(s.get("step")) is int}
+        samples = {}
+        for url, s in statuses.items():  # what each member put in, as it says
+            last = s.get("last_round") or {}
+            if last.get("round_id") == rnd.round_id and isinstance(last.get("weight"), (int, float)):
+                samples[url] = int(last["weight"])
+        effective, dropped = self.counter.round_ended(rnd.stage, member_steps, samples)
+        st = self.counter.stages[rnd.stage]
+        if st.step > step:
+            self.log.info("step.done", stage=rnd.stage, step=st.step, round_id=rnd.round_id, effective_batch=effective, samples_dropped=dropped,
+                          members=len(rnd.members), stepped=sum(1 for s in member_steps.values() if s >= st.step))  # fmt: skip
+        else:
+            self.log.warning("step.failed", stage=rnd.stage, step=step, round_id=rnd.round_id, members=len(rnd.members), reason="no member stepped; trying again")
+        async with self._stepped:
+            self._stepped.notify_all()
+        await self._notify()
+        await self.maybe_start(rnd.stage)  # the next step may be complete already
+
+    async def settled(self) -> None:
+        """Until the rounds running now have ended here (their members polled, the stages moved)."""
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        """Hold the session; start the rounds of steps whose reservations stalled."""
+        self.session = session
+        try:
+            while True:
+                await asyncio.sleep(CHECK_EVERY_S)
+                for stage in range(len(self.counter.stages)):
+                    try:
+                        await self.maybe_start(stage)
+                    except Exception as exc:  # noqa: BLE001 - the loop must go on
+                        self.log.exception("step.round.start_failed", stage=stage, error=repr(exc))
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)

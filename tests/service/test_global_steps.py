@@ -1,0 +1,276 @@
+"""One model per stage: the swarm's global steps, through the real coordinator and real
+stage servers on loopback (in this process), trained by the real trainer.
+
+- replicas of a stage are bit-identical after every step (their digests are recorded on
+  the compute worker right after each step), every step holds exactly the global batch,
+  and the coordinator moves no tensor;
+- with one replica per stage, one trainer and one microbatch in flight, the swarm's
+  parameters after 10 global steps are those of the same model trained in one process
+  with the same AdamW, schedule, clipping and batches;
+- a backward too old is refused (409) and its microbatch run again, counted once; a
+  duplicate backward is not accumulated twice;
+- a replica that dies while its stage all-reduces is left out within the round's timeout,
+  its samples are counted as dropped, and training goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from shared.codec import encode_tensor
+from shared.config import CoordinatorSettings
+from shared.errors import RemoteError
+from shared.http import post_message
+from shared.model import PRESETS, build_gpt, build_stage
+from services.coordinator.app import STEPS, create_app as create_coordinator
+from services.coordinator.routes import TRAFFIC
+from services.local_swarm import free_port
+from services.stage_server.app import MEMBERSHIP, create_app
+from services.stage_server.averaging import flat_parameters
+from services.stage_server.averaging_routes import AVERAGER as AVERAGER_KEY
+from services.stage_server.routes import RUNTIME
+from services.stage_server.runtime import OptimizerConfig
+from services.trainer.data import ByteBatcher, load_corpus
+from services.trainer.pipeline import PipelineClient
+from services.trainer.trainer import Trainer
+from tests.conftest import balancer_for, stage_settings
+
+RUN_ID = "test"
+SEQ_LEN, MICROBATCH = 32, 4
+
+
+@dataclass
+class Swarm:
+    coordinator: web.Application
+    stages: list[list[web.Application]]  # apps per stage
+    urls: list[list[str]]
+    servers: dict[str, TestServer] = field(default_factory=dict)  # URL -> its server
+    digests: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (stage, step) -> digest of each replica after it
+    batches: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (stage, step) -> samples of the step, per replica
+
+
+@pytest.fixture
+async def swarm():
+    """``await swarm(replicas per stage, **stage settings)`` -> a registered :class:`Swarm`."""
+    servers: list[TestServer] = []
+
+    async def serve(app: web.Application, port: int | None = None) -> str:
+        server = TestServer(app, host="127.0.0.1", port=port)
+        await server.start_server()
+        servers.append(server)
+        return str(server.make_url("")).rstrip("/")
+
+    async def start(replicas: list[int], *, step_timeout_s: float = 10.0, **overrides) -> Swarm:
+        coordinator_app = create_coordinator(CoordinatorSettings(
+            run_id=RUN_ID, num_stages=len(replicas), heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator="",
+            average_every_s=0, step_timeout_s=step_timeout_s, rebalance_every_s=0,
+        ))  # fmt: skip
+        coordinator = await serve(coordinator_app)
+        result = Swarm(coordinator_app, [], [])
+        for stage, count in enumerate(replicas):
+            result.stages.append([]), result.urls.append([])
+            for _ in range(count):
+                port = free_port()  # the URL a server registers is the one it listens at
+                settings = stage_settings(stage, num_stages=len(replicas), coordinator=coordinator, heartbeat_s=60.0, port=port, run_id=RUN_ID, **overrides)
+                app = create_app(settings)
+                url = await serve(app, port)
+                result.stages[-1].append(app), result.urls[-1].append(url)
+                result.servers[url] = servers[-1]
+                record_steps(app[RUNTIME], stage, result)
+        for app in (a for group in result.stages for a in group):
+            await asyncio.wait_for(app[MEMBERSHIP].registered.wait(), 10)
+        return result
+
+    yield start
+    for server in reversed(servers):
+        await server.close()
+
+
+async def settled(swarm: Swarm) -> None:
+    """Until every replica's round in progress (the last step's, the trainer may have its
+    answers already) ended; bounded by the round's own deadline."""
+    for app in (a for group in swarm.stages for a in group):
+        averager = app[AVERAGER_KEY]
+        if averager.running:
+            await averager.wait_round(averager.round.spec.round_id, 30)
+    await swarm.coordinator[STEPS].settled()
+
+
+def record_steps(runtime, stage: int, swarm: Swarm) -> None:
+    """After each step a runtime applies: its digest and the step's samples (on the compute worker)."""
+    apply_step = runtime.apply_step
+
+    def recording(gradient):
+        apply_step(gradient)
+        swarm.digests.setdefault((stage, runtime.step), []).append(runtime.digest())
+        swarm.batches.setdefault((stage, runtime.step), []).append(gradient.samples)
+
+    runtime.apply_step = recording
+
+
+def trainer(session, urls, *, steps: int, global_batch: int, in_flight: int, shard: tuple[int, int] = (0, 1), trainer_id: str = "t0") -> Trainer:
+    client = PipelineClient(session, balancer_for(urls, seed=shard[0]), run_id=RUN_ID, codec="fp32", until_step=steps, client_id=trainer_id)
+    batcher = ByteBatcher(load_corpus(), SEQ_LEN, MICROBATCH, seed=0)
+    return Trainer(client, batcher, steps=steps, global_batch=global_batch, in_flight=in_flight, eval_microbatches=1, shard_index=shard[0], num_shards=shard[1])
+
+
+async def test_replicas_of_a_stage_are_identical_after_every_step(swarm, http_session):
+    """3 replicas of each of 2 stages, 2 trainers, 20 global steps."""
+    steps, global_batch = 20, 16
+    s = await swarm([3, 3], global_batch=global_batch, wire_codec="fp32")
+    runs = [trainer(http_session, s.urls, steps=steps, global_batch=global_batch, in_flight=2, shard=(t, 2), trainer_id=f"t{t}") for t in range(2)]
+    summaries = await asyncio.gather(*(t.run() for t in runs))
+    await settled(s)
+
+    assert all(x.microbatches_failed == 0 for x in summaries)
+    for stage in range(2):
+        assert [app[RUNTIME].step for app in s.stages[stage]] == [steps] * 3
+        for step in range(1, steps + 1):
+            digests = s.digests[(stage, step)]
+            assert len(digests) == 3 and len(set(digests)) == 1, f"stage {stage} step {step}: replicas differ"
+            assert s.batches[(stage, step)] == [global_batch] * 3, f"stage {stage} step {step} held {s.batches[(stage, step)]} samples"
+    counter = s.coordinator[STEPS].counter
+    assert [st.step for st in counter.stages] == [steps, steps] and all(st.samples_dropped == 0 for st in counter.stages)
+    # the coordinator only named rounds and polled their end: a few KB a round, where each
+    # member sends about 4/3 of a stage's fp32 gradient (~2.3 MB here) in every round
+    traffic = s.coordinator[TRAFFIC]["steps"]
+    per_round = (traffic["sent"] + traffic["received"]) / (2 * steps)
+    parameters = sum(p.numel() for p in s.stages[0][0][RUNTIME].params)
+    assert 0 < per_round < 16 * 1024 < 0.01 * 4 * parameters, per_round
+
+
+async def test_one_replica_one_microbatch_in_flight_is_one_process_training(swarm, http_session):
+    """10 global steps through 4 stages over HTTP (fp32 wire) vs the whole model in one process."""
+    steps, global_batch, num_stages = 10, 2 * MICROBATCH, 4
+    optim = OptimizerConfig(lr=3e-3, weight_decay=0.01, global_batch=global_batch, warmup_steps=3, schedule="cosine", total_steps=steps, min_lr_ratio=0.1, max_grad_norm=0.5)
+    s = await swarm([1] * num_stages, global_batch=global_batch, wire_codec="fp32", lr=optim.lr, weight_decay=optim.weight_decay,
+                    warmup_steps=optim.warmup_steps, lr_schedule=optim.schedule, total_steps=optim.total_steps, min_lr_ratio=optim.min_lr_ratio,
+                    max_grad_norm=optim.max_grad_norm)  # fmt: skip
+    summary = await trainer(http_session, s.urls, steps=steps, global_batch=global_batch, in_flight=1).run()
+    assert summary.microbatches_completed == steps * 2 and summary.microbatch_reruns == 0
+
+    reference = one_process_training(optim, num_stages, steps)
+    clipped = 0
+    for stage, group in enumerate(s.stages):
+        runtime = group[0][RUNTIME]
+        assert runtime.step == steps
+        clipped += runtime.stats.clipped_steps
+        for name, p in runtime.model.named_parameters():
+            ref = reference[name]
+            rel = float((p.detach() - ref).norm() / ref.norm())
+            assert rel <= 1e-5, f"stage {stage} {name}: relative error {rel:.2e}"
+    assert clipped > 0, "the clipping was never exercised"
+
+
+def one_process_training(optim: OptimizerConfig, num_stages: int, steps: int) -> dict[str, torch.Tensor]:
+    """The whole tiny model, the same batches (microbatches 0, 1, ... of the run's sequence),
+    gradient means over each global batch, each stage's gradient clipped on its own, AdamW
+    (decay on matrices only) at the schedule's learning rate."""
+    cfg = PRESETS["tiny"]
+    assert cfg.dropout == 0.0
+    model = build_gpt(cfg, seed=0)
+    params = dict(model.named_parameters())
+    stage_names = [[name for name, _ in build_stage(cfg, s, num_stages, seed=0).named_parameters()] for s in range(num_stages)]
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=optim.lr, betas=optim.betas)
+    batcher = ByteBatcher(load_corpus(), SEQ_LEN, MICROBATCH, seed=0)
+    per_step = optim.global_batch // MICROBATCH
+    for step in range(steps):
+        opt.zero_grad()
+        for index in range(step * per_step, (step + 1) * per_step):
+            mb = batcher.microbatch(index)
+            (model(mb.inputs, mb.targets) * mb.inputs.shape[0] / optim.global_batch).backward()
+        for names in stage_names:
+            torch.nn.utils.clip_grad_norm_([params[n] for n in names], optim.max_grad_norm)
+        for group in opt.param_groups:
+            group["lr"] = optim.lr_at(step)
+        opt.step()
+    return {name: p.detach().clone() for name, p in params.items()}
+
+
+async def test_a_stale_backward_is_refused_and_its_microbatch_run_again_once(start_stages, http_session):
+    """Stage 0 steps twice between a microbatch's forward and its backward: 409, the trainer
+    runs the microbatch again from the start, and every stage counts its samples once."""
+    apps, urls = await start_stages([[stage_settings(s, num_stages=2, global_batch=MICROBATCH, max_staleness=1)] for s in range(2)])
+    first = apps[0][0][RUNTIME]
+    batcher = ByteBatcher(load_corpus(), SEQ_LEN, MICROBATCH, seed=0)
+    client = PipelineClient(http_session, balancer_for(urls), run_id=RUN_ID, codec="fp32")
+    mb = batcher.microbatch(0)
+
+    real_call = client._call
+    meddled = False
+
+    async def call(mb_, stage, path, msg, read):
+        nonlocal meddled
+        if stage == 0 and path == "/backward" and not meddled:  # other trainers' microbatches step stage 0 twice meanwhile
+            meddled = True
+            for other in (1, 2):
+                await client.train(batcher.microbatch(other), seed=other)
+        return await real_call(mb_, stage, path, msg, read)
+
+    client._call = call
+    result = await client.train(mb, seed=0)
+    assert result.reruns == 1
+    assert first.stats.stale_backwards == 1 and first.stats.samples == 3 * MICROBATCH and first.step == 3
+    last = apps[1][0][RUNTIME]  # its backward of the first run was accumulated; the re-run's is a duplicate
+    assert last.stats.samples == 3 * MICROBATCH and last.stats.duplicate_backwards == 1
+
+
+async def test_a_duplicate_backward_is_answered_and_not_accumulated_twice(start_stages, http_session):
+    apps, urls = await start_stages([[stage_settings(1, num_stages=2)]])
+    runtime = apps[0][0][RUNTIME]
+    x = torch.randn(2, SEQ_LEN, PRESETS["tiny"].d_model)
+    targets = torch.randint(0, 256, (2, SEQ_LEN))
+    msg = {"run_id": RUN_ID, "stage": 1, "microbatch_id": "mb", "seed": 0, "codec": "fp32", "inputs": encode_tensor(x, "fp32"), "targets": encode_tensor(targets, "raw")}
+    first = await post_message(http_session, urls[0][0] + "/backward", msg, timeout_s=30)
+    again = await post_message(http_session, urls[0][0] + "/backward", msg, timeout_s=30)
+    assert first["accumulated"] is True and again["accumulated"] is False and first["loss"] == again["loss"]
+    assert runtime.pending_samples == 2 and runtime.stats.duplicate_backwards == 1
+    with pytest.raises(RemoteError) as refused:
+        await post_message(http_session, urls[0][0] + "/backward", {**msg, "microbatch_id": "old", "forward_step": 5}, timeout_s=30)
+    assert refused.value.status == 409 and refused.value.code == "stale_forward"
+    assert runtime.pending_samples == 2
+
+
+async def test_a_replica_killed_while_its_stage_all_reduces_is_left_out_and_training_goes_on(swarm, http_session):
+    steps, global_batch = 6, 4 * MICROBATCH
+    s = await swarm([2, 1], global_batch=global_batch, wire_codec="fp32", step_timeout_s=4.0)
+    survivor, victim = s.stages[0]
+    victim_url = s.urls[0][1]
+    taken: list[int] = []
+    real_start = victim[AVERAGER_KEY].start
+
+    def start_then_die(spec):  # the victim dies as a round of its stage begins, with samples of that step
+        real_start(spec)
+        if spec.kind == "step" and spec.step >= 1 and not taken and victim[RUNTIME].pending(spec.step):
+            taken.extend([spec.step, victim[RUNTIME].pending(spec.step)])
+            asyncio.get_running_loop().create_task(s.servers[victim_url].close())
+
+    victim[AVERAGER_KEY].start = start_then_die
+    before = flat_parameters(survivor[RUNTIME].params)
+    # two trainers, one through each replica of stage 0 (until it is gone: then the survivor)
+    routes = [[[s.urls[0][0]], s.urls[1]], [[victim_url, s.urls[0][0]], s.urls[1]]]
+    runs = [trainer(http_session, urls, steps=steps, global_batch=global_batch, in_flight=1, shard=(t, 2), trainer_id=f"t{t}") for t, urls in enumerate(routes)]
+    runs[1].client.balancer.report_success(0, s.urls[0][0], 10.0, 1, "forward")  # the survivor looks slow to this trainer: it goes to the victim first
+    summaries = await asyncio.gather(*(t.run() for t in runs))
+    await settled(s)
+
+    assert taken, f"the victim never held samples of a step as its round began: {victim[RUNTIME].stats}"
+    died_in, held = taken
+    assert survivor[RUNTIME].step == steps and s.stages[1][0][RUNTIME].step == steps
+    assert not torch.equal(before, flat_parameters(survivor[RUNTIME].params))
+    counter = s.coordinator[STEPS].counter.stages[0]
+    assert counter.samples_dropped == held  # exactly what the dead replica held
+    assert s.batches[(0, died_in + 1)] == [global_batch - held]  # the step it died in went on without its samples
+    assert all(s.batches[(0, k)] == [global_batch] * len(s.batches[(0, k)]) for k in range(1, steps + 1) if k != died_in + 1)
+    assert all(x.microbatches_failed == 0 for x in summaries)
+
+
+

@@ -1,0 +1,117 @@
+"""The coordinator's step counting without HTTP: reservations fill each global step with
+exactly the global batch, a step's round starts once its reservations are accumulated,
+and replicas behind their stage are told to resync."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.coordinator.steps import GlobalBatchMismatch, StepCounter
+
+A, B = "http://a", "http://b"
+G = 8  # global batch
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def counter(timeout_s: float = 10.0) -> tuple[StepCounter, Clock]:
+    clock = Clock()
+    return StepCounter(2, timeout_s=timeout_s, clock=clock), clock
+
+
+def test_reservations_fill_a_step_with_exactly_the_global_batch_then_the_next():
+    c, _ = counter()
+    got = [c.reserve(0, url, 0, 4, G) for url in (A, B, A)]
+    assert [(r.bucket, r.closes) for r in got] == [(0, False), (0, True), (1, False)]
+    assert not c.ready(0)  # reserved, not accumulated yet
+    c.done(0, A, 0, 0, 4, 4, G)
+    assert not c.ready(0)
+    c.done(0, B, 0, 0, 4, 4, G)
+    assert c.ready(0)  # step 0 holds its 8 samples, all accumulated
+    assert not c.ready(1)  # stages count on their own
+
+
+def test_the_round_running_takes_its_step_and_reservations_go_one_step_ahead_at_most():
+    c, _ = counter()
+    for url in (A, B):
+        c.done(0, url, 0, c.reserve(0, url, 0, 4, G).bucket, 4, 4, G)
+    c.round_started(0, "r0")
+    assert c.reserve(0, A, 0, 4, G).bucket == 1
+    assert c.reserve(0, B, 0, 4, G).closes
+    held = c.reserve(0, A, 0, 4, G)
+    assert held.bucket is None and not held.resync  # step 1 is full and step 0 steps now: wait
+    effective, dropped = c.round_ended(0, {A: 1, B: 1}, {A: 4, B: 4})
+    assert (effective, dropped) == (8, 0) and c.stages[0].step == 1
+    assert c.reserve(0, A, 1, 4, G).bucket == 2
+
+
+def test_a_reservation_given_back_opens_its_step_again():
+    c, _ = counter()
+    first, second = c.reserve(0, A, 0, 4, G), c.reserve(0, B, 0, 4, G)
+    assert second.closes
+    c.done(0, B, 0, second.bucket, 4, 0, G)  # B's backward failed: 0 accumulated
+    again = c.reserve(0, A, 0, 4, G)
+    assert again.bucket == 0 and again.closes
+    c.done(0, A, 0, first.bucket, 4, 4, G)
+    c.done(0, A, 0, again.bucket, 4, 4, G)
+    assert c.ready(0)
+
+
+def test_a_reservation_out_past_the_timeout_is_given_up():
+    c, clock = counter(timeout_s=5.0)
+    a, b = c.reserve(0, A, 0, 4, G), c.reserve(0, B, 0, 4, G)
+    c.done(0, A, 0, a.bucket, 4, 4, G)  # B died with its reservation
+    clock.now = 4.9
+    assert not c.ready(0)
+    clock.now = 5.0
+    assert c.ready(0)
+    c.round_started(0, "r0")
+    effective, dropped = c.round_ended(0, {A: 1}, {A: 4})
+    assert effective == 4 and c.stages[0].step == 1
+    c.done(0, B, 0, b.bucket, 4, 4, G)  # too late: its step was taken without it
+    assert c.stages[0].samples_dropped == 4
+
+
+def test_members_that_did_not_step_lose_their_samples_and_are_left_out_of_the_next_round():
+    c, _ = counter()
+    for url in (A, B):
+        c.done(0, url, 0, c.reserve(0, url, 0, 4, G).bucket, 4, 4, G)
+    c.round_started(0, "r0")
+    effective, dropped = c.round_ended(0, {A: 1, B: 0}, {A: 4, B: 4})
+    assert (effective, dropped) == (4, 4)
+    assert c.members(0, [A, B]) == [A]
+    assert c.reserve(0, B, 0, 4, G).resync  # B is behind its stage: it takes A's state
+    assert c.reserve(0, B, 1, 4, G).bucket == 1  # ... and is in step again
+    assert c.members(0, [A, B]) == [A, B]
+
+
+def test_a_round_nobody_completed_is_tried_again_later_with_nothing_lost():
+    c, clock = counter()
+    for url in (A, B):
+        c.done(0, url, 0, c.reserve(0, url, 0, 4, G).bucket, 4, 4, G)
+    c.round_started(0, "r0")
+    assert c.round_ended(0, {A: 0, B: 0}, {A: 4, B: 4}) == (0, 0)
+    assert c.stages[0].step == 0 and not c.ready(0)
+    clock.now += 1.0
+    assert c.ready(0)
+
+
+def test_the_last_step_of_a_run_and_the_replicas_after_a_coordinator_restart():
+    c, _ = counter()
+    assert c.reserve(0, A, 0, 8, G, until_step=1).closes
+    assert c.reserve(0, A, 0, 8, G, until_step=1).complete  # step 1 is past the run's end
+    fresh, _ = counter()  # a restarted coordinator learns the step from the replicas
+    assert fresh.reserve(1, A, 7, 4, G).bucket == 7 and fresh.stages[1].step == 7
+
+
+def test_replicas_must_agree_on_the_global_batch():
+    c, _ = counter()
+    c.reserve(0, A, 0, 4, G)
+    with pytest.raises(GlobalBatchMismatch, match="SWARM_GLOBAL_BATCH"):
+        c.reserve(0, B, 0, 4, G * 2)

@@ -1,15 +1,18 @@
 """Bench 7, convergence: held-out loss after the same samples with fp32, fp16 and int8
-wires, and with 1 vs 2 replicas per stage kept in sync by averaging.
+wires, and with 1 replica per stage and 1 trainer against 2 replicas per stage and 2
+trainers (global steps: the same global batch, all-reduced; see docs/architecture.md
+"One model per stage").
 
 Each configuration is a fresh swarm of the tiny model (same seed, so the same initial
-weights, and the same microbatches in the same order): a coordinator and the stage
-servers, trained by the trainer's own ``Trainer`` for the same number of samples, then
-evaluated on the same held-out microbatches. The 2-replica swarm averages every 2 s, each
-replica steps on 16 samples (together the same 32 per step as one replica), and the
-trainer asks for a last averaging pass before the evaluation, as ``swarm train`` does.
+weights, and the same sequence of microbatches: two trainers take alternate ones): a
+coordinator and the stage servers, trained by the trainer's own ``Trainer`` for the same
+number of global steps of the same global batch, then evaluated on the same held-out
+microbatches. The trainers together keep the same microbatches in flight in every
+configuration (two trainers: half each), so that the pipeline's staleness is the same.
 The servers and the coordinator are the stock apps on loopback ports inside this
 process (real HTTP and codecs): this bench measures losses, not speed, and starting a
-dozen processes per configuration would cost more than the training.
+dozen processes per configuration would cost more than the training. Each row also
+gives the training loss against samples and wall time (the JSON holds the curves).
 """
 
 from __future__ import annotations
@@ -28,23 +31,22 @@ from services.trainer.trainer import Trainer
 from bench.pump import MeshClient
 from bench.report import BenchResult
 
-COLUMNS = ["wire", "replicas/stage", "samples", "loss before", "loss after", "vs fp32 x1", "seconds"]
+COLUMNS = ["wire", "replicas/stage", "trainers", "global steps", "samples", "loss before", "loss after", "vs fp32 x1", "seconds", "re-runs"]
 
 
 @dataclass(frozen=True)
 class Plan:
     stages: int
     samples: int
-    samples_per_step: int
+    global_batch: int
     seq_len: int
     microbatch_size: int
-    in_flight: int
-    average_every_s: float = 2.0
+    in_flight: int  # all trainers together
 
 
-FULL = Plan(stages=4, samples=1280, samples_per_step=32, seq_len=128, microbatch_size=8, in_flight=8)
-QUICK = Plan(stages=2, samples=64, samples_per_step=16, seq_len=32, microbatch_size=4, in_flight=4)
-CONFIGS = (("fp32", 1), ("fp32", 1), ("fp16", 1), ("int8", 1), ("int8", 2))  # fp32 twice: the run-to-run spread
+FULL = Plan(stages=4, samples=1280, global_batch=32, seq_len=128, microbatch_size=8, in_flight=4)
+QUICK = Plan(stages=2, samples=64, global_batch=16, seq_len=32, microbatch_size=4, in_flight=4)
+CONFIGS = (("fp32", 1, 1), ("fp32", 1, 1), ("fp32", 2, 2), ("fp16", 1, 1), ("int8", 1, 1), ("int8", 2, 2))  # fp32 x1 twice: the run-to-run spread
 
 
 @contextlib.asynccontextmanager
@@ -62,12 +64,12 @@ async def local_swarm(run_id: str, plan: Plan, codec: str, replicas: int):
     port = free_port()
     coordinator = f"http://127.0.0.1:{port}"
     try:
-        await serve(create_coordinator(CoordinatorSettings(**common, port=port, state_db=":memory:", average_every_s=plan.average_every_s, rebalance_every_s=0.0)), port)
+        await serve(create_coordinator(CoordinatorSettings(**common, port=port, state_db=":memory:", average_every_s=0.0, rebalance_every_s=0.0)), port)
         for stage in range(plan.stages):
             for _ in range(replicas):
                 port = free_port()
                 settings = StageServerSettings(**common, model="tiny", stage=stage, port=port, coordinator=coordinator, wire_codec=codec, seed=0,
-                                               samples_per_step=plan.samples_per_step // replicas, drain_timeout_s=5.0)
+                                               global_batch=plan.global_batch, drain_timeout_s=5.0)
                 await serve(create_stage(settings), port)
         yield coordinator
     finally:
@@ -75,19 +77,31 @@ async def local_swarm(run_id: str, plan: Plan, codec: str, replicas: int):
             await runner.cleanup()
 
 
-async def train_one(plan: Plan, codec: str, replicas: int) -> dict:
-    run_id = f"bench-convergence-{codec}-{replicas}"
-    async with local_swarm(run_id, plan, codec, replicas) as coordinator:
-        async with MeshClient(run_id=run_id, num_stages=plan.stages, codec=codec, seq_len=plan.seq_len, microbatch_size=plan.microbatch_size) as mesh:
+async def train_one(plan: Plan, codec: str, replicas: int, trainers: int) -> dict:
+    run_id = f"bench-convergence-{codec}-{replicas}-{trainers}"
+    steps = plan.samples // plan.global_batch
+    async with local_swarm(run_id, plan, codec, replicas) as coordinator, contextlib.AsyncExitStack() as stack:
+        runs = []
+        for t in range(trainers):
+            mesh = await stack.enter_async_context(MeshClient(run_id=run_id, num_stages=plan.stages, codec=codec, seq_len=plan.seq_len, microbatch_size=plan.microbatch_size, seed=0))
             await mesh.use_coordinator(coordinator, refresh_s=0.5)
             await _wait_replicas(mesh, plan.stages * replicas)
-            per_step = plan.samples_per_step // replicas
-            trainer = Trainer(mesh.client, mesh.batcher, steps=plan.samples // per_step, samples_per_step=per_step, in_flight=plan.in_flight, seed=0,
-                              before_final_eval=(lambda: mesh.view.average(60.0)) if replicas > 1 else None)
-            summary = await trainer.run()
-    if summary.microbatches_failed:
-        raise RuntimeError(f"{summary.microbatches_failed} microbatches failed with {codec} x{replicas}: {summary.failures[-1]}")
-    return {"loss before": summary.eval_loss_before, "loss after": summary.eval_loss_after, "samples": summary.tokens // plan.seq_len, "seconds": summary.elapsed_s}
+            mesh.client.until_step = steps
+            mesh.client.client_id = f"t{t}"
+            runs.append(Trainer(mesh.client, mesh.batcher, steps=steps, global_batch=plan.global_batch, in_flight=plan.in_flight // trainers, seed=0,
+                                shard_index=t, num_shards=trainers))
+        summaries = await asyncio.gather(*(r.run() for r in runs))
+        stage_steps = []  # every replica's global step, as it says
+        for url in (u for replicas_of in mesh.view.replicas() for u in replicas_of):
+            async with mesh.session.get(url + "/health") as resp:
+                stage_steps.append((await resp.json())["step"])
+    failed = sum(x.microbatches_failed for x in summaries)
+    if failed:
+        raise RuntimeError(f"{failed} microbatches failed with {codec} x{replicas}: {[x.failures[-1] for x in summaries if x.failures]}")
+    first = summaries[0]
+    curve = [{"step": i + 1, "samples": (i + 1) * plan.global_batch, "loss": loss, "seconds": round(at, 3)} for i, (loss, at) in enumerate(zip(first.step_losses, first.step_elapsed_s))]
+    return {"global steps": min(stage_steps), "loss before": first.eval_loss_before, "loss after": first.eval_loss_after, "samples": sum(x.tokens for x in summaries) // plan.seq_len,
+            "seconds": max(x.elapsed_s for x in summaries), "re-runs": sum(x.microbatch_reruns for x in summaries), "curve": curve}
 
 
 async def _wait_replicas(mesh: MeshClient, count: int, timeout_s: float = 30.0) -> None:
@@ -104,18 +118,21 @@ async def _wait_replicas(mesh: MeshClient, count: int, timeout_s: float = 30.0) 
 def run(ctx) -> BenchResult:
     plan = QUICK if ctx.quick else FULL
     rows = []
-    for codec, replicas in CONFIGS:
-        figures = asyncio.run(train_one(plan, codec, replicas))
-        rows.append({"wire": codec, "replicas/stage": replicas, **figures})
+    for codec, replicas, trainers in CONFIGS:
+        figures = asyncio.run(train_one(plan, codec, replicas, trainers))
+        rows.append({"wire": codec, "replicas/stage": replicas, "trainers": trainers, **figures})
     reference = rows[0]["loss after"]
     for row in rows:
         row["vs fp32 x1"] = row["loss after"] / reference
     rows[1]["wire"] = "fp32 (again)"
     notes = [
-        f"tiny model ({plan.stages} stages), {plan.samples} samples of {plan.seq_len} tokens, {plan.samples_per_step} samples per step swarm-wide, {plan.in_flight} microbatches in flight; "
-        "loss: mean cross-entropy on 4 held-out microbatches (nats per byte)",
-        f"2 replicas/stage: averaging every {plan.average_every_s:.0f} s, each replica steps on {plan.samples_per_step // 2} samples, and a last averaging pass before the evaluation",
-        "one run per configuration, fp32 twice: the order in which asynchronous microbatches finish varies from run to run, so the two fp32 runs show the noise a difference must exceed",
+        f"tiny model ({plan.stages} stages), {plan.samples} samples of {plan.seq_len} tokens in global steps of {plan.global_batch} samples, "
+        f"{plan.in_flight} microbatches in flight (all trainers together); loss: mean cross-entropy on 4 held-out microbatches (nats per byte)",
+        "2 replicas/stage x 2 trainers: every stage's replicas all-reduce each global step's gradients and take the same AdamW step; "
+        "the trainers take alternate microbatches of the same sequence",
+        "one run per configuration, fp32 x1 twice: the order in which asynchronous microbatches finish varies from run to run, so the two show the noise a difference must exceed",
+        "training loss against samples and against wall time: the 'curve' of each row in the JSON (the first trainer's mean loss per global step, and when it saw the step done)",
     ]
     summary = {f"{r['wire'].split()[0]}{'_again' if 'again' in r['wire'] else ''}_x{r['replicas/stage']}_vs_fp32": r["vs fp32 x1"] for r in rows}
-    return BenchResult("convergence", "loss after the same samples: wire codecs, averaged replicas", COLUMNS, rows, params=vars(plan), notes=notes, summary=summary)
+    table = [{k: v for k, v in r.items() if k != "curve"} for r in rows]
+    return BenchResult("convergence", "loss after the same samples: wire codecs, one model on 2 replicas x 2 trainers", COLUMNS, table, params={**vars(plan), "curves": [r["curve"] for r in rows]}, notes=notes, summary=summary)

@@ -107,7 +107,8 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
         app.cleanup_ctx.append(_rebalancing(settings, log))
     if settings.checkpoint_dir:
         app[CHECKPOINTER] = Checkpointer(
-            app[REGISTRY], root=settings.checkpoint_dir, run_id=settings.run_id, keep=settings.keep_checkpoints, timeout_s=settings.checkpoint_every_s, log=log
+            app[REGISTRY], root=settings.checkpoint_dir, run_id=settings.run_id, keep=settings.keep_checkpoints, timeout_s=settings.checkpoint_every_s, log=log,
+            stage_steps=lambda: [st.step for st in app[STEPS].counter.stages],
         )
         app.cleanup_ctx.append(_checkpoints(settings))
         app.router.add_post("/checkpoint", checkpoint_now)

@@ -1,15 +1,21 @@
 """Checkpointer: every ``checkpoint_every_s``, one live replica's state per stage into the
 checkpoint directory (safetensors + JSON, see ``shared.checkpoint``).
 
-The coordinator pulls the bytes (``GET /state`` on a replica) and writes them; it never
-decodes a tensor. A checkpoint is committed only when every stage was saved; its step is
-the smallest optimizer step count among the saved stages, so a resumed run never claims
-progress some stage did not make.
+The coordinator pulls the bytes (``GET /state?step=N`` on a replica) and writes them; it
+never decodes a tensor. Every stage is saved at the same global step N, at a step
+boundary: all stages are asked at once for N, the furthest step any stage has taken, and
+a replica of a stage still short of it answers once its stage took it (stages of one
+global batch step within a pipeline's latency of each other); if a stage stepped past N
+meanwhile, all are asked again at its step. A stage that does not get there within the timeout
+(training stopped) is saved as it is, and the checkpoint's step is then the smallest
+step among the stages, so a resumed run never claims progress some stage did not make.
+A checkpoint is committed only when every stage was saved.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -20,10 +26,15 @@ from shared.http import OCTET_STREAM, from_any_replica, request_bytes
 from services.coordinator.registry import Registry
 
 
+ALIGN_ATTEMPTS = 3  # downloads of every stage until all are at one step
+
+
 class Checkpointer:
-    def __init__(self, registry: Registry, *, root: str, run_id: str, keep: int, timeout_s: float, log, session: aiohttp.ClientSession | None = None):
-        """``session`` (for downloading states) may be given later, before the first checkpoint."""
-        self.session, self.registry, self.root, self.run_id = session, registry, root, run_id
+    def __init__(self, registry: Registry, *, root: str, run_id: str, keep: int, timeout_s: float, log, session: aiohttp.ClientSession | None = None,
+                 stage_steps: Callable[[], list[int]] = list):
+        """``session`` (for downloading states) may be given later, before the first checkpoint;
+        ``stage_steps()``: each stage's global step as the coordinator counts it."""
+        self.session, self.registry, self.root, self.run_id, self.stage_steps = session, registry, root, run_id, stage_steps
         self.keep, self.timeout_s, self.log = keep, timeout_s, log
         self.saved = 0
 
@@ -32,15 +43,22 @@ class Checkpointer:
         by_stage: dict[int, list[str]] = {s: [] for s in range(self.registry.num_stages)}
         for server in self.registry.live():
             by_stage[server.stage].append(server.url)
-        states = {}
-        for stage, urls in by_stage.items():
-            data = await self._download(stage, urls)
-            if data is None:
-                self.log.warning("checkpoint.skipped", stage=stage, reason="no live replica gave its state")
-                return None
-            states[stage] = data
-        metas = {stage: checkpoint.state_metadata(data) for stage, data in states.items()}
+        target = max(self.stage_steps(), default=0)
+        for _ in range(ALIGN_ATTEMPTS):  # all stages at once; again at the furthest step if one stepped meanwhile
+            downloads = await asyncio.gather(*(self._download(stage, urls, target) for stage, urls in by_stage.items()))
+            for stage, data in zip(by_stage, downloads):
+                if data is None:
+                    self.log.warning("checkpoint.skipped", stage=stage, reason="no live replica gave its state")
+                    return None
+            states = dict(zip(by_stage, downloads))
+            metas = {stage: checkpoint.state_metadata(data) for stage, data in states.items()}
+            reached = {int(m.get("optimizer_steps", 0)) for m in metas.values()}
+            if len(reached) == 1:
+                break
+            target = max(reached)
         step = min(int(m.get("optimizer_steps", 0)) for m in metas.values())
+        if any(int(m.get("optimizer_steps", 0)) != step for m in metas.values()):
+            self.log.warning("checkpoint.uneven", step=step, stage_steps={s: m.get("optimizer_steps") for s, m in metas.items()}, reason="a stage did not reach the others' step in time")
         latest = checkpoint.latest_checkpoint(self.root)
         if latest is not None and checkpoint.read_meta(latest)["step"] == step:
             return latest  # nothing new; never rewrite the files of a committed checkpoint
@@ -54,12 +72,13 @@ class Checkpointer:
         self.log.info("checkpoint.saved", path=str(path), step=step, bytes=sum(map(len, states.values())))
         return path
 
-    async def _download(self, stage: int, urls: list[str]) -> bytes | None:
-        """One replica's state: each in turn; a busy one (503 overloaded) again after its
-        Retry-After, within ``timeout_s``."""
+    async def _download(self, stage: int, urls: list[str], step: int) -> bytes | None:
+        """One replica's state at global step ``step`` (or later, or as it is if its stage
+        does not get there in time): each replica in turn; a busy one (503 overloaded)
+        again after its Retry-After, within ``timeout_s``."""
 
         async def fetch(url: str) -> bytes:
-            data = await request_bytes(self.session, "GET", url + "/state", expect=OCTET_STREAM, timeout_s=self.timeout_s)
+            data = await request_bytes(self.session, "GET", f"{url}/state?step={step}&wait_s={self.timeout_s / 2:g}", expect=OCTET_STREAM, timeout_s=self.timeout_s)
             try:
                 checkpoint.state_metadata(data)  # a readable state, not an error page
             except BadPayload as exc:

@@ -21,7 +21,7 @@ from pathlib import Path
 from aiohttp import web
 
 from services.coordinator.dashboard import RecentEvents, TrainingProgress, dashboard_view
-from services.coordinator.routes import REGISTRY, SETTINGS, _check_run, read_json
+from services.coordinator.routes import REGISTRY, SETTINGS, _check_run, read_json, swarm_view
 
 EVENTS = web.AppKey("events", RecentEvents)
 PROGRESS = web.AppKey("progress", TrainingProgress)
@@ -38,7 +38,7 @@ async def page(request: web.Request) -> web.Response:
 
 async def dashboard_json(request: web.Request) -> web.Response:
     app = request.app
-    view = dashboard_view(app[SETTINGS].run_id, app[REGISTRY].view(), app[PROGRESS], app[EVENTS], now=time.time())
+    view = dashboard_view(app[SETTINGS].run_id, swarm_view(app), app[PROGRESS], app[EVENTS], now=time.time())
     return web.json_response(view, headers={"Cache-Control": "no-store"})
 
 

@@ -130,13 +130,17 @@ async def deregister(request: web.Request) -> web.Response:
     return web.json_response({"removed": removed})
 
 
-async def swarm(request: web.Request) -> web.Response:
+def swarm_view(app: web.Application) -> dict:
     """The registry's view, each stage with its global step (``steps.py``)."""
-    view = request.app[REGISTRY].view()
-    if STEPS in request.app:
-        for stage, steps in zip(view["stages"], request.app[STEPS].counter.view()):
+    view = app[REGISTRY].view()
+    if STEPS in app:
+        for stage, steps in zip(view["stages"], app[STEPS].counter.view()):
             stage["step"] = {k: v for k, v in steps.items() if k != "stage"}
-    return web.json_response({"run_id": request.app[SETTINGS].run_id, **view})
+    return view
+
+
+async def swarm(request: web.Request) -> web.Response:
+    return web.json_response({"run_id": request.app[SETTINGS].run_id, **swarm_view(request.app)})
 
 
 async def health(request: web.Request) -> web.Response:

@@ -59,6 +59,7 @@ class StageCount:
     closed_at: dict[int, float] = field(default_factory=dict)  # step -> when its reservations reached the global batch
     round_id: str | None = None  # the step round running, if any
     replica_steps: dict[str, int] = field(default_factory=dict)  # replica URL -> the step it last reported
+    outstanding: dict[int, dict[str, int]] = field(default_factory=dict)  # step -> replica URL -> samples reserved, not reported yet
     not_before: float = 0.0  # a failed round is not retried before this time
     samples_dropped: int = 0  # reserved samples never accumulated, and accumulated ones of replicas that did not step
     last_effective_batch: int = 0
@@ -109,6 +110,8 @@ class StepCounter:
         if until_step is not None and k >= until_step:
             return Reservation(None, complete=True)
         st.reserved[k] = st.reserved.get(k, 0) + samples
+        by_url = st.outstanding.setdefault(k, {})
+        by_url[url] = by_url.get(url, 0) + samples
         closes = st.reserved[k] >= st.global_batch
         if closes:
             st.closed_at[k] = self.clock()
@@ -126,18 +129,23 @@ class StepCounter:
                 st.closed_at[bucket] = self.clock()
         else:
             st.reserved[bucket] = st.reserved.get(bucket, 0) - (reserved - samples)  # given back
+            by_url = st.outstanding.get(bucket, {})
+            by_url[url] = by_url.get(url, 0) - reserved
             if st.reserved[bucket] < st.global_batch:  # open again: the next reservation completes it
                 st.closed_at.pop(bucket, None)
         st.done[bucket] = st.done.get(bucket, 0) + samples
 
-    def ready(self, stage: int) -> bool:
+    def ready(self, stage: int, live: Iterable[str] | None = None) -> bool:
         """Start the stage's step round now? Its step is closed and everything reserved for
-        it accumulated, or its reservations have been out ``timeout_s``."""
+        it accumulated, but what replicas no longer ``live`` (gone from the registry) held,
+        or its reservations have been out ``timeout_s``."""
         st = self.stages[stage]
         k = st.step
         if st.round_id is not None or not st.closed(k) or self.clock() < st.not_before:
             return False
-        return st.done.get(k, 0) >= st.reserved.get(k, 0) or self.clock() - st.closed_at[k] >= self.timeout_s
+        alive = None if live is None else set(live)
+        lost = sum(n for url, n in st.outstanding.get(k, {}).items() if n > 0 and alive is not None and url not in alive)
+        return st.done.get(k, 0) >= st.reserved.get(k, 0) - lost or self.clock() - st.closed_at[k] >= self.timeout_s
 
     def members(self, stage: int, live: list[str]) -> list[str]:
         """Who takes part in the stage's step round: its live replicas, but those known to
@@ -175,7 +183,7 @@ class StepCounter:
     def _advance(self, st: StageCount, step: int) -> None:
         for k in [k for k in st.reserved if k < step]:
             st.reserved.pop(k, None)
-        for table in (st.done, st.closed_at):
+        for table in (st.done, st.closed_at, st.outstanding):
             for k in [k for k in table if k < step]:
                 table.pop(k)
         st.step = step
@@ -227,7 +235,7 @@ class StepScheduler:
             while True:
                 r = self.counter.reserve(stage, url, replica_step, samples, global_batch, until_step)
                 if r.bucket is not None or r.resync or r.complete:
-                    return r.as_json(self.counter.stages[stage].step)
+                    return {**r.as_json(self.counter.stages[stage].step), "replicas": len(self._live(stage))}
                 if loop.time() >= deadline:
                     raise Overloaded(f"stage {stage} is a whole global step ahead of its step {self.counter.stages[stage].step}", retry_after_s=1.0)
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -255,7 +263,7 @@ class StepScheduler:
             self._changed.notify_all()
 
     async def maybe_start(self, stage: int) -> None:
-        if not self.counter.ready(stage) or self.session is None:
+        if not self.counter.ready(stage, self._live(stage)) or self.session is None:
             return
         st = self.counter.stages[stage]
         step, members = st.step, self.counter.members(stage, self._live(stage))

@@ -130,7 +130,7 @@ def _stepper(app: web.Application, settings: StageServerSettings, session, log) 
     runtime, worker = app[RUNTIME], app[WORKER]
 
     async def resync() -> None:
-        state = await _state_from_peers(settings, log, exclude=url)
+        state = await _state_from_peers(settings, log, exclude=url, furthest_first=True)
         if state is None:
             raise RemoteError(settings.coordinator + "/swarm", None, "no_state", "no other live replica of this stage gave its state")
         await worker.run(load_stage_state, runtime, *state)
@@ -166,8 +166,9 @@ def _join(settings: StageServerSettings, log):
     return ctx
 
 
-async def _state_from_peers(settings: StageServerSettings, log, *, exclude: str = ""):
-    """The state of the first live replica of this stage (but ``exclude``) that gives it, or None."""
+async def _state_from_peers(settings: StageServerSettings, log, *, exclude: str = "", furthest_first: bool = False):
+    """The state of the first live replica of this stage (but ``exclude``) that gives it, or
+    None; ``furthest_first``: the replicas at the furthest global step are asked first."""
     async with swarm_session(settings) as session:
         # An unreachable coordinator (restarting) is waited for up to join_timeout_s: a
         # server that gave up at once would serve fresh weights into a trained stage.
@@ -188,10 +189,25 @@ async def _state_from_peers(settings: StageServerSettings, log, *, exclude: str 
             except (KeyError, IndexError, TypeError) as exc:
                 log.warning("stage.join.no_view", error=repr(exc))
                 return None
+        if furthest_first:
+            peers = await _furthest_first(session, peers)
         return await from_any_replica(
             peers, lambda url: download_state(session, url, settings.join_timeout_s), deadline_s=max(0.0, deadline - loop.time()),
             on_error=lambda url, exc: log.warning("stage.join.download_failed", replica=url, error=str(exc)),
         )  # fmt: skip
+
+
+async def _furthest_first(session, peers: list[str]) -> list[str]:
+    """``peers`` ordered by their global step (``GET /health``), furthest first; unreachable ones last."""
+
+    async def step_of(url: str) -> int:
+        try:
+            return int((await get_json(session, url + "/health", timeout_s=5))["step"])
+        except (RemoteError, KeyError, TypeError, ValueError):
+            return -1
+
+    steps = await asyncio.gather(*(step_of(u) for u in peers))
+    return [u for _, u in sorted(zip(steps, peers), key=lambda pair: -pair[0])]
 
 
 def _announcement(settings: StageServerSettings):

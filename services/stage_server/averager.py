@@ -61,6 +61,7 @@ class Averager:
         self._early: tuple[str, dict[int, tuple[PartMessage, torch.Tensor]]] = ("", {})  # parts that beat their round's start
         self._refused = ""  # the last round whose start this server refused (another stage)
         self._started = asyncio.Event()
+        self._stepped = asyncio.Event()  # set and replaced after every step applied here
         self._closing = False
 
     @property
@@ -98,6 +99,16 @@ class Averager:
         self._close_handle = loop.call_at(rnd.deadline, rnd.close)
         self._task = asyncio.create_task(self._run(rnd), name=f"averaging-{spec.round_id}")
         self._wake_result_waiters()
+
+    async def wait_step(self, step: int, timeout_s: float) -> None:
+        """Until this replica has taken global step ``step`` (at most ``timeout_s``)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.runtime.step < step:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stepped.wait(), left)
 
     async def wait_round(self, round_id: str, timeout_s: float) -> None:
         """Until round ``round_id`` ended here (at once if it is not the one running)."""
@@ -224,6 +235,8 @@ class Averager:
             effective = int(min(p.weight for p in rnd.parts))
             await self.run_compute(self.runtime.apply_step, Accumulated(mean, effective, taken.microbatch_ids))
             self.rounds_completed += 1
+            self._stepped.set()
+            self._stepped = asyncio.Event()
             log.info("step.applied", step=self.runtime.step, effective_batch=effective, samples_here=taken.samples)
         else:
             await self.run_compute(self.runtime.give_back, taken, rnd.spec.step)

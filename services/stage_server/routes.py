@@ -5,10 +5,11 @@ Request bodies (msgpack maps, see ``shared.codec``)::
     /forward  {v, run_id?, stage, microbatch_id, seed, codec?, eval?, inputs, targets?}
               -> {stage, microbatch_id, step, outputs} or, on the last stage, {stage, microbatch_id, step, loss}
     /backward {v, run_id?, stage, microbatch_id, seed, codec?, forward_step?, until_step?, inputs, targets?, grad_outputs?}
-              -> {stage, microbatch_id, step, stage_step, accumulated, complete?, grad_inputs?, loss?}
+              -> {stage, microbatch_id, step, stage_step, bucket, accumulated, complete?, grad_inputs?, loss?}
 
 ``step`` is the stage's global step (weights version) the computation ran at, ``stage_step``
-the stage's step when the backward answers (one more when it completed a global batch). A backward
+the stage's step when the backward answers (one more when it completed a global batch),
+``bucket`` the global step whose gradient this backward went into. A backward
 gives the ``step`` of its forward here as ``forward_step``; one more than
 ``SWARM_MAX_STALENESS`` steps away is refused with 409 ``stale_forward`` (run the
 microbatch again). ``accumulated: false``: this microbatch's gradient was already
@@ -174,8 +175,9 @@ async def backward(request: web.Request) -> web.Response:
             await stepper.done(reservation, 0)  # the reservation goes back
         raise
     if reservation:
-        await stepper.done(reservation, _samples(req.inputs) if result.accumulated else 0)
-    reply: dict = {"stage": settings.stage, "microbatch_id": req.microbatch_id, "step": result.step, "stage_step": runtime.step, "accumulated": result.accumulated}
+        await stepper.settle(reservation, _samples(req.inputs) if result.accumulated else 0, request.app[WORKER].run)
+    reply: dict = {"stage": settings.stage, "microbatch_id": req.microbatch_id, "step": result.step, "stage_step": runtime.step, "accumulated": result.accumulated,
+                   "bucket": reservation.bucket if reservation else result.step}  # fmt: skip
     if complete:
         reply["complete"] = True
     if result.grad_inputs is not None:

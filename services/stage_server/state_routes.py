@@ -1,7 +1,10 @@
 """State transfer endpoints of the stage server, and the client side of a join.
 
-    GET  /state  -> application/octet-stream: the stage's weights and optimizer state
-                    (safetensors, see ``shared.checkpoint``)
+    GET  /state[?step=N] -> application/octet-stream: the stage's weights and optimizer state
+                    (safetensors, see ``shared.checkpoint``), always at a step boundary;
+                    with ``step``: once the stage has taken global step N (waiting at most
+                    ``wait_s`` or SWARM_JOIN_TIMEOUT_S, then as it is), so that every stage
+                    of a checkpoint is at the same step
     POST /state  <- the same bytes (Content-Type application/octet-stream, at most
                     SWARM_MAX_BODY_MB): load them -> {stage, weights_version, optimizer_steps}
 
@@ -21,11 +24,21 @@ from aiohttp import web
 
 from shared.errors import BadPayload, RemoteError
 from shared.http import OCTET_STREAM, read_body, request_bytes
+from services.stage_server.averaging_routes import AVERAGER
 from services.stage_server.routes import RUNTIME, SETTINGS, WORKER
 from services.stage_server.state import load_stage_state, stage_state, state_from_bytes, state_to_bytes
 
 
 async def get_state(request: web.Request) -> web.Response:
+    step, wait_s = request.query.get("step"), request.query.get("wait_s", "")
+    if step is not None:
+        if not step.isdigit() or len(step) > 15:
+            raise BadPayload(f"'step' must be a global step (an int >= 0), got {step!r}")
+        try:
+            wait = min(float(wait_s), request.app[SETTINGS].join_timeout_s) if wait_s else request.app[SETTINGS].join_timeout_s
+        except ValueError:
+            raise BadPayload(f"'wait_s' must be a number of seconds, got {wait_s!r}") from None
+        await request.app[AVERAGER].wait_step(int(step), max(0.0, wait))
     tensors, metadata = await request.app[WORKER].run(stage_state, request.app[RUNTIME])
     body = await asyncio.to_thread(state_to_bytes, tensors, metadata)  # the snapshot is a copy: no worker needed
     return web.Response(body=body, content_type=OCTET_STREAM)

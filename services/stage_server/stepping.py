@@ -18,9 +18,15 @@ answers the trainer only once this replica stepped: so a lone replica with one
 microbatch in flight steps exactly where one process would.
 
 A replica the coordinator finds behind its stage (it missed a round, or joined from an
-older state) takes the state of a live replica (``resync``) and sends its backwards away
-meanwhile (503); its accumulated samples are dropped and counted. A replica that cannot
-reach the coordinator accumulates into its current step and reports it afterwards.
+older state) takes the state of a live replica, the furthest (``resync``), before it runs
+the backward that asked; its accumulated samples are dropped and counted.
+
+While the coordinator does not answer, nobody can count for the stage: each replica
+accumulates into its current step and steps alone on its share of the global batch
+(``alone_share``: the global batch over the replicas of its stage it last heard of; one
+replica per stage thus steps exactly as before). Its replicas may drift apart meanwhile;
+when the coordinator is back, the stage goes on from the furthest replica's step, those
+behind resync, and the coordinator's digest check repairs replicas that drifted.
 
 Without a coordinator there is no one to count: the server steps on its own as soon as it
 alone holds the global batch (``StageRuntime(solo=True)``), as one replica of one stage.
@@ -55,6 +61,9 @@ class StepClient:
                  wait_round: Callable[[str, float], Awaitable[None]], identity: dict, round_wait_s: float, log, in_round: Callable[[], bool] = lambda: False):
         self.runtime, self.post, self.resync, self.wait_round, self.in_round = runtime, post, resync, wait_round, in_round
         self.identity, self.round_wait_s, self.log = identity, round_wait_s, log
+        self.global_batch = int(identity["global_batch"])
+        self.replicas = 1  # live replicas of this stage, as the coordinator last said
+        self.coordinator_away = False
         self._background: set[asyncio.Task] = set()
         self._resyncing: asyncio.Task | None = None
         self.failures = 0
@@ -62,35 +71,56 @@ class StepClient:
 
     async def reserve(self, samples: int, until_step: int | None = None) -> Reservation | None:
         """The step for a backward of ``samples``, or None when the trainer's ``until_step``
-        steps are all reserved at this stage (the backward accumulates nothing);
-        :class:`Overloaded` while this replica is behind its stage (it resyncs) or the stage
-        is a whole step ahead (the trainer retries)."""
-        if self._resyncing is not None and not self._resyncing.done():
-            raise Overloaded("this replica is taking a live replica's state (it was behind its stage)", retry_after_s=1.0)
-        for _ in range(2):  # again if this replica stepped while its reservation was on its way
+        steps are all reserved at this stage (the backward accumulates nothing). A replica
+        behind its stage first takes a live replica's state (the backward waits for it);
+        :class:`Overloaded` if that fails or the stage is a whole step ahead (the trainer
+        retries). Without an answer from the coordinator: the current step, unreserved."""
+        for _ in range(3):  # again after a resync, or if this replica stepped while it asked
             sent_at = self.runtime.step
+            body = {**self.identity, "step": sent_at, "samples": samples, **({"until_step": until_step} if until_step is not None else {})}
             try:
-                body = {**self.identity, "step": sent_at, "samples": samples, **({"until_step": until_step} if until_step is not None else {})}
                 answer = await self.post("/step/reserve", body)
             except RemoteError as exc:
                 if exc.status == 503:
                     raise Overloaded(f"the coordinator holds this stage's backwards: {exc.message}", retry_after_s=exc.retry_after_s or 1.0) from None
                 self._failed(exc)
                 return Reservation(self.runtime.step, 0)
-            if not answer.get("resync") or self.runtime.step == sent_at:
+            self.coordinator_away = False
+            if type(answer.get("replicas")) is int and answer["replicas"] > 0:
+                self.replicas = answer["replicas"]
+            if not answer.get("resync"):
                 break
-        if answer.get("resync") and isinstance(answer.get("step"), int) and self.runtime.step < answer["step"]:
-            self._start_resync(answer["step"])
-            raise Overloaded(f"this replica is at step {self.runtime.step}, its stage at {answer.get('step')}: it takes a live replica's state", retry_after_s=1.0)
-        bucket = answer.get("bucket")
+            if isinstance(answer.get("step"), int) and self.runtime.step < answer["step"]:
+                await self._resync_now(answer["step"])
+        else:
+            raise Overloaded(f"this replica is at step {self.runtime.step}, behind its stage, and could not take a live replica's state yet", retry_after_s=1.0)
         if answer.get("complete"):
             return None
-        if answer.get("resync"):  # it was behind when it asked, and has stepped since: ask again next time
-            raise Overloaded("this replica stepped while it asked for a reservation", retry_after_s=0.1)
+        bucket = answer.get("bucket")
         if type(bucket) is not int:
             self._failed(RemoteError("/step/reserve", 200, "bad_reply", f"no bucket in {answer!r}"))
             return Reservation(self.runtime.step, 0)
         return Reservation(bucket, samples, bool(answer.get("closes")))
+
+    def alone_share(self) -> int:
+        """While the coordinator is away: the samples after which this replica steps on its
+        own (its share of the global batch among the replicas of its stage it last heard of)."""
+        return max(1, -(-self.global_batch // self.replicas))
+
+    async def settle(self, reservation: Reservation, samples: int, run_compute: Callable[..., Awaitable]) -> None:
+        """After a backward: :meth:`done`, then, while the coordinator is away, a step alone
+        once this replica holds its share of the global batch (on the compute worker)."""
+        await self.done(reservation, samples)
+        if self.coordinator_away and not self.in_round() and self.runtime.pending() >= self.alone_share():
+            step = await run_compute(self._step_alone)
+            if step is not None:
+                self.log.info("step.applied", step=step, alone=True, effective_batch=self.runtime.stats.last_effective_batch)
+
+    def _step_alone(self) -> int | None:
+        if self.runtime.pending() < self.alone_share():
+            return None  # another backward's step took it
+        self.runtime.apply_step(self.runtime.take_gradients())
+        return self.runtime.step
 
     async def done(self, reservation: Reservation, samples: int) -> None:
         """Say what the backward accumulated; in the foreground (waiting for the step round
@@ -114,15 +144,24 @@ class StepClient:
             await self.wait_round(round_id, self.round_wait_s)
 
     def _failed(self, exc: RemoteError) -> None:
+        if exc.status is None:  # unreachable or timed out: steps go on alone until it answers again
+            if not self.coordinator_away:
+                self.log.warning("step.alone", share=self.alone_share(), global_batch=self.global_batch, replicas=self.replicas, reason=f"the coordinator does not answer: {exc.code}")
+            self.coordinator_away = True
         self.failures += 1
         if self.failures == 1 or self.failures % 100 == 0:
             self.log.warning("step.report.failed", error=str(exc), failures=self.failures)
 
-    def _start_resync(self, stage_step) -> None:
-        if (self._resyncing is not None and not self._resyncing.done()) or self.in_round():
-            return  # a round running here ends with this replica in step, or told again
-        self.log.warning("step.behind", step=self.runtime.step, stage_step=stage_step, dropping=self.runtime.pending_samples)
-        self._resyncing = asyncio.create_task(self._resync(), name="step.resync")
+    async def _resync_now(self, stage_step: int) -> None:
+        """Take a live replica's state (one resync at a time; not while a round runs here,
+        which ends with this replica in step or told again)."""
+        if self.in_round():
+            return
+        if self._resyncing is None or self._resyncing.done():
+            self.log.warning("step.behind", step=self.runtime.step, stage_step=stage_step, dropping=self.runtime.pending_samples)
+            self._resyncing = asyncio.create_task(self._resync(), name="step.resync")
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._resyncing), self.round_wait_s)
 
     async def _resync(self) -> None:
         try:

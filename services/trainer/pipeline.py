@@ -54,7 +54,7 @@ class StaleMicrobatch(Exception):
 @dataclass(frozen=True)
 class TrainResult:
     loss: float  # mean over the microbatch's tokens
-    loss_step: int  # the last stage's step the loss was computed at
+    loss_step: int  # the global step whose batch the microbatch was in, as the last stage counted it
     swarm_step: int  # stage 0's step when its backward answered (the last stage of a global batch to step)
     reruns: int = 0  # times the microbatch ran again after a stale backward
     complete: bool = False  # stage 0 had every step of the run (until_step) reserved: it took nothing of this one
@@ -238,13 +238,18 @@ def _grad_inputs(reply: dict) -> tuple[dict, int, bool]:
 
 
 def _loss_and_grad(reply: dict) -> tuple[float, dict, int, int, bool]:
-    """The last stage's backward: loss, input gradient, the step it ran at, its step now, complete."""
-    return _loss(reply), _tensor(reply, "grad_inputs"), _step(reply), _step(reply, "stage_step"), reply.get("complete") is True
+    """The last stage's backward: loss, input gradient, the step of its batch, its step now, complete."""
+    return _loss(reply), _tensor(reply, "grad_inputs"), _batch_step(reply), _step(reply, "stage_step"), reply.get("complete") is True
 
 
 def _loss_only(reply: dict) -> tuple[float, None, int, int, bool]:
     """A one-stage pipeline's backward, or the last stage's evaluation forward."""
-    return _loss(reply), None, _step(reply), _step(reply, "stage_step") if "stage_step" in reply else _step(reply), reply.get("complete") is True
+    return _loss(reply), None, _batch_step(reply), _step(reply, "stage_step") if "stage_step" in reply else _step(reply), reply.get("complete") is True
+
+
+def _batch_step(reply: dict) -> int:
+    """The global step whose gradient the backward went into (an older server: the step it ran at)."""
+    return _step(reply, "bucket") if type(reply.get("bucket")) is int and reply["bucket"] >= 0 else _step(reply)
 
 
 def _nothing(reply: dict) -> tuple[None, int, bool]:

@@ -42,9 +42,9 @@ class TrainSummary:
 
 
 class StepLosses:
-    """This trainer's losses by the global step whose weights computed them; a step's mean
-    is released once the swarm has moved past it (its microbatches still in flight then
-    feed the next step, at most ``max_staleness`` old)."""
+    """This trainer's losses by the global step whose batch their microbatch was in (as the
+    last stage counted it); a step's mean is released once stage 0, the last of a batch to
+    step, has moved past it."""
 
     def __init__(self, first_step: int = 0):
         self._losses: dict[int, list[float]] = {}

@@ -108,8 +108,14 @@ class ChaosSwarm:
         return server
 
     def start_trainer(self, name: str, extra: dict) -> Member:
-        """A trainer of this swarm; its summary goes to ``<log dir>/<name>-summary.json``."""
+        """A trainer of this swarm; its summary goes to ``<log dir>/<name>-summary.json``.
+        ``SWARM_STEPS`` (less ``SWARM_START_STEP``, if given) is how many global steps it
+        trains from the swarm's step now: steps count for the whole run, so a trainer
+        started on a swarm that trained already goes on from there."""
         log_dir = self.processes.log_dir
+        if "SWARM_STEPS" in extra:
+            now, more = self.global_step(), int(extra["SWARM_STEPS"]) - int(extra.get("SWARM_START_STEP", 0))
+            extra = {**extra, "SWARM_START_STEP": str(now), "SWARM_STEPS": str(now + more)}
         env = {
             **self.common, "SWARM_COORDINATOR": self.coordinator.url, "SWARM_PROGRESS": "off", "SWARM_LOG_EVERY": "1000",
             "SWARM_SUMMARY_FILE": str(log_dir / f"{name}-summary.json"), "SWARM_METRICS_FILE": str(log_dir / f"{name}-metrics.jsonl"), **extra,
@@ -119,6 +125,10 @@ class ChaosSwarm:
         return trainer
 
     # ------------------------------------------------------------ observing
+    def global_step(self) -> int:
+        """The swarm's global step: the least step any live replica reports (stage 0 steps last)."""
+        return min((get_json(url + "/health")["step"] for url in self.listed()), default=0)
+
     def listed(self) -> set[str]:
         """URLs the coordinator lists as live."""
         return {r["url"] for s in get_json(self.coordinator.url + "/swarm")["stages"] for r in s["replicas"]}

@@ -23,6 +23,7 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from shared import checkpoint
 from shared.codec import encode_tensor
 from shared.config import CoordinatorSettings
 from shared.errors import RemoteError
@@ -48,6 +49,7 @@ SEQ_LEN, MICROBATCH = 32, 4
 @dataclass
 class Swarm:
     coordinator: web.Application
+    coordinator_url: str
     stages: list[list[web.Application]]  # apps per stage
     urls: list[list[str]]
     servers: dict[str, TestServer] = field(default_factory=dict)  # URL -> its server
@@ -66,13 +68,13 @@ async def swarm():
         servers.append(server)
         return str(server.make_url("")).rstrip("/")
 
-    async def start(replicas: list[int], *, step_timeout_s: float = 10.0, **overrides) -> Swarm:
+    async def start(replicas: list[int], *, step_timeout_s: float = 10.0, checkpoint_dir: str = "", **overrides) -> Swarm:
         coordinator_app = create_coordinator(CoordinatorSettings(
             run_id=RUN_ID, num_stages=len(replicas), heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator="",
-            average_every_s=0, step_timeout_s=step_timeout_s, rebalance_every_s=0,
+            average_every_s=0, step_timeout_s=step_timeout_s, rebalance_every_s=0, checkpoint_dir=checkpoint_dir, checkpoint_every_s=60,
         ))  # fmt: skip
         coordinator = await serve(coordinator_app)
-        result = Swarm(coordinator_app, [], [])
+        result = Swarm(coordinator_app, coordinator, [], [])
         for stage, count in enumerate(replicas):
             result.stages.append([]), result.urls.append([])
             for _ in range(count):
@@ -274,3 +276,23 @@ async def test_a_replica_killed_while_its_stage_all_reduces_is_left_out_and_trai
 
 
 
+
+
+async def test_a_checkpoint_holds_every_stage_at_one_global_step(swarm, http_session, tmp_path):
+    """Asked while the trainer runs, the checkpoint waits for the stages behind the furthest one."""
+    steps, global_batch = 6, 2 * MICROBATCH
+    s = await swarm([1, 1, 1], global_batch=global_batch, wire_codec="fp32", checkpoint_dir=str(tmp_path))
+    run = asyncio.create_task(trainer(http_session, s.urls, steps=steps, global_batch=global_batch, in_flight=2).run())
+    saved = []
+    while not run.done() and len(saved) < 3:  # checkpoints taken while the stages step
+        async with http_session.post(s.coordinator_url + "/checkpoint", json={}) as resp:
+            assert resp.status == 200, await resp.text()
+            saved.append((await resp.json())["step"])
+    await run
+    await settled(s)
+    async with http_session.post(s.coordinator_url + "/checkpoint", json={}) as resp:
+        saved.append((await resp.json())["step"])
+    assert saved[-1] == steps, (saved, [g[0][RUNTIME].step for g in s.stages], s.coordinator[STEPS].counter.view())
+    for path in sorted(tmp_path.glob("step-*")):
+        meta = checkpoint.read_meta(path)
+        assert set(meta["stage_steps"].values()) == {meta["step"]}, meta  # every stage at the checkpoint's step

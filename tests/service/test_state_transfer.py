@@ -179,7 +179,7 @@ async def test_a_busy_replica_gives_its_state_once_its_queue_has_room(start_stag
 async def _download_while_busy(app, url, blocker, gate, http_session, tmp_path) -> None:
     log = Recorder()
     checkpointer = Checkpointer(Registry(":memory:", num_stages=4, heartbeat_s=60.0), root=str(tmp_path), run_id="test", keep=1, timeout_s=20.0, log=log, session=http_session)
-    download = asyncio.create_task(checkpointer._download(STAGE, [url]))
+    download = asyncio.create_task(checkpointer._download(STAGE, [url], 0))  # step 0: where the replica is
     for _ in range(2000):  # bounded: until the first refusal is logged
         if log.warnings or download.done():
             break

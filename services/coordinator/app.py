@@ -99,6 +99,7 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     app.router.add_post("/average", average_now)
     app[STEPS] = StepScheduler(
         settings.num_stages, app[REGISTRY].live, codec=settings.averaging_codec, timeout_s=settings.step_timeout_s, aggregator=settings.averaging_aggregator, log=log,
+        lease_s=app[REGISTRY].lease_s,
     )
     app.cleanup_ctx.append(_steps())
     app.router.add_post("/step/reserve", step_reserve)

@@ -59,6 +59,7 @@ class StageCount:
     closed_at: dict[int, float] = field(default_factory=dict)  # step -> when its reservations reached the global batch
     round_id: str | None = None  # the step round running, if any
     replica_steps: dict[str, int] = field(default_factory=dict)  # replica URL -> the step it last reported
+    last_seen: dict[str, float] = field(default_factory=dict)  # replica URL -> when it last reported (alive, registered or not)
     outstanding: dict[int, dict[str, int]] = field(default_factory=dict)  # step -> replica URL -> samples reserved, not reported yet
     not_before: float = 0.0  # a failed round is not retried before this time
     samples_dropped: int = 0  # reserved samples never accumulated, and accumulated ones of replicas that did not step
@@ -82,13 +83,16 @@ class Reservation:
 class StepCounter:
     """Per-stage reservations and the decision to step; ``clock`` is monotonic seconds."""
 
-    def __init__(self, num_stages: int, *, timeout_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, num_stages: int, *, timeout_s: float, lease_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
+        """``lease_s``: a replica that reported this recently counts as alive, registered or not
+        (a restarted coordinator's registry fills again as the servers heartbeat)."""
         self.stages = [StageCount() for _ in range(num_stages)]
-        self.timeout_s, self.clock = timeout_s, clock
+        self.timeout_s, self.lease_s, self.clock = timeout_s, lease_s, clock
 
     def _check(self, stage: int, url: str, replica_step: int, global_batch: int) -> StageCount:
         st = self.stages[stage]
         st.replica_steps[url] = max(replica_step, st.replica_steps.get(url, 0))  # a report sent before a step may arrive after it
+        st.last_seen[url] = self.clock()
         if st.global_batch and global_batch != st.global_batch:
             raise GlobalBatchMismatch(f"stage {stage} steps every {st.global_batch} samples, this replica every {global_batch}: set the same SWARM_GLOBAL_BATCH on every server of the run")
         st.global_batch = global_batch
@@ -143,9 +147,15 @@ class StepCounter:
         k = st.step
         if st.round_id is not None or not st.closed(k) or self.clock() < st.not_before:
             return False
-        alive = None if live is None else set(live)
+        now = self.clock()
+        alive = None if live is None else set(live) | {url for url, at in st.last_seen.items() if now - at < self.lease_s}
         lost = sum(n for url, n in st.outstanding.get(k, {}).items() if n > 0 and alive is not None and url not in alive)
-        return st.done.get(k, 0) >= st.reserved.get(k, 0) - lost or self.clock() - st.closed_at[k] >= self.timeout_s
+        complete = st.done.get(k, 0) >= st.reserved.get(k, 0) - lost or now - st.closed_at[k] >= self.timeout_s
+        if complete and st.done.get(k, 0) == 0:  # everything reserved for it was lost: no empty step, fill it again
+            st.reserved[k], st.outstanding[k] = 0, {}
+            st.closed_at.pop(k, None)
+            return False
+        return complete
 
     def members(self, stage: int, live: list[str]) -> list[str]:
         """Who takes part in the stage's step round: its live replicas, but those known to
@@ -216,9 +226,9 @@ def check_report(msg: dict, num_stages: int, fields: tuple[str, ...]) -> tuple:
 class StepScheduler:
     """Runs :class:`StepCounter` with real rounds among the live replicas of each stage."""
 
-    def __init__(self, num_stages: int, live_servers: Callable[[], Iterable], *, codec: str, timeout_s: float, aggregator: str, log):
+    def __init__(self, num_stages: int, live_servers: Callable[[], Iterable], *, codec: str, timeout_s: float, aggregator: str, log, lease_s: float = 0.0):
         self.live_servers, self.codec, self.timeout_s, self.aggregator, self.log = live_servers, codec, timeout_s, aggregator, log
-        self.counter = StepCounter(num_stages, timeout_s=timeout_s)
+        self.counter = StepCounter(num_stages, timeout_s=timeout_s, lease_s=lease_s)
         self.session: aiohttp.ClientSession | None = None
         self._stepped = asyncio.Condition()  # the stage stepped: held reservations look again
         self._changed = asyncio.Condition()  # a round started or ended: held closing reports look again

@@ -5,11 +5,13 @@ Request bodies (msgpack maps, see ``shared.codec``)::
     /forward  {v, run_id?, stage, microbatch_id, seed, codec?, eval?, inputs, targets?}
               -> {stage, microbatch_id, step, outputs} or, on the last stage, {stage, microbatch_id, step, loss}
     /backward {v, run_id?, stage, microbatch_id, seed, codec?, forward_step?, until_step?, inputs, targets?, grad_outputs?}
-              -> {stage, microbatch_id, step, stage_step, bucket, accumulated, complete?, grad_inputs?, loss?}
+              -> {stage, microbatch_id, step, stage_step, bucket, accumulated, step_wait_s, complete?, grad_inputs?, loss?}
 
 ``step`` is the stage's global step (weights version) the computation ran at, ``stage_step``
 the stage's step when the backward answers (one more when it completed a global batch),
-``bucket`` the global step whose gradient this backward went into. A backward
+``bucket`` the global step whose gradient this backward went into, ``step_wait_s`` the
+seconds it waited for the global step (a reservation held, the step of the batch it
+completed): not this replica's speed, and the trainer's balancer leaves it out. A backward
 gives the ``step`` of its forward here as ``forward_step``; one more than
 ``SWARM_MAX_STALENESS`` steps away is refused with 409 ``stale_forward`` (run the
 microbatch again). ``accumulated: false``: this microbatch's gradient was already
@@ -30,6 +32,7 @@ import asyncio
 import functools
 import os
 import random
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -165,7 +168,9 @@ async def backward(request: web.Request) -> web.Response:
     stepper = request.app.get(STEPPER)
     if stepper and req.forward_step is not None:
         runtime.check_staleness(req.microbatch_id, req.forward_step)  # before a reservation: a stale backward takes none
+    waited = time.perf_counter()
     reservation = await stepper.reserve(_samples(req.inputs), req.until_step) if stepper else None
+    waited = time.perf_counter() - waited
     complete = stepper is not None and reservation is None  # the run's steps are all reserved: compute, accumulate nothing
     bucket = NO_BUCKET if complete else reservation.bucket if reservation else None
     try:
@@ -175,9 +180,11 @@ async def backward(request: web.Request) -> web.Response:
             await stepper.done(reservation, 0)  # the reservation goes back
         raise
     if reservation:
+        settled = time.perf_counter()
         await stepper.settle(reservation, _samples(req.inputs) if result.accumulated else 0, request.app[WORKER].run)
+        waited += time.perf_counter() - settled
     reply: dict = {"stage": settings.stage, "microbatch_id": req.microbatch_id, "step": result.step, "stage_step": runtime.step, "accumulated": result.accumulated,
-                   "bucket": reservation.bucket if reservation else result.step}  # fmt: skip
+                   "bucket": reservation.bucket if reservation else result.step, "step_wait_s": round(waited, 6)}  # fmt: skip
     if complete:
         reply["complete"] = True
     if result.grad_inputs is not None:

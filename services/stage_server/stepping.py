@@ -64,6 +64,7 @@ class StepClient:
         self.global_batch = int(identity["global_batch"])
         self.replicas = 1  # live replicas of this stage, as the coordinator last said
         self.coordinator_away = False
+        self._alone: dict[int, int] = {}  # while the coordinator is away: step -> samples this replica gave it
         self._background: set[asyncio.Task] = set()
         self._resyncing: asyncio.Task | None = None
         self.failures = 0
@@ -84,7 +85,7 @@ class StepClient:
                 if exc.status == 503:
                     raise Overloaded(f"the coordinator holds this stage's backwards: {exc.message}", retry_after_s=exc.retry_after_s or 1.0) from None
                 self._failed(exc)
-                return Reservation(self.runtime.step, 0)
+                return self._reserve_alone(samples)
             self.coordinator_away = False
             if type(answer.get("replicas")) is int and answer["replicas"] > 0:
                 self.replicas = answer["replicas"]
@@ -99,8 +100,18 @@ class StepClient:
         bucket = answer.get("bucket")
         if type(bucket) is not int:
             self._failed(RemoteError("/step/reserve", 200, "bad_reply", f"no bucket in {answer!r}"))
-            return Reservation(self.runtime.step, 0)
+            return self._reserve_alone(samples)
+        self._alone = {}
         return Reservation(bucket, samples, bool(answer.get("closes")))
+
+    def _reserve_alone(self, samples: int) -> Reservation:
+        """Without the coordinator: this replica fills its own steps with its share of the
+        global batch each (the next step's once the current one holds it), unreserved."""
+        step, share = self.runtime.step, self.alone_share()
+        self._alone = {k: n for k, n in self._alone.items() if k >= step}
+        bucket = step if self._alone.get(step, 0) < share else step + 1
+        self._alone[bucket] = self._alone.get(bucket, 0) + samples
+        return Reservation(bucket, 0)
 
     def alone_share(self) -> int:
         """While the coordinator is away: the samples after which this replica steps on its
@@ -111,7 +122,9 @@ class StepClient:
         """After a backward: :meth:`done`, then, while the coordinator is away, a step alone
         once this replica holds its share of the global batch (on the compute worker)."""
         await self.done(reservation, samples)
-        if self.coordinator_away and not self.in_round() and self.runtime.pending() >= self.alone_share():
+        for _ in range(2):  # the current step, and the next one if it filled meanwhile
+            if not (self.coordinator_away and not self.in_round() and self.runtime.pending() >= self.alone_share()):
+                break
             step = await run_compute(self._step_alone)
             if step is not None:
                 self.log.info("step.applied", step=step, alone=True, effective_batch=self.runtime.stats.last_effective_batch)

@@ -195,7 +195,8 @@ class PipelineClient:
                     wait_s = self.retry.delay_s(failures)
                 continue
             seconds = time.monotonic() - started
-            self.balancer.report_success(stage, url, seconds, batch, kind)
+            waited = reply.get("step_wait_s", 0.0)  # waiting for the swarm's global step: not this replica's speed
+            self.balancer.report_success(stage, url, max(seconds - waited, 1e-6) if isinstance(waited, (int, float)) else seconds, batch, kind)
             if self.telemetry:
                 self.telemetry.hop(stage, kind, seconds, "ok", msg, reply)
             if self.log:

@@ -225,10 +225,16 @@ def test_32_concurrent_streams_get_503_beyond_the_queue_and_none_is_lost(swarm):
         f"answers by server and endpoint {answered}; RSS MiB before {idle_rss}, peak {peaks}, peak in first/second half {halves}, {sum(map(len, rss.values()))} samples"
     )
 
-    # the servers refused what their queue could not hold, and nothing else went wrong
+    # the servers refused what their queue could not hold, and nothing else went wrong but
+    # the staleness bound: 256 samples in flight against a global batch of 16 make many a
+    # forward more than a step old by its backward (409 stale_forward): each such microbatch
+    # ran again from the start, counted by the trainer, and was not lost (check_none_lost)
     assert refused > 0, f"no 503: 32 streams never filled a queue of 4 ({answered})"
-    others = {key: {status: n for status, n in counts.items() if n and status not in ("200", "503")} for key, counts in answered.items()}
+    others = {key: {status: n for status, n in counts.items() if n and status not in ("200", "503") and not (status == "409" and key[1] == "/backward")}
+              for key, counts in answered.items()}  # fmt: skip
     assert not any(others.values()), others
+    stale = sum(n for (_, path), counts in answered.items() for status, n in counts.items() if path == "/backward" and status == "409")
+    assert stale == summary["microbatch_reruns"], (stale, summary["microbatch_reruns"])  # every refusal re-ran its microbatch, once
     assert retried and all(e["status"] == 503 and e["code"] == "overloaded" for e in retried), {(e["status"], e["code"]) for e in retried}
     assert overloaded and int(overloaded[0].get("Retry-After", "0")) >= 1, overloaded[:1]
     # memory stays bounded: the load adds little, and it does not grow from the first half to the second

@@ -123,3 +123,12 @@ def test_what_a_replica_gone_from_the_registry_held_is_given_up_at_once():
     c.done(0, A, 0, a.bucket, 4, 4, G)
     assert not c.ready(0, [A, B])  # B may still report
     assert c.ready(0, [A])  # B's lease ran out: no need to wait for the timeout
+
+
+def test_a_step_whose_every_reservation_was_lost_is_filled_again_not_taken_empty():
+    c, clock = counter(timeout_s=5.0)
+    c.reserve(0, A, 0, 8, G)  # A dies with the whole step reserved
+    clock.now = 6.0
+    assert not c.ready(0, [B])  # no round of zero samples: a step of zero gradient would still move AdamW
+    again = c.reserve(0, B, 0, 8, G)
+    assert (again.bucket, again.closes) == (0, True)

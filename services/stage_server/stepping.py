@@ -64,7 +64,6 @@ class StepClient:
         self.global_batch = int(identity["global_batch"])
         self.replicas = 1  # live replicas of this stage, as the coordinator last said
         self.coordinator_away = False
-        self._alone: dict[int, int] = {}  # while the coordinator is away: step -> samples this replica gave it
         self._background: set[asyncio.Task] = set()
         self._resyncing: asyncio.Task | None = None
         self.failures = 0
@@ -101,16 +100,13 @@ class StepClient:
         if type(bucket) is not int:
             self._failed(RemoteError("/step/reserve", 200, "bad_reply", f"no bucket in {answer!r}"))
             return self._reserve_alone(samples)
-        self._alone = {}
         return Reservation(bucket, samples, bool(answer.get("closes")))
 
     def _reserve_alone(self, samples: int) -> Reservation:
         """Without the coordinator: this replica fills its own steps with its share of the
         global batch each (the next step's once the current one holds it), unreserved."""
-        step, share = self.runtime.step, self.alone_share()
-        self._alone = {k: n for k, n in self._alone.items() if k >= step}
-        bucket = step if self._alone.get(step, 0) < share else step + 1
-        self._alone[bucket] = self._alone.get(bucket, 0) + samples
+        step = self.runtime.step
+        bucket = step if self.runtime.pending(step) < self.alone_share() else step + 1  # what was accumulated: a duplicate or a failure takes nothing
         return Reservation(bucket, 0)
 
     def alone_share(self) -> int:

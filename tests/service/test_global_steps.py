@@ -50,6 +50,7 @@ SEQ_LEN, MICROBATCH = 32, 4
 class Swarm:
     coordinator: web.Application
     coordinator_url: str
+    coordinator_server: TestServer
     stages: list[list[web.Application]]  # apps per stage
     urls: list[list[str]]
     servers: dict[str, TestServer] = field(default_factory=dict)  # URL -> its server
@@ -74,7 +75,7 @@ async def swarm():
             average_every_s=0, step_timeout_s=step_timeout_s, rebalance_every_s=0, checkpoint_dir=checkpoint_dir, checkpoint_every_s=60,
         ))  # fmt: skip
         coordinator = await serve(coordinator_app)
-        result = Swarm(coordinator_app, coordinator, [], [])
+        result = Swarm(coordinator_app, coordinator, servers[-1], [], [])
         for stage, count in enumerate(replicas):
             result.stages.append([]), result.urls.append([])
             for _ in range(count):
@@ -296,3 +297,19 @@ async def test_a_checkpoint_holds_every_stage_at_one_global_step(swarm, http_ses
     for path in sorted(tmp_path.glob("step-*")):
         meta = checkpoint.read_meta(path)
         assert set(meta["stage_steps"].values()) == {meta["step"]}, meta  # every stage at the checkpoint's step
+
+
+async def test_without_the_coordinator_each_replica_steps_alone_on_its_share(swarm, http_session):
+    """The coordinator goes away mid-run: a stage of one replica goes on stepping exactly
+    every global batch, on its own."""
+    global_batch = 2 * MICROBATCH
+    s = await swarm([1, 1], global_batch=global_batch, wire_codec="fp32")
+    await trainer(http_session, s.urls, steps=3, global_batch=global_batch, in_flight=2).run()
+    await settled(s)
+    await s.coordinator_server.close()
+    run = trainer(http_session, s.urls, steps=8, global_batch=global_batch, in_flight=1, trainer_id="t1")
+    run.start_step = 3  # the swarm's step: the run goes on from there
+    summary = await run.run()
+    assert summary.microbatches_failed == 0
+    assert [g[0][RUNTIME].step for g in s.stages] == [8, 8]
+    assert all(s.batches[(stage, k)] == [global_batch] for stage in range(2) for k in range(4, 9))  # every step alone: exactly the global batch

@@ -47,7 +47,8 @@ QUICK = Plan(stages=2, replicas=2, warmup_s=1.0, calm_s=3.0, faulty_s=5.0, first
 
 def run(ctx) -> BenchResult:
     plan = QUICK if ctx.quick else FULL
-    server_env = {"SWARM_HEARTBEAT_S": "0.5", "SWARM_WIRE_CODEC": "int8", "SWARM_GLOBAL_BATCH": "16", "SWARM_JOIN_TIMEOUT_S": "30"}
+    # the global batch is what the bench keeps in flight: no staler than one step (docs/architecture.md, Staleness)
+    server_env = {"SWARM_HEARTBEAT_S": "0.5", "SWARM_WIRE_CODEC": "int8", "SWARM_GLOBAL_BATCH": str(plan.in_flight * plan.microbatch_size), "SWARM_JOIN_TIMEOUT_S": "30"}
     with BenchProcesses(run_id("churn"), ctx.logs("churn")) as procs:
         coordinator_name, coordinator = procs.coordinator(plan.stages, {"SWARM_HEARTBEAT_S": "0.5", "SWARM_AVERAGE_EVERY_S": str(plan.average_every_s)})
         server_env["SWARM_COORDINATOR"] = coordinator

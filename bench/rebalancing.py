@@ -104,7 +104,8 @@ def _start(procs: BenchProcesses, plan: Plan, placements: list[tuple[int, int]],
         name, coordinator = procs.coordinator(STAGES, env)
         health[name] = coordinator
     for replica, stage in placements:
-        env = {"SWARM_COORDINATOR": coordinator, "SWARM_HEARTBEAT_S": "0.5", "SWARM_WIRE_CODEC": "fp32", "SWARM_GLOBAL_BATCH": "16",
+        # the global batch is what the bench keeps in flight: no staler than one step (docs/architecture.md, Staleness)
+        env = {"SWARM_COORDINATOR": coordinator, "SWARM_HEARTBEAT_S": "0.5", "SWARM_WIRE_CODEC": "fp32", "SWARM_GLOBAL_BATCH": str(plan.in_flight * plan.microbatch_size),
                "SWARM_INJECT_DELAY_S": str(plan.base_delay_s * max(SPEEDS) / SPEEDS[replica])}
         name, url = procs.stage_server(stage, STAGES, env, name=f"speed{SPEEDS[replica]}-stage{stage}")
         health[name] = url

@@ -176,17 +176,20 @@ async def wait_round_ended(session: aiohttp.ClientSession, rnd: StageRound, time
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s + START_TIMEOUT_S
     pending, delay, statuses = set(rnd.members), STATUS_POLL_S, {}
+    async def ask(url: str) -> None:  # a member answers once the round ended there (or its wait ran out)
+        left = max(0.1, deadline - loop.time())
+        try:
+            status = await get_json(session, f"{url}/average/status?wait={rnd.round_id}&wait_s={min(left, 10.0):.3f}", timeout_s=min(left, 10.0) + START_TIMEOUT_S)
+        except RemoteError:
+            pending.discard(url)  # gone: its peers leave it out
+            return
+        statuses[url] = status
+        if status.get("running") != rnd.round_id:
+            pending.discard(url)
+
     while pending and loop.time() < deadline:
-        for url in list(pending):
-            try:
-                status = await get_json(session, url + "/average/status", timeout_s=min(START_TIMEOUT_S, max(0.1, deadline - loop.time())))
-            except RemoteError:
-                pending.discard(url)  # gone: its peers leave it out
-                continue
-            statuses[url] = status
-            if status.get("running") != rnd.round_id:
-                pending.discard(url)
-        if pending:
+        await asyncio.gather(*(ask(url) for url in list(pending)))
+        if pending:  # an older member that does not wait: poll
             await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
             delay = min(0.5, delay * 2)
     rnd.ended = len(rnd.members) - len(pending)

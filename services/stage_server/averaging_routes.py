@@ -8,8 +8,9 @@
     POST /average/part   {round_id, from, part, weight, data} -> {round_id, part}
     POST /average/result {round_id, part} -> {round_id, part, data, contributors, weight}
                          waits (at most until the round's deadline) for the reduction
-    GET  /average/status -> JSON {step, rounds_completed, running, last_round: {round_id, members,
-                         contributors, bytes_sent, seconds, ok, ...}}
+    GET  /average/status[?wait=ROUND_ID&wait_s=S] -> JSON {step, rounds_completed, running,
+                         last_round: {round_id, members, contributors, bytes_sent, seconds, ok, ...}};
+                         with ``wait``: answered once that round ended here (at most S seconds)
     GET  /digest         -> JSON {step, digest}: SHA-256 of the weights and optimizer state
 
 Errors are JSON: 400 bad_payload (malformed), 409 wrong_stage (another stage's round) or
@@ -24,7 +25,7 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from shared.errors import WrongStage
+from shared.errors import BadPayload, WrongStage
 from shared.http import MSGPACK, msgpack_response, post_message, read_message, swarm_session
 from shared.log import get_logger
 from services.stage_server.averager import Averager
@@ -82,7 +83,15 @@ async def result(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[AVERAGER].status())
+    """``?wait=ROUND_ID``: answered once that round ended here (at most ``wait_s``, default 10 s)."""
+    averager, wait = request.app[AVERAGER], request.query.get("wait")
+    if wait:
+        try:
+            wait_s = min(max(float(request.query.get("wait_s", "10")), 0.0), 60.0)
+        except ValueError:
+            raise BadPayload("'wait_s' must be a number of seconds") from None
+        await averager.wait_round(wait, wait_s)
+    return web.json_response(averager.status())
 
 
 async def digest(request: web.Request) -> web.Response:

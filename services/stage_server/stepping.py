@@ -64,6 +64,7 @@ class StepClient:
         self.global_batch = int(identity["global_batch"])
         self.replicas = 1  # live replicas of this stage, as the coordinator last said
         self.coordinator_away = False
+        self._telling = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
         self._resyncing: asyncio.Task | None = None
         self.failures = 0
@@ -75,6 +76,8 @@ class StepClient:
         behind its stage first takes a live replica's state (the backward waits for it);
         :class:`Overloaded` if that fails or the stage is a whole step ahead (the trainer
         retries). Without an answer from the coordinator: the current step, unreserved."""
+        if self.coordinator_away and self.runtime.pending():
+            await self._tell_what_is_held()
         for _ in range(3):  # again after a resync, or if this replica stepped while it asked
             sent_at = self.runtime.step
             body = {**self.identity, "step": sent_at, "samples": samples, **({"until_step": until_step} if until_step is not None else {})}
@@ -108,6 +111,20 @@ class StepClient:
         step = self.runtime.step
         bucket = step if self.runtime.pending(step) < self.alone_share() else step + 1  # what was accumulated: a duplicate or a failure takes nothing
         return Reservation(bucket, 0)
+
+    async def _tell_what_is_held(self) -> None:
+        """Back from an absence of the coordinator: report the samples accumulated alone for
+        the current step first, so that the coordinator counts them into it."""
+        async with self._telling:  # one report of what is held, however many backwards come back at once
+            if not self.coordinator_away:
+                return
+            body = {**self.identity, "step": self.runtime.step, "bucket": self.runtime.step, "reserved": 0, "samples": self.runtime.pending(), "closes": False}
+            try:
+                await self.post("/step/done", body)
+            except RemoteError:
+                return  # still away
+            self.coordinator_away = False
+            self.log.info("step.together", step=self.runtime.step, held=body["samples"])
 
     def alone_share(self) -> int:
         """While the coordinator is away: the samples after which this replica steps on its

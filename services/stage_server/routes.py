@@ -173,11 +173,13 @@ async def backward(request: web.Request) -> web.Response:
     waited = time.perf_counter() - waited
     complete = stepper is not None and reservation is None  # the run's steps are all reserved: compute, accumulate nothing
     bucket = NO_BUCKET if complete else reservation.bucket if reservation else None
+    late_to_current = bool(reservation and reservation.alone)  # a step this replica counts alone: never dropped
     try:
-        result = await request.app[WORKER].run(runtime.backward, req.microbatch_id, req.seed, req.inputs, req.targets, req.grad_outputs, req.forward_step, bucket, work=work)
+        result = await request.app[WORKER].run(runtime.backward, req.microbatch_id, req.seed, req.inputs, req.targets, req.grad_outputs, req.forward_step,
+                                               bucket, late_to_current, work=work)  # fmt: skip
     except BaseException:
         if reservation:
-            await stepper.done(reservation, 0)  # the reservation goes back
+            await stepper.settle(reservation, 0, request.app[WORKER].run)  # the reservation goes back
         raise
     if reservation:
         settled = time.perf_counter()

@@ -209,12 +209,12 @@ class StageRuntime:
         self.stats.compute_s += time.perf_counter() - started
         return output
 
-    def backward(self, microbatch_id: str, seed: int, inputs: torch.Tensor, targets: torch.Tensor | None, grad_outputs: torch.Tensor | None, forward_step: int | None = None, bucket: int | None = None) -> BackwardResult:
+    def backward(self, microbatch_id: str, seed: int, inputs: torch.Tensor, targets: torch.Tensor | None, grad_outputs: torch.Tensor | None, forward_step: int | None = None, bucket: int | None = None, late_to_current: bool = False) -> BackwardResult:
         """Accumulate this microbatch's parameter gradients (once per microbatch id) for global
         step ``bucket`` (None: the current step); return the input gradient. ``forward_step``:
         the step at which this stage ran the microbatch's forward (None: the caller does not
         know, e.g. the last stage's single call). A bucket of a step already applied counts
-        the samples as dropped."""
+        the samples as dropped, or (``late_to_current``) goes to the current step."""
         self.validate(inputs, targets, grad_outputs, backward=True)
         if forward_step is not None:
             self.check_staleness(microbatch_id, forward_step)
@@ -229,6 +229,8 @@ class StageRuntime:
         wrt = self.params + ([] if self.spec.is_first else [leaf])
         grads = torch.autograd.grad(output, wrt, grad_outputs=None if self.spec.is_last else grad_outputs, allow_unused=True)
         step, bucket = self.step, self.step if bucket is None else bucket
+        if late_to_current and 0 <= bucket < step:  # a replica counting its own steps: late for its step, the next one takes it
+            bucket = step
         duplicate = any(microbatch_id in ids for ids in self._recent_ids) or any(microbatch_id in b.ids for b in self._buckets.values())
         batch = inputs.shape[0]
         if duplicate:

@@ -50,6 +50,7 @@ class Reservation:
     bucket: int
     reserved: int
     closes: bool = False  # this reservation completed the step's global batch
+    alone: int = 0  # samples this replica gave the step itself (the coordinator away)
 
 
 class StepClient:
@@ -65,6 +66,7 @@ class StepClient:
         self.replicas = 1  # live replicas of this stage, as the coordinator last said
         self.coordinator_away = False
         self._telling = asyncio.Lock()
+        self._alone_out: dict[int, int] = {}  # the coordinator away: step -> samples of backwards given it, not yet accumulated
         self._background: set[asyncio.Task] = set()
         self._resyncing: asyncio.Task | None = None
         self.failures = 0
@@ -109,8 +111,11 @@ class StepClient:
         """Without the coordinator: this replica fills its own steps with its share of the
         global batch each (the next step's once the current one holds it), unreserved."""
         step = self.runtime.step
-        bucket = step if self.runtime.pending(step) < self.alone_share() else step + 1  # what was accumulated: a duplicate or a failure takes nothing
-        return Reservation(bucket, 0)
+        self._alone_out = {k: n for k, n in self._alone_out.items() if k >= step and n > 0}
+        claimed = self.runtime.pending(step) + self._alone_out.get(step, 0)  # accumulated, and on its way
+        bucket = step if claimed < self.alone_share() else step + 1
+        self._alone_out[bucket] = self._alone_out.get(bucket, 0) + samples
+        return Reservation(bucket, 0, alone=samples)
 
     async def _tell_what_is_held(self) -> None:
         """Back from an absence of the coordinator: report the samples accumulated alone for
@@ -134,6 +139,8 @@ class StepClient:
     async def settle(self, reservation: Reservation, samples: int, run_compute: Callable[..., Awaitable]) -> None:
         """After a backward: :meth:`done`, then, while the coordinator is away, a step alone
         once this replica holds its share of the global batch (on the compute worker)."""
+        if reservation.alone:  # now accumulated (or not: a duplicate, a failure): no longer on its way
+            self._alone_out[reservation.bucket] = self._alone_out.get(reservation.bucket, 0) - reservation.alone
         await self.done(reservation, samples)
         for _ in range(2):  # the current step, and the next one if it filled meanwhile
             if not (self.coordinator_away and not self.in_round() and self.runtime.pending() >= self.alone_share()):

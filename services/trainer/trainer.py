@@ -41,6 +41,9 @@ class TrainSummary:
     failures: list[str] = field(default_factory=list)
 
 
+MAX_TOP_UPS = 3  # rounds of extra microbatches when the trainer's share did not get the swarm to its steps
+
+
 class StepLosses:
     """This trainer's losses by the global step whose batch their microbatch was in (as the
     last stage counted it); a step's mean is released once stage 0, the last of a batch to
@@ -90,7 +93,7 @@ class Trainer:
         return self.shard_index + self.num_shards * k
 
     async def run(self) -> TrainSummary:
-        budget = max(0, self.steps - self.start_step) * self.microbatches_per_step  # microbatches enough to finish alone
+        budget = max(0, self.steps - self.start_step) * self.microbatches_per_step  # microbatches enough to finish alone, unless steps overshoot
         first = -(-self.start_step * self.microbatches_per_step // self.num_shards)  # where a resumed run picks up its share
         summary = TrainSummary(steps=self.start_step)
         summary.eval_loss_before = await self.evaluate()
@@ -131,6 +134,15 @@ class Trainer:
                     self._step_done(step, step_loss, summary, summary.step_elapsed_s[-1])
 
         await asyncio.gather(*(worker() for _ in range(self.in_flight)))
+        for _ in range(MAX_TOP_UPS):  # steps that held more than the global batch (the coordinator's return) left the run short
+            if state["swarm_step"] >= self.steps or state["complete"]:
+                break
+            before, missing = state["swarm_step"], (self.steps - state["swarm_step"]) * self.microbatches_per_step
+            budget += -(-missing // self.num_shards)
+            self._emit("train.top_up", swarm_step=before, steps=self.steps, microbatches=-(-missing // self.num_shards))
+            await asyncio.gather(*(worker() for _ in range(self.in_flight)))
+            if state["swarm_step"] == before:
+                break  # the swarm does not step (no coordinator, no replica): no use feeding it
         summary.elapsed_s = time.perf_counter() - started
         summary.tokens_per_s = summary.tokens / summary.elapsed_s if summary.elapsed_s else 0.0
         if state["swarm_step"] < self.steps:

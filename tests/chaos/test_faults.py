@@ -86,7 +86,9 @@ def check_none_lost(trainer: Member, steps: int) -> dict:
     assert status == 0, f"{trainer.name} exited with {status}; log: {trainer.logs[-1]}"
     summary = summary_of(trainer)
     assert summary["microbatches_failed"] == 0 and not summary["failures"], summary["failures"][:3]
-    assert summary["microbatches_completed"] == summary["microbatches_scheduled"] == steps * MICROBATCHES_PER_STEP
+    # every step's samples fed; more if a step took more than the global batch (replicas
+    # that stepped alone while the coordinator was away, then joined its count): topped up
+    assert summary["microbatches_completed"] == summary["microbatches_scheduled"] >= steps * MICROBATCHES_PER_STEP
     assert steps_done(trainer) == steps
     return summary
 

@@ -120,7 +120,10 @@ def add_averaging_routes(app: web.Application) -> None:
             await averager.close()
 
     async def stop_round(app: web.Application) -> None:
-        await averager.close()  # before the drain: peers leave this member out of the round
+        if averager.running and averager.round.spec.kind == "step":  # its peers would wait for its parts: finish the step first
+            rnd = averager.round
+            await averager.wait_round(rnd.spec.round_id, max(0.0, rnd.deadline - asyncio.get_running_loop().time()))
+        await averager.close()  # before the drain: peers leave this member out of any other round
 
     app.cleanup_ctx.append(client_session)
     app.on_shutdown.append(stop_round)

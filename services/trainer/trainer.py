@@ -127,11 +127,7 @@ class Trainer:
                 summary.tokens += mb.num_tokens
                 losses.record(result.loss_step, result.loss)
                 state["swarm_step"] = max(state["swarm_step"], result.swarm_step)
-                for step, step_loss in losses.release(min(state["swarm_step"], self.steps)):
-                    summary.steps = step + 1
-                    summary.step_losses.append(step_loss)
-                    summary.step_elapsed_s.append(time.perf_counter() - started)
-                    self._step_done(step, step_loss, summary, summary.step_elapsed_s[-1])
+                self._release(losses, min(state["swarm_step"], self.steps), summary, started)
 
         await asyncio.gather(*(worker() for _ in range(self.in_flight)))
         for _ in range(MAX_TOP_UPS):  # steps that held more than the global batch (the coordinator's return) left the run short
@@ -143,6 +139,8 @@ class Trainer:
             await asyncio.gather(*(worker() for _ in range(self.in_flight)))
             if state["swarm_step"] == before:
                 break  # the swarm does not step (no coordinator, no replica): no use feeding it
+        if state["complete"]:  # stage 0 holds every step of the run: its last ones are being taken
+            self._release(losses, self.steps, summary, started)
         summary.elapsed_s = time.perf_counter() - started
         summary.tokens_per_s = summary.tokens / summary.elapsed_s if summary.elapsed_s else 0.0
         if state["swarm_step"] < self.steps:
@@ -152,6 +150,13 @@ class Trainer:
         summary.eval_loss_after = await self.evaluate()
         self._emit("train.eval", when="after", loss=round(summary.eval_loss_after, 4))
         return summary
+
+    def _release(self, losses: StepLosses, upto: int, summary: TrainSummary, started: float) -> None:
+        for step, step_loss in losses.release(upto):
+            summary.steps = step + 1
+            summary.step_losses.append(step_loss)
+            summary.step_elapsed_s.append(time.perf_counter() - started)
+            self._step_done(step, step_loss, summary, summary.step_elapsed_s[-1])
 
     def _step_done(self, step: int, loss: float, summary: TrainSummary, elapsed_s: float) -> None:
         tokens_per_s = summary.tokens / elapsed_s if elapsed_s else 0.0

@@ -250,11 +250,28 @@ async def test_a_replica_killed_while_its_stage_all_reduces_is_left_out_and_trai
     taken: list[int] = []
     real_start = victim[AVERAGER_KEY].start
 
+    real_take = victim[RUNTIME].take_gradients
+    loop, gradient_taken = asyncio.get_running_loop(), asyncio.Event()
+
+    def take(step=None):  # on the compute worker: what the victim puts into the round it dies in
+        got = real_take(step)
+        if len(taken) == 1:
+            taken.append(got.samples)
+            loop.call_soon_threadsafe(gradient_taken.set)
+        return got
+
+    victim[RUNTIME].take_gradients = take
+
     def start_then_die(spec):  # the victim dies as a round of its stage begins, with samples of that step
         real_start(spec)
         if spec.kind == "step" and spec.step >= 1 and not taken and victim[RUNTIME].pending(spec.step):
-            taken.extend([spec.step, victim[RUNTIME].pending(spec.step)])
-            asyncio.get_running_loop().create_task(s.servers[victim_url].close())
+            taken.append(spec.step)
+            asyncio.get_running_loop().create_task(die())
+
+    async def die():  # as a process killed mid-round: its round cut short once it took its gradient (a graceful stop would finish it), then gone
+        await asyncio.wait_for(gradient_taken.wait(), 30)
+        await victim[AVERAGER_KEY].close()
+        await s.servers[victim_url].close()
 
     victim[AVERAGER_KEY].start = start_then_die
     before = flat_parameters(survivor[RUNTIME].params)

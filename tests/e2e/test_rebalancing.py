@@ -47,7 +47,11 @@ def test_coordinator_moves_a_replica_to_the_weak_stage_and_throughput_rises(proc
     before = steps_per_s(metrics, 0.0, moved_at - 3.0)
     after = steps_per_s(metrics, moved_at + 1.0, moved_at + 6.0)
     print(f"\nrebalancing: {before:.2f} -> {after:.2f} steps/s after the move at {moved_at:.1f} s")
-    assert after > 1.4 * before, f"throughput {before:.2f} -> {after:.2f} steps/s"
+    # Global steps (issue 13): every step of a stage with 2 replicas now waits for their
+    # all-reduce, so a move gains less than before, when replicas stepped on their own (the
+    # bar was 1.4x then). Measured with the full suite running on 2 cores, 2026-11-23:
+    # 1.30x, 1.31x and 1.71x.
+    assert after > 1.15 * before, f"throughput {before:.2f} -> {after:.2f} steps/s"
     log = (tmp_path / "coordinator.log").read_text()
     # the servers report RTTs, so the coordinator planned with the network cost model (SWARM_PLACEMENT=auto)
     assert "rebalance.replan" in log and "placement=topology" in log, "the move was not planned by topology placement"

@@ -230,8 +230,7 @@ class StepScheduler:
         self.live_servers, self.codec, self.timeout_s, self.aggregator, self.log = live_servers, codec, timeout_s, aggregator, log
         self.counter = StepCounter(num_stages, timeout_s=timeout_s, lease_s=lease_s)
         self.session: aiohttp.ClientSession | None = None
-        self._stepped = asyncio.Condition()  # the stage stepped: held reservations look again
-        self._changed = asyncio.Condition()  # a round started or ended: held closing reports look again
+        self._changed = asyncio.Condition()  # a round started or ended: held reservations and closing reports look again
         self._tasks: set[asyncio.Task] = set()
 
     def _live(self, stage: int) -> list[str]:
@@ -241,7 +240,7 @@ class StepScheduler:
         """A reservation; while the stage is a whole step ahead, wait (at most ``timeout_s``) for it to step."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
-        async with self._stepped:
+        async with self._changed:
             while True:
                 r = self.counter.reserve(stage, url, replica_step, samples, global_batch, until_step)
                 if r.bucket is not None or r.resync or r.complete:
@@ -249,7 +248,7 @@ class StepScheduler:
                 if loop.time() >= deadline:
                     raise Overloaded(f"stage {stage} is a whole global step ahead of its step {self.counter.stages[stage].step}", retry_after_s=1.0)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._stepped.wait(), deadline - loop.time())
+                    await asyncio.wait_for(self._changed.wait(), deadline - loop.time())
 
     async def done(self, stage: int, url: str, replica_step: int, bucket: int, reserved: int, samples: int, global_batch: int, closes: bool = False) -> dict:
         """Record what a replica accumulated; start the stage's round if that completed its
@@ -309,8 +308,6 @@ class StepScheduler:
                           members=len(rnd.members), stepped=sum(1 for s in member_steps.values() if s >= st.step))  # fmt: skip
         else:
             self.log.warning("step.failed", stage=rnd.stage, step=step, round_id=rnd.round_id, members=len(rnd.members), reason="no member stepped; trying again")
-        async with self._stepped:
-            self._stepped.notify_all()
         await self._notify()
         await self.maybe_start(rnd.stage)  # the next step may be complete already
 

@@ -70,7 +70,6 @@ class StepClient:
         self._background: set[asyncio.Task] = set()
         self._resyncing: asyncio.Task | None = None
         self.failures = 0
-        self.resyncs = 0
 
     async def reserve(self, samples: int, until_step: int | None = None) -> Reservation | None:
         """The step for a backward of ``samples``, or None when the trainer's ``until_step``
@@ -199,7 +198,6 @@ class StepClient:
     async def _resync(self) -> None:
         try:
             await self.resync()
-            self.resyncs += 1
         except Exception as exc:  # noqa: BLE001 - a failed resync is tried again on the next reservation
             self.log.warning("step.resync.failed", error=repr(exc))
 

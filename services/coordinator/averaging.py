@@ -54,7 +54,8 @@ async def start_round(session: aiohttp.ClientSession, stage: int, member_urls: l
             return False
 
     accepted = await asyncio.gather(*(tell(i, url) for i, url in enumerate(members)))
-    log.info("averaging.round.started", round_id=round_id, kind=kind, stage=stage, members=len(members), accepted=sum(accepted), codec=codec, aggregator=aggregator, timeout_s=timeout_s)
+    if kind != "step":  # a step round is logged by its scheduler, with its step (step.round.started)
+        log.info("averaging.round.started", round_id=round_id, kind=kind, stage=stage, members=len(members), accepted=sum(accepted), codec=codec, aggregator=aggregator, timeout_s=timeout_s)
     return (round_id, sum(accepted)) if with_accepted else round_id
 
 
@@ -83,7 +84,9 @@ class AveragingScheduler:
     Replicas at one step with different digests drifted apart (a bug, a fault, a state
     loaded by hand): they are repaired by a params round (their weights averaged), and the
     pass waits until the members report it ended. Replicas caught between two steps are
-    checked next time."""
+    checked next time. In ``SWARM_SYNC=local`` mode a replica's digest covers what the
+    replicas share (step, anchor, outer momentum), and replicas that have not taken the same
+    number of outer steps yet are between steps too."""
 
     def __init__(self, live_servers: Callable[[], Iterable], *, every_s: float, codec: str, timeout_s: float, log, aggregator: str = "mean"):
         self.live_servers, self.every_s, self.codec, self.timeout_s, self.log = live_servers, every_s, codec, timeout_s, log
@@ -148,7 +151,7 @@ class AveragingScheduler:
 
         answers = dict(zip(urls, await asyncio.gather(*(digest(u) for u in urls))))
         answered = {u: a for u, a in answers.items() if isinstance(a, dict) and "step" in a and "digest" in a}
-        steps = sorted({a["step"] for a in answered.values()})
+        steps = sorted({(a["step"], a.get("outer_steps", 0)) if "outer_steps" in a else a["step"] for a in answered.values()}, key=str)  # local mode: (step, outer steps)
         digests = sorted({a["digest"] for a in answered.values()})
         if len(answered) < 2:
             verdict = "unreachable"

@@ -29,6 +29,7 @@ DASHBOARD_EVENTS = frozenset({
     "checkpoint.saved", "checkpoint.failed", "checkpoint.skipped",
     "trainer.joined",
 })  # fmt: skip
+COUNTED_EVENTS = frozenset({"step.round.started"})  # too frequent for the list (one per stage per global step): counted only
 EVENT_FIELDS = ("server_id", "stage", "url", "replica", "member", "from_stage", "to_stage", "round_id", "members", "accepted", "step", "path", "trainer_id", "reason", "error", "removed")
 MAX_FIELD_CHARS = 200
 TRAINER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -89,6 +90,8 @@ class EventRecorder:
         def log_and_record(event: str, *args, **fields):
             if event in DASHBOARD_EVENTS:
                 self.events.add(event, level="error" if name == "exception" else name, **fields)
+            elif event in COUNTED_EVENTS:
+                self.events.counts[event] += 1
             return attr(event, *args, **fields)
 
         return log_and_record

@@ -27,8 +27,9 @@ class CoordinatorMetrics:
         yield gauge("swarm_coordinator_weakest_stage", "the stage with the least capacity (the swarm's speed limit)", weakest)
         yield gauge("swarm_coordinator_weakest_stage_capacity_samples_per_second", "capacity of the weakest stage: the swarm trains no faster", stages[weakest]["capacity"])
         yield gauge("swarm_coordinator_live_servers", "stage servers whose lease runs", sum(len(s["replicas"]) for s in stages))
-        yield counter("swarm_coordinator_events", "swarm events since the coordinator started, by name (registry.registered, rebalance.move, averaging.round.started, ...)", {(name,): n for name, n in self.events.counts.items()}, ["event"])
-        yield counter("swarm_coordinator_averaging_rounds_started", "averaging rounds the coordinator started", self.events.counts["averaging.round.started"])
+        yield counter("swarm_coordinator_events", "swarm events since the coordinator started, by name (registry.registered, rebalance.move, averaging.round.started, step.round.started, ...)", {(name,): n for name, n in self.events.counts.items()}, ["event"])
+        yield counter("swarm_coordinator_averaging_rounds_started", "averaging rounds (checks and repairs of the replicas' weights) the coordinator started", self.events.counts["averaging.round.started"])
+        yield counter("swarm_coordinator_step_rounds_started", "gradient all-reduce rounds (one per stage per global step) the coordinator started", self.events.counts["step.round.started"])
         yield gauge("swarm_coordinator_trainers_reporting", "trainers whose progress reports are kept", len(self.progress))
         loops = {(loop, direction): counts[key] for loop, counts in self.traffic.items() for direction, key in (("sent", "sent"), ("received", "received"))}
         yield counter("swarm_coordinator_loop_bytes", "bytes the coordinator's own loops (averaging control, checkpoints) moved", loops, ["loop", "direction"])

@@ -158,10 +158,14 @@ class StepCounter:
         return complete
 
     def members(self, stage: int, live: list[str]) -> list[str]:
-        """Who takes part in the stage's step round: its live replicas, but those known to
-        be behind (they would refuse; they resync on their next reservation)."""
+        """Who takes part in the stage's step round: its live replicas that have said they are
+        at its step. Not those behind (they would refuse; they resync on their next
+        reservation), nor those not heard of yet in this stage (a joiner or a moved server
+        that took a peer's state a step ago would refuse the round, and its peers would
+        wait for its parts until their deadline): a replica takes part from the round after
+        its first reservation."""
         st = self.stages[stage]
-        return [url for url in live if st.replica_steps.get(url, st.step) >= st.step]
+        return [url for url in live if st.replica_steps.get(url, -1) >= st.step]
 
     def forget(self, url: str) -> None:
         for st in self.stages:
@@ -243,6 +247,8 @@ class StepScheduler:
         async with self._changed:
             while True:
                 r = self.counter.reserve(stage, url, replica_step, samples, global_batch, until_step)
+                self.log.debug("step.reserve", stage=stage, replica=url, replica_step=replica_step, samples=samples, bucket=r.bucket, closes=r.closes, resync=r.resync, complete=r.complete,
+                               stage_step=self.counter.stages[stage].step, reserved=dict(self.counter.stages[stage].reserved), done=dict(self.counter.stages[stage].done))  # fmt: skip
                 if r.bucket is not None or r.resync or r.complete:
                     return {**r.as_json(self.counter.stages[stage].step), "replicas": len(self._live(stage))}
                 if loop.time() >= deadline:
@@ -254,11 +260,19 @@ class StepScheduler:
         """Record what a replica accumulated; start the stage's round if that completed its
         step. The report of the reservation that closed a step is answered once that step's
         round started (other reports of the step may still be on their way; at most
-        ``timeout_s``), so that its replica can wait for the step."""
+        ``timeout_s``), so that its replica can wait for the step. A report that gives its
+        reservation back (a duplicate, a failed backward) opens its step again: the
+        reservations held meanwhile look again at once, and a closing one that gave back no
+        longer closes anything, so it does not wait."""
+        gave_back = 0 < reserved and samples < reserved
         self.counter.done(stage, url, replica_step, bucket, reserved, samples, global_batch)
+        self.log.debug("step.reported", stage=stage, replica=url, replica_step=replica_step, bucket=bucket, reserved_here=reserved, samples=samples, closes=closes,
+                       stage_step=self.counter.stages[stage].step, reserved=dict(self.counter.stages[stage].reserved), done=dict(self.counter.stages[stage].done))  # fmt: skip
+        if gave_back:
+            await self._notify()
         await self.maybe_start(stage)
         st = self.counter.stages[stage]
-        if closes:
+        if closes and not gave_back:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.timeout_s
             async with self._changed:
@@ -299,8 +313,9 @@ class StepScheduler:
         samples = {}
         for url, s in statuses.items():  # what each member put in, as it says
             last = s.get("last_round") or {}
-            if last.get("round_id") == rnd.round_id and isinstance(last.get("weight"), (int, float)):
-                samples[url] = int(last["weight"])
+            said = last.get("samples", last.get("weight"))  # a local-mode outer step's weight is not the step's samples
+            if last.get("round_id") == rnd.round_id and isinstance(said, (int, float)):
+                samples[url] = int(said)
         effective, dropped = self.counter.round_ended(rnd.stage, member_steps, samples)
         st = self.counter.stages[rnd.stage]
         if st.step > step:

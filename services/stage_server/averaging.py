@@ -402,6 +402,7 @@ class AveragingRound:
         self.bytes_sent = 0
         self.closed = False
         self.parts: list[ReducedPart | None] = []
+        self.samples: int | None = None  # a step round: the samples this member's gradient held (else its weight says)
         self.outcome: dict = {"contributors": [], "part_contributors": [], "parts_failed": [], "seconds": None, "ok": False}
 
     def at(self, fraction: float) -> float:
@@ -471,4 +472,4 @@ class AveragingRound:
     def summary(self) -> dict:
         spec = self.spec
         return {"round_id": spec.round_id, "members": list(spec.members), "index": spec.index, "codec": spec.codec, "aggregator": spec.aggregator,
-                "weight": self.weight, "bytes_sent": self.bytes_sent, **self.outcome}
+                "weight": self.weight, "bytes_sent": self.bytes_sent, **({"samples": self.samples} if self.samples is not None else {}), **self.outcome}

@@ -186,7 +186,7 @@ async def backward(request: web.Request) -> web.Response:
         await stepper.settle(reservation, _samples(req.inputs) if result.accumulated else 0, request.app[WORKER].run)
         waited += time.perf_counter() - settled
     reply: dict = {"stage": settings.stage, "microbatch_id": req.microbatch_id, "step": result.step, "stage_step": runtime.step, "accumulated": result.accumulated,
-                   "bucket": reservation.bucket if reservation else result.step, "step_wait_s": round(waited, 6)}  # fmt: skip
+                   "bucket": _holder(result, reservation), "step_wait_s": round(waited, 6)}  # fmt: skip
     if complete:
         reply["complete"] = True
     if result.grad_inputs is not None:
@@ -195,6 +195,14 @@ async def backward(request: web.Request) -> web.Response:
         reply["loss"] = result.loss
     request.app[STAGE_METRICS].count_tensors("out", reply)
     return _respond(settings, reply)
+
+
+def _holder(result, reservation) -> int:
+    """The global step whose batch holds the microbatch: where a duplicate went the first time,
+    else the step it was reserved for (the trainer files its loss under it)."""
+    if result.bucket is not None:
+        return result.bucket
+    return reservation.bucket if reservation else result.step
 
 
 def _respond(settings: StageServerSettings, reply: dict) -> web.Response:

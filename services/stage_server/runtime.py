@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.stage_server.averaging import flat_parameters, load_flat_parameters
+from services.stage_server.local_sync import OuterConfig, OuterOptimizer
 from shared.errors import BadPayload, SwarmError
 from shared.model import GPTConfig, StageModel, build_stage
 
@@ -117,6 +119,7 @@ class BackwardResult:
     loss: float | None  # the microbatch loss, last stage only
     step: int = 0  # the stage's step (weights version in global steps) the backward ran at
     accumulated: bool = True  # False: a duplicate, its gradient was already accumulated
+    bucket: int | None = None  # the step whose batch holds the microbatch (a duplicate's: where it went first); None: in none
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,11 @@ class StageRuntime:
         cache_size: int = 16,
         max_staleness: int = 1,
         solo: bool = True,
+        outer: OuterConfig | None = None,
     ):
+        """``outer``: ``SWARM_SYNC=local`` (see ``local_sync.py``): each global step applies
+        this replica's own gradient, every ``outer.every`` steps an outer step; None: the
+        replicas all-reduce every step's gradient (``global``)."""
         self.cfg, self.device, self.optim_cfg = cfg, torch.device(device), optim
         self.max_staleness, self.solo = max_staleness, solo
         self.model: StageModel = build_stage(cfg, stage, num_stages, seed).to(self.device)
@@ -157,11 +164,12 @@ class StageRuntime:
             betas=optim.betas,
         )
         self._buckets: dict[int, _Bucket] = {}  # global step -> what was accumulated for it
-        self._recent_ids: deque[frozenset[str]] = deque(maxlen=DEDUP_STEPS)  # microbatches of the last steps applied
+        self._recent_ids: deque[tuple[int, frozenset[str]]] = deque(maxlen=DEDUP_STEPS)  # (step, its microbatches) of the last steps applied
         self.version = 0  # bumped by every change of the weights
         self.stats = StageStats()
         self._cache: OrderedDict[str, _CachedForward] = OrderedDict()
         self._cache_size = cache_size
+        self.outer = OuterOptimizer(outer, flat_parameters(self.params)) if outer else None
 
     # ---------------------------------------------------------------- validation
     def validate(self, inputs: torch.Tensor, targets: torch.Tensor | None, grad_outputs: torch.Tensor | None, *, backward: bool) -> None:
@@ -231,8 +239,9 @@ class StageRuntime:
         step, bucket = self.step, self.step if bucket is None else bucket
         if late_to_current and 0 <= bucket < step:  # a replica counting its own steps: late for its step, the next one takes it
             bucket = step
-        duplicate = any(microbatch_id in ids for ids in self._recent_ids) or any(microbatch_id in b.ids for b in self._buckets.values())
-        batch = inputs.shape[0]
+        first_bucket = self._accumulated_in(microbatch_id)
+        duplicate = first_bucket is not None
+        batch, holder = inputs.shape[0], first_bucket
         if duplicate:
             self.stats.duplicate_backwards += 1
         elif bucket == NO_BUCKET:
@@ -240,6 +249,7 @@ class StageRuntime:
         elif bucket < self.step:  # its step was taken without it (the round timed out on it)
             self.stats.samples_dropped += batch
         else:
+            holder = bucket
             target = self._bucket(bucket)
             for acc, g in zip(target.grad_sum, grads[: len(self.params)]):
                 if g is not None:
@@ -253,7 +263,15 @@ class StageRuntime:
         self.stats.compute_s += time.perf_counter() - started
         grad_inputs = None if self.spec.is_first else grads[-1]
         loss = float(output.detach()) if self.spec.is_last else None
-        return BackwardResult(grad_inputs, loss, step, not duplicate and bucket >= step)
+        return BackwardResult(grad_inputs, loss, step, not duplicate and bucket >= step, holder)
+
+    def _accumulated_in(self, microbatch_id: str) -> int | None:
+        """The step whose gradient already holds this microbatch (pending or among the last
+        DEDUP_STEPS applied), or None."""
+        for step, b in self._buckets.items():
+            if microbatch_id in b.ids:
+                return step
+        return next((step for step, ids in self._recent_ids if microbatch_id in ids), None)
 
     def check_staleness(self, microbatch_id: str, forward_step: int) -> None:
         """:class:`StaleForward` if the forward ran more than ``max_staleness`` steps from now."""
@@ -319,16 +337,47 @@ class StageRuntime:
         self.optimizer.step()
         for p in self.params:
             p.grad = None
-        self._recent_ids.append(gradient.microbatch_ids)
+        self._recent_ids.append((self.step, gradient.microbatch_ids))
         self.stats.last_effective_batch = gradient.samples
         self.stats.optimizer_steps += 1
         for old in [k for k in self._buckets if k < self.step]:  # came in after their step was taken
             self.drop(self.take_gradients(old))
         self.weights_changed()
 
+    def pass_step(self) -> None:
+        """Global step taken without a gradient of this replica (``local`` mode: it served no
+        sample of it): the step counter moves, the weights and the optimizer do not."""
+        self._recent_ids.append((self.step, frozenset()))
+        self.stats.last_effective_batch = 0
+        self.stats.optimizer_steps += 1
+        for old in [k for k in self._buckets if k < self.step]:
+            self.drop(self.take_gradients(old))
+
+    def inner_step(self, taken: Accumulated) -> None:
+        """``local`` mode: this replica's own gradient of the step, alone (a pass if it served none)."""
+        if taken.samples:
+            self.apply_step(taken)
+        else:
+            self.pass_step()
+        self.outer.samples += taken.samples
+
+    def outer_gradient(self) -> torch.Tensor:
+        """``local`` mode: ``anchor - weights`` (flat fp32, CPU), what this replica learned since the last outer step."""
+        return self.outer.outer_gradient(flat_parameters(self.params))
+
+    def outer_step(self, mean_delta: torch.Tensor) -> None:
+        """``local`` mode: the outer step with the replicas' mean outer gradient; the weights become the new anchor."""
+        load_flat_parameters(self, self.outer.step(mean_delta))
+
     def digest(self) -> str:
-        """SHA-256 of the weights and the optimizer state: replicas in step have equal digests."""
+        """SHA-256 of the weights and the optimizer state: replicas in step have equal digests.
+        In ``local`` mode, of what the replicas share: the step, the anchor and the outer momentum."""
         h = hashlib.sha256()
+        if self.outer is not None:
+            h.update(str(self.step).encode())
+            h.update(_tensor_bytes(self.outer.anchor))
+            h.update(_tensor_bytes(self.outer.momentum))
+            return h.hexdigest()
         for name, p in self.model.named_parameters():
             h.update(name.encode())
             h.update(_tensor_bytes(p))

@@ -5,7 +5,10 @@ on its compute worker, where they never race a step. The byte format (safetensor
 in :mod:`shared.checkpoint`, shared with checkpoints and ``swarm export``.
 
 Tensors: parameters by their model names and ``optim/<name>/exp_avg``,
-``optim/<name>/exp_avg_sq`` for every parameter the optimizer has stepped. Metadata::
+``optim/<name>/exp_avg_sq`` for every parameter the optimizer has stepped, and in
+``SWARM_SYNC=local`` mode ``optim/outer/anchor`` and ``optim/outer/momentum`` (flat fp32:
+the weights the replicas last agreed on and the outer momentum; a state without them
+starts a local-mode replica's anchor at its weights). Metadata::
 
     {stage, num_stages, layers: [start, stop], model_config, weights_version,
      optimizer_steps, samples, adam_step: {param name: AdamW step count}}
@@ -22,6 +25,7 @@ from services.stage_server.runtime import StageRuntime
 __all__ = ["load_stage_state", "stage_state", "state_from_bytes", "state_to_bytes"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+OUTER_ANCHOR, OUTER_MOMENTUM = f"{OPTIM_PREFIX}outer/anchor", f"{OPTIM_PREFIX}outer/momentum"
 
 
 def stage_state(runtime: StageRuntime) -> tuple[dict[str, torch.Tensor], dict]:
@@ -35,6 +39,8 @@ def stage_state(runtime: StageRuntime) -> tuple[dict[str, torch.Tensor], dict]:
             for moment in _MOMENTS:
                 tensors[f"{OPTIM_PREFIX}{name}/{moment}"] = _snapshot(state[moment])
             adam_step[name] = int(state["step"])
+    if runtime.outer is not None:
+        tensors[OUTER_ANCHOR], tensors[OUTER_MOMENTUM] = _snapshot(runtime.outer.anchor), _snapshot(runtime.outer.momentum)
     spec = runtime.spec
     metadata = {
         "stage": spec.index,
@@ -70,6 +76,11 @@ def load_stage_state(runtime: StageRuntime, tensors: dict[str, torch.Tensor], me
                 **{m: tensors[f"{OPTIM_PREFIX}{name}/{m}"].to(device=p.device, dtype=p.dtype, copy=True) for m in _MOMENTS},
             }
     runtime.stats.optimizer_steps = metadata["optimizer_steps"]
+    if runtime.outer is not None:
+        if OUTER_ANCHOR in tensors:
+            runtime.outer.reset(tensors[OUTER_ANCHOR], tensors[OUTER_MOMENTUM])
+        else:  # a state of a global-mode run (or a checkpoint): the replicas agree on these weights
+            runtime.outer.reset(torch.cat([tensors[name].reshape(-1).to(torch.float32) for name, _ in _named_params(runtime)]))
     runtime.reset_accumulation()
 
 
@@ -93,6 +104,14 @@ def _validate(runtime: StageRuntime, tensors: dict[str, torch.Tensor], metadata:
     _check(not unknown, f"'adam_step' names parameters this stage does not have: {unknown[:5]}")
     _check(all(type(s) is int and s >= 1 for s in adam_step.values()), "'adam_step' values must be ints >= 1")
     expected = set(params) | {f"{OPTIM_PREFIX}{n}/{m}" for n in adam_step for m in _MOMENTS}
+    outer = {name: tensors[name] for name in (OUTER_ANCHOR, OUTER_MOMENTUM) if name in tensors}
+    if outer:
+        _check(len(outer) == 2, f"state has {sorted(outer)} of the outer step without its other tensor")
+        total = sum(p.numel() for p in params.values())
+        for name, t in outer.items():
+            _check(t.shape == (total,) and t.dtype == torch.float32, f"{name!r} must be {total} fp32 values, got {list(t.shape)} {t.dtype}")
+            _check(bool(torch.isfinite(t).all()), f"{name!r} contains non-finite values")
+    tensors = {name: t for name, t in tensors.items() if name not in outer}
     missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     _check(not missing, f"state lacks {len(missing)} tensors of this stage, e.g. {missing[:5]}")
     _check(not extra, f"state has {len(extra)} tensors this stage does not have, e.g. {extra[:5]}")

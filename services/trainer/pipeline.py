@@ -90,12 +90,14 @@ class PipelineClient:
         self.num_stages = balancer.num_stages
         self.telemetry = telemetry  # a TrainerTelemetry: hops, bytes and microbatches counted
 
-    async def train(self, mb: Microbatch, seed: int) -> TrainResult:
+    async def train(self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None = None) -> TrainResult:
         """Forward and backward one microbatch, again from the start if a stage finds its
-        forward too old (at most ``MAX_RERUNS`` times); raises :class:`MicrobatchFailed`."""
+        forward too old (at most ``MAX_RERUNS`` times); raises :class:`MicrobatchFailed`.
+        ``on_loss(loss_step)``: called when the last stage has answered, before the stages
+        below run their backwards."""
         for rerun in range(MAX_RERUNS + 1):
             try:
-                loss, loss_step, swarm_step, complete = await self._train_once(mb, seed)
+                loss, loss_step, swarm_step, complete = await self._train_once(mb, seed, on_loss)
                 if self.telemetry:
                     self.telemetry.microbatch_done(mb.num_tokens)
                 return TrainResult(loss, loss_step, swarm_step, rerun, complete)
@@ -109,7 +111,7 @@ class PipelineClient:
             self.telemetry.microbatch_failed()
         raise MicrobatchFailed(mb.index, 0, "/backward", [RemoteError("pipeline", 409, "stale_forward", f"{MAX_RERUNS + 1} runs were all stale: {error}")])
 
-    async def _train_once(self, mb: Microbatch, seed: int) -> tuple[float, int, int, bool]:
+    async def _train_once(self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None) -> tuple[float, int, int, bool]:
         mb_id = f"{self.run_id}:{self.client_id}:{mb.index}"
         base = {"run_id": self.run_id, "microbatch_id": mb_id, "seed": seed, "codec": self.codec}
         if self.until_step is not None:
@@ -125,6 +127,8 @@ class PipelineClient:
             forward_steps.append(step)
         msg = {**base, "stage": last, "inputs": stage_inputs[last], "targets": targets}
         loss, grad, loss_step, swarm_step, complete = await self._call(mb, last, "/backward", msg, _loss_and_grad if last else _loss_only)
+        if on_loss:
+            on_loss(loss_step)
         for stage in range(last - 1, -1, -1):
             stage_inputs[stage + 1] = None  # no longer needed: free it early
             msg = {**base, "stage": stage, "inputs": stage_inputs[stage], "grad_outputs": grad, "forward_step": forward_steps[stage]}

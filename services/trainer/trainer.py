@@ -13,6 +13,7 @@ sequence, so trainers sharing a run take the same data as one trainer would.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import time
@@ -46,25 +47,43 @@ MAX_TOP_UPS = 3  # rounds of extra microbatches when the trainer's share did not
 
 class StepLosses:
     """This trainer's losses by the global step whose batch their microbatch was in (as the
-    last stage counted it); a step's mean is released once stage 0, the last of a batch to
-    step, has moved past it."""
+    last stage counted it). A step's mean is released once stage 0, the last of a batch to
+    step, has moved past it and no microbatch of it is still on its way (one whose last
+    stage answered, still running its backward or running again after a stale one)."""
 
     def __init__(self, first_step: int = 0):
         self._losses: dict[int, list[float]] = {}
+        self._held: dict[int, int] = {}  # microbatch index -> the step its loss belongs to, until it completes or fails
         self.next_step = first_step  # the first step not released yet
 
-    def record(self, loss_step: int, loss: float) -> None:
+    def hold(self, microbatch: int, loss_step: int) -> None:
+        """The last stage filed ``microbatch`` under ``loss_step``: keep that step until it ends."""
+        if loss_step >= self.next_step:
+            self._held[microbatch] = loss_step
+
+    def record(self, loss_step: int, loss: float, microbatch: int | None = None) -> None:
+        self._held.pop(microbatch, None)
         if loss_step >= self.next_step:
             self._losses.setdefault(loss_step, []).append(loss)
 
+    def forget(self, microbatch: int) -> None:
+        """``microbatch`` failed: its step no longer waits for it."""
+        self._held.pop(microbatch, None)
+
     def release(self, swarm_step: int) -> list[tuple[int, float]]:
-        """Steps below ``swarm_step`` not released yet: (step, mean loss or NaN)."""
+        """Steps below ``swarm_step`` not released yet and not held: (step, mean loss or NaN)."""
+        upto = min([swarm_step, *self._held.values()])
         done = []
-        while self.next_step < swarm_step:
+        while self.next_step < upto:
             losses = self._losses.pop(self.next_step, [])
             done.append((self.next_step, sum(losses) / len(losses) if losses else math.nan))
             self.next_step += 1
         return done
+
+    def release_all(self, swarm_step: int) -> list[tuple[int, float]]:
+        """The end of the run: every step below ``swarm_step``, held or not."""
+        self._held.clear()
+        return self.release(swarm_step)
 
 
 class Trainer:
@@ -113,8 +132,9 @@ class Trainer:
                 index = self.microbatch_index(k)
                 mb = self.batcher.microbatch(index)
                 try:
-                    result = await self.client.train(mb, seed=self.seed * 1_000_003 + index)
+                    result = await self.client.train(mb, seed=self.seed * 1_000_003 + index, on_loss=functools.partial(losses.hold, index))
                 except MicrobatchFailed as exc:
+                    losses.forget(index)
                     summary.microbatches_failed += 1
                     summary.failures.append(str(exc))
                     self._emit("microbatch.failed", level="error", microbatch=index, stage=exc.stage, path=exc.path, error=str(exc.errors[-1]))
@@ -125,7 +145,7 @@ class Trainer:
                     summary.microbatches_surplus += 1
                     state["complete"] = True
                 summary.tokens += mb.num_tokens
-                losses.record(result.loss_step, result.loss)
+                losses.record(result.loss_step, result.loss, index)
                 state["swarm_step"] = max(state["swarm_step"], result.swarm_step)
                 self._release(losses, min(state["swarm_step"], self.steps), summary, started)
 
@@ -139,8 +159,8 @@ class Trainer:
             await asyncio.gather(*(worker() for _ in range(self.in_flight)))
             if state["swarm_step"] == before:
                 break  # the swarm does not step (no coordinator, no replica): no use feeding it
-        if state["complete"]:  # stage 0 holds every step of the run: its last ones are being taken
-            self._release(losses, self.steps, summary, started)
+        # the end: every microbatch completed or failed; stage 0 holding every step of the run means its last ones are being taken
+        self._release(losses, self.steps if state["complete"] else min(state["swarm_step"], self.steps), summary, started, final=True)
         summary.elapsed_s = time.perf_counter() - started
         summary.tokens_per_s = summary.tokens / summary.elapsed_s if summary.elapsed_s else 0.0
         if state["swarm_step"] < self.steps:
@@ -151,8 +171,8 @@ class Trainer:
         self._emit("train.eval", when="after", loss=round(summary.eval_loss_after, 4))
         return summary
 
-    def _release(self, losses: StepLosses, upto: int, summary: TrainSummary, started: float) -> None:
-        for step, step_loss in losses.release(upto):
+    def _release(self, losses: StepLosses, upto: int, summary: TrainSummary, started: float, final: bool = False) -> None:
+        for step, step_loss in losses.release_all(upto) if final else losses.release(upto):
             summary.steps = step + 1
             summary.step_losses.append(step_loss)
             summary.step_elapsed_s.append(time.perf_counter() - started)

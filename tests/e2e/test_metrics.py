@@ -20,7 +20,7 @@ STAGE_METRICS = ["swarm_http_requests_total", "swarm_http_request_duration_secon
                  "swarm_stage_tensor_bytes_total", "swarm_stage_samples_total", "swarm_stage_queue_depth", "swarm_stage_throughput_samples_per_second",
                  "swarm_stage_optimizer_steps_total", "swarm_stage_averaging_rounds_total"]  # fmt: skip
 COORDINATOR_METRICS = ["swarm_http_requests_total", "swarm_coordinator_replicas", "swarm_coordinator_stage_capacity_samples_per_second", "swarm_coordinator_weakest_stage",
-                       "swarm_coordinator_weakest_stage_capacity_samples_per_second", "swarm_coordinator_events_total", "swarm_coordinator_averaging_rounds_started_total"]  # fmt: skip
+                       "swarm_coordinator_weakest_stage_capacity_samples_per_second", "swarm_coordinator_events_total", "swarm_coordinator_averaging_rounds_started_total", "swarm_coordinator_step_rounds_started_total"]  # fmt: skip
 TRAINER_METRICS = ["swarm_trainer_hops_total", "swarm_trainer_hop_duration_seconds_bucket", "swarm_trainer_tensor_bytes_total", "swarm_trainer_microbatches_total",
                    "swarm_trainer_tokens_total", "swarm_trainer_step", "swarm_trainer_loss", "swarm_trainer_tokens_per_second"]  # fmt: skip
 

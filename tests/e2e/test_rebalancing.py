@@ -1,7 +1,8 @@
 """Rebalancing end to end: 2 stages, 3 equal replicas on stage 0 and 1 on stage 1. The
 coordinator moves one replica to stage 1, and the swarm's measured throughput rises.
-The trainer keeps the global batch in flight (8 microbatches of 4 = 32 samples), as
-docs/architecture.md ("Staleness") says to."""
+The trainer keeps two global batches in flight (16 microbatches of 4, global batch 32):
+with only one, every step drains the pipeline and waits for its all-reduce, so a move
+gains little; the stale re-runs this costs stay few (docs/architecture.md, "Staleness")."""
 
 from __future__ import annotations
 
@@ -30,28 +31,25 @@ def steps_per_s(metrics_file, since_s: float, until_s: float) -> float:
 
 
 def test_coordinator_moves_a_replica_to_the_weak_stage_and_throughput_rises(processes, tmp_path):
-    _, coordinator = processes.coordinator(heartbeat_s=0.5, num_stages=2, extra={"SWARM_REBALANCE_EVERY_S": "2", "SWARM_AVERAGE_EVERY_S": "0"})
+    _, coordinator = processes.coordinator(heartbeat_s=0.5, num_stages=2, extra={"SWARM_REBALANCE_EVERY_S": "5", "SWARM_AVERAGE_EVERY_S": "0"})
     server_env = {"SWARM_NUM_STAGES": "2", "SWARM_INJECT_DELAY_S": str(DELAY_S), "SWARM_GLOBAL_BATCH": "32", "SWARM_WIRE_CODEC": "fp32"}
     for stage in (0, 0, 0, 1):
         processes.server(stage, coordinator=coordinator, heartbeat_s=0.5, extra=server_env)
     wait_until(lambda: replicas_per_stage(coordinator) == [3, 1], 120, "3 replicas on stage 0 and 1 on stage 1")
     metrics = tmp_path / "metrics.jsonl"
-    trainer_env = {"SWARM_NUM_STAGES": "2", "SWARM_COORDINATOR": coordinator, "SWARM_MDNS": "false", "SWARM_STEPS": "100000", "SWARM_MICROBATCH_SIZE": "4", "SWARM_SEQ_LEN": "32", "SWARM_IN_FLIGHT": "8", "SWARM_HEARTBEAT_S": "0.5", "SWARM_METRICS_FILE": str(metrics), "SWARM_LOG_EVERY": "1000", "SWARM_WIRE_CODEC": "fp32"}
+    trainer_env = {"SWARM_NUM_STAGES": "2", "SWARM_COORDINATOR": coordinator, "SWARM_MDNS": "false", "SWARM_STEPS": "100000", "SWARM_MICROBATCH_SIZE": "4", "SWARM_SEQ_LEN": "32", "SWARM_IN_FLIGHT": "16", "SWARM_HEARTBEAT_S": "0.5", "SWARM_METRICS_FILE": str(metrics), "SWARM_LOG_EVERY": "1000", "SWARM_WIRE_CODEC": "fp32"}
     processes.start("trainer", "services.trainer", trainer_env)
     wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) > 0, 120, "the trainer's first step")
     started = time.monotonic() - json.loads(metrics.read_text().splitlines()[0])["elapsed_s"]
 
     wait_until(lambda: replicas_per_stage(coordinator) == [2, 2], 90, "the coordinator to move a replica to stage 1")
     moved_at = time.monotonic() - started
-    wait_until(lambda: time.monotonic() - started > moved_at + 6, 30, "six seconds of training after the move", poll_s=0.5)
+    wait_until(lambda: time.monotonic() - started > moved_at + 8, 30, "eight seconds of training after the move", poll_s=0.5)
     before = steps_per_s(metrics, 0.0, moved_at - 3.0)
-    after = steps_per_s(metrics, moved_at + 1.0, moved_at + 6.0)
+    after = steps_per_s(metrics, moved_at + 1.0, moved_at + 8.0)
     print(f"\nrebalancing: {before:.2f} -> {after:.2f} steps/s after the move at {moved_at:.1f} s")
-    # Global steps (issue 13): every step of a stage with 2 replicas now waits for their
-    # all-reduce, so a move gains less than before, when replicas stepped on their own (the
-    # bar was 1.4x then). Measured with the full suite running on 2 cores, 2026-11-23:
-    # 1.30x, 1.31x and 1.71x.
-    assert after > 1.15 * before, f"throughput {before:.2f} -> {after:.2f} steps/s"
+    # Measured alone on 2 cores, 2026-11-23: 1.92x, 1.87x, 2.17x, 1.98x, 1.95x.
+    assert after > 1.4 * before, f"throughput {before:.2f} -> {after:.2f} steps/s"
     log = (tmp_path / "coordinator.log").read_text()
     # the servers report RTTs, so the coordinator planned with the network cost model (SWARM_PLACEMENT=auto)
     assert "rebalance.replan" in log and "placement=topology" in log, "the move was not planned by topology placement"

@@ -34,7 +34,10 @@ def test_event_recorder_logs_as_before_and_records_dashboard_events():
         log.info("registry.registered", server_id="s1", stage=0, url="http://127.0.0.1:1")
         log.warning("averaging.start.refused", round_id="avg-1", member="http://127.0.0.1:2", reason=ValueError("busy"))
         log.info("coordinator.ready", servers=0)  # logged, not an event of the swarm
-    assert [e["event"] for e in logs] == ["registry.registered", "averaging.start.refused", "coordinator.ready"]
+        for _ in range(300):  # one per stage per global step: would push every other event out of the list
+            log.info("step.round.started", round_id="step-s0-x", stage=0)
+    assert [e["event"] for e in logs[:3]] == ["registry.registered", "averaging.start.refused", "coordinator.ready"] and len(logs) == 303
+    assert events.counts["step.round.started"] == 300
     assert logs[0]["run"] == "r1" and logs[0]["server_id"] == "s1"
     recorded = events.recent()
     assert [(e["event"], e["level"]) for e in recorded] == [("averaging.start.refused", "warning"), ("registry.registered", "info")]

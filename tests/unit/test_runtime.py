@@ -165,6 +165,17 @@ def test_a_duplicate_backward_returns_its_gradient_but_is_accumulated_once():
     assert rt.pending_samples == 2 and rt.stats.duplicate_backwards == 1
 
 
+def test_a_duplicate_says_which_step_holds_its_microbatch_also_after_that_step_was_applied():
+    rt = runtime(solo=False)
+    first = rt.backward("mb", 0, hidden(), None, hidden(seed=1), bucket=0)
+    assert first.bucket == 0
+    rt.apply_step(rt.take_gradients(0))
+    again = rt.backward("mb", 0, hidden(), None, hidden(seed=1), bucket=1)  # run again after a stale backward below
+    assert not again.accumulated and again.bucket == 0  # its loss belongs to step 0, where its gradient went
+    late = rt.backward("other", 0, hidden(), None, hidden(seed=1), bucket=0)  # its step went without it
+    assert late.bucket is None and rt.stats.samples_dropped == 2
+
+
 def test_a_backward_whose_forward_is_too_old_is_refused_before_it_touches_anything():
     rt = runtime(global_batch=2)
     rt.backward("a", 0, hidden(), None, hidden(seed=1))  # step 1

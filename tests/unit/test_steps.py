@@ -91,6 +91,21 @@ def test_members_that_did_not_step_lose_their_samples_and_are_left_out_of_the_ne
     assert c.members(0, [A, B]) == [A, B]
 
 
+def test_a_replica_not_heard_of_in_its_stage_yet_is_left_out_of_its_rounds():
+    """A server that moved here took a peer's state at step s, and registered after the stage
+    reached s + 1: named in that round, it would refuse, and the others would wait for its
+    parts until the deadline (measured: 8 s of a stalled swarm)."""
+    c, _ = counter()
+    c.done(0, A, 0, c.reserve(0, A, 0, 8, G).bucket, 8, 8, G)
+    assert c.members(0, [A, B]) == [A]  # B is live in the registry, silent here
+    c.round_started(0, "r0")
+    c.round_ended(0, {A: 1}, {A: 8})
+    assert c.reserve(0, B, 0, 4, G).resync  # B's first word: it is behind, it resyncs
+    assert c.members(0, [A, B]) == [A]
+    assert c.reserve(0, B, 1, 4, G).bucket == 1
+    assert c.members(0, [A, B]) == [A, B]
+
+
 def test_a_round_nobody_completed_is_tried_again_later_with_nothing_lost():
     c, clock = counter()
     for url in (A, B):
@@ -132,3 +147,25 @@ def test_a_step_whose_every_reservation_was_lost_is_filled_again_not_taken_empty
     assert not c.ready(0, [B])  # no round of zero samples: a step of zero gradient would still move AdamW
     again = c.reserve(0, B, 0, 8, G)
     assert (again.bucket, again.closes) == (0, True)
+
+
+async def test_a_reservation_given_back_wakes_the_held_ones_and_its_report_does_not_wait():
+    """A backward that turns out a duplicate gives its reservation back. Backwards held
+    because both open steps were full must get the freed place at once (not after the
+    scheduler's timeout: the swarm stalled that long), and the duplicate's report, which
+    had closed its step, no longer waits for a round that its step cannot start."""
+    import asyncio
+
+    from services.coordinator.steps import StepScheduler
+    from shared.log import get_logger
+
+    scheduler = StepScheduler(2, lambda: [], codec="fp32", timeout_s=30.0, aggregator="mean", log=get_logger(service="test"))
+    first = [await scheduler.reserve(0, A, 0, 4, G) for _ in range(4)]  # steps 0 and 1, full
+    assert [(r["bucket"], r["closes"]) for r in first] == [(0, False), (0, True), (1, False), (1, True)]
+    held = asyncio.create_task(scheduler.reserve(0, B, 0, 4, G))
+    await asyncio.sleep(0)  # let it reach its wait (a yield, not a timed wait)
+    assert not held.done()
+    report = await asyncio.wait_for(scheduler.done(0, A, 0, 0, 4, 0, G, closes=True), 5.0)  # the closing one: a duplicate
+    assert report["step"] == 0
+    woken = await asyncio.wait_for(held, 5.0)  # far below the scheduler's 30 s
+    assert (woken["bucket"], woken["closes"]) == (0, True)

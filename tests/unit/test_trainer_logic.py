@@ -35,6 +35,21 @@ def test_step_losses_are_released_once_the_swarm_moved_past_their_step():
     assert losses.release(3) == []
 
 
+def test_a_step_waits_for_its_microbatches_still_on_their_way_and_a_failed_one_lets_it_go():
+    losses = StepLosses()
+    losses.record(0, 1.0, microbatch=1)
+    losses.hold(2, 0)  # the last stage filed microbatch 2 under step 0; its lower stages are still running
+    losses.hold(3, 1)
+    assert losses.release(2) == []  # the swarm is past steps 0 and 1, but their losses are not all in
+    losses.record(0, 3.0, microbatch=2)
+    assert losses.release(2) == [(0, 2.0)]
+    losses.forget(3)  # failed: step 1 has none of this trainer's losses
+    done = losses.release(2)
+    assert done[0][0] == 1 and math.isnan(done[0][1])
+    losses.hold(4, 2)
+    assert [s for s, _ in losses.release_all(3)] == [2]  # the run is over: nothing waits
+
+
 def test_step_losses_step_without_a_loss_of_this_trainer_is_nan_and_resume_starts_later():
     losses = StepLosses(first_step=5)
     losses.record(4, 1.0)  # before the resumed run: ignored
@@ -137,7 +152,7 @@ class FakeClient:
         self.train_calls: list[tuple[int, int]] = []
         self.eval_calls: list[int] = []
 
-    async def train(self, mb, seed: int) -> TrainResult:
+    async def train(self, mb, seed: int, on_loss=None) -> TrainResult:
         self.train_calls.append((mb.index, seed))
         self.current += 1
         self.max_current = max(self.max_current, self.current)

@@ -1,7 +1,9 @@
 """Bench 7, convergence: held-out loss after the same samples with fp32, fp16 and int8
 wires, and with 1 replica per stage and 1 trainer against 2 replicas per stage and 2
-trainers (global steps: the same global batch, all-reduced; see docs/architecture.md
-"One model per stage").
+trainers, in ``global`` mode (the same global batch, all-reduced every step) and in
+``local`` mode (DiLoCo: each replica steps on its own samples, an outer step every H
+steps); see docs/architecture.md "One model per stage". The step rounds' bytes per sample
+(all replicas together) show what each mode sends between replicas.
 
 Each configuration is a fresh swarm of the tiny model (same seed, so the same initial
 weights, and the same sequence of microbatches: two trainers take alternate ones): a
@@ -31,7 +33,7 @@ from services.trainer.trainer import Trainer
 from bench.pump import MeshClient
 from bench.report import BenchResult
 
-COLUMNS = ["wire", "replicas/stage", "trainers", "global steps", "samples", "loss before", "loss after", "vs fp32 x1", "seconds", "re-runs"]
+COLUMNS = ["wire", "replicas/stage", "trainers", "sync", "global steps", "samples", "loss before", "loss after", "vs fp32 x1", "seconds", "re-runs", "sync bytes/sample"]
 
 
 @dataclass(frozen=True)
@@ -42,15 +44,17 @@ class Plan:
     seq_len: int
     microbatch_size: int
     in_flight: int  # all trainers together
+    local_steps: int  # sync=local: global steps between outer steps (H)
 
 
-FULL = Plan(stages=4, samples=1280, global_batch=32, seq_len=128, microbatch_size=8, in_flight=4)
-QUICK = Plan(stages=2, samples=64, global_batch=16, seq_len=32, microbatch_size=4, in_flight=4)
-CONFIGS = (("fp32", 1, 1), ("fp32", 1, 1), ("fp32", 2, 2), ("fp16", 1, 1), ("int8", 1, 1), ("int8", 2, 2))  # fp32 x1 twice: the run-to-run spread
+FULL = Plan(stages=4, samples=1280, global_batch=32, seq_len=128, microbatch_size=8, in_flight=4, local_steps=10)
+QUICK = Plan(stages=2, samples=64, global_batch=16, seq_len=32, microbatch_size=4, in_flight=4, local_steps=2)
+# (wire, replicas per stage, trainers, sync); fp32 x1 twice: the run-to-run spread
+CONFIGS = (("fp32", 1, 1, "global"), ("fp32", 1, 1, "global"), ("fp32", 2, 2, "global"), ("fp32", 2, 2, "local"), ("fp16", 1, 1, "global"), ("int8", 1, 1, "global"), ("int8", 2, 2, "global"))
 
 
 @contextlib.asynccontextmanager
-async def local_swarm(run_id: str, plan: Plan, codec: str, replicas: int):
+async def local_swarm(run_id: str, plan: Plan, codec: str, replicas: int, sync: str = "global"):
     """A coordinator and ``stages x replicas`` stage servers as apps on loopback ports; yields the coordinator URL."""
     runners: list[web.AppRunner] = []
 
@@ -69,7 +73,7 @@ async def local_swarm(run_id: str, plan: Plan, codec: str, replicas: int):
             for _ in range(replicas):
                 port = free_port()
                 settings = StageServerSettings(**common, model="tiny", stage=stage, port=port, coordinator=coordinator, wire_codec=codec, seed=0,
-                                               global_batch=plan.global_batch, drain_timeout_s=5.0)
+                                               global_batch=plan.global_batch, drain_timeout_s=5.0, sync=sync, local_steps=plan.local_steps)
                 await serve(create_stage(settings), port)
         yield coordinator
     finally:
@@ -77,10 +81,10 @@ async def local_swarm(run_id: str, plan: Plan, codec: str, replicas: int):
             await runner.cleanup()
 
 
-async def train_one(plan: Plan, codec: str, replicas: int, trainers: int) -> dict:
-    run_id = f"bench-convergence-{codec}-{replicas}-{trainers}"
+async def train_one(plan: Plan, codec: str, replicas: int, trainers: int, sync: str = "global") -> dict:
+    run_id = f"bench-convergence-{codec}-{replicas}-{trainers}-{sync}"
     steps = plan.samples // plan.global_batch
-    async with local_swarm(run_id, plan, codec, replicas) as coordinator, contextlib.AsyncExitStack() as stack:
+    async with local_swarm(run_id, plan, codec, replicas, sync) as coordinator, contextlib.AsyncExitStack() as stack:
         runs = []
         for t in range(trainers):
             mesh = await stack.enter_async_context(MeshClient(run_id=run_id, num_stages=plan.stages, codec=codec, seq_len=plan.seq_len, microbatch_size=plan.microbatch_size, seed=0))
@@ -91,17 +95,21 @@ async def train_one(plan: Plan, codec: str, replicas: int, trainers: int) -> dic
             runs.append(Trainer(mesh.client, mesh.batcher, steps=steps, global_batch=plan.global_batch, in_flight=plan.in_flight // trainers, seed=0,
                                 shard_index=t, num_shards=trainers))
         summaries = await asyncio.gather(*(r.run() for r in runs))
-        stage_steps = []  # every replica's global step, as it says
+        stage_steps, sync_bytes = [], 0  # every replica's global step, as it says; bytes of its rounds
         for url in (u for replicas_of in mesh.view.replicas() for u in replicas_of):
             async with mesh.session.get(url + "/health") as resp:
                 stage_steps.append((await resp.json())["step"])
+            async with mesh.session.get(url + "/average/status") as resp:
+                sync_bytes += (await resp.json())["bytes_sent"]
     failed = sum(x.microbatches_failed for x in summaries)
     if failed:
         raise RuntimeError(f"{failed} microbatches failed with {codec} x{replicas}: {[x.failures[-1] for x in summaries if x.failures]}")
     first = summaries[0]
     curve = [{"step": i + 1, "samples": (i + 1) * plan.global_batch, "loss": loss, "seconds": round(at, 3)} for i, (loss, at) in enumerate(zip(first.step_losses, first.step_elapsed_s))]
-    return {"global steps": min(stage_steps), "loss before": first.eval_loss_before, "loss after": first.eval_loss_after, "samples": sum(x.tokens for x in summaries) // plan.seq_len,
-            "seconds": max(x.elapsed_s for x in summaries), "re-runs": sum(x.microbatch_reruns for x in summaries), "curve": curve}
+    samples = sum(x.tokens for x in summaries) // plan.seq_len
+    return {"global steps": min(stage_steps), "loss before": first.eval_loss_before, "loss after": first.eval_loss_after, "samples": samples,
+            "seconds": max(x.elapsed_s for x in summaries), "re-runs": sum(x.microbatch_reruns for x in summaries), "sync bytes/sample": round(sync_bytes / max(samples, 1)),
+            "curve": curve}
 
 
 async def _wait_replicas(mesh: MeshClient, count: int, timeout_s: float = 30.0) -> None:
@@ -118,9 +126,9 @@ async def _wait_replicas(mesh: MeshClient, count: int, timeout_s: float = 30.0) 
 def run(ctx) -> BenchResult:
     plan = QUICK if ctx.quick else FULL
     rows = []
-    for codec, replicas, trainers in CONFIGS:
-        figures = asyncio.run(train_one(plan, codec, replicas, trainers))
-        rows.append({"wire": codec, "replicas/stage": replicas, "trainers": trainers, **figures})
+    for codec, replicas, trainers, sync in CONFIGS:
+        figures = asyncio.run(train_one(plan, codec, replicas, trainers, sync))
+        rows.append({"wire": codec, "replicas/stage": replicas, "trainers": trainers, "sync": sync, **figures})
     reference = rows[0]["loss after"]
     for row in rows:
         row["vs fp32 x1"] = row["loss after"] / reference
@@ -130,9 +138,12 @@ def run(ctx) -> BenchResult:
         f"{plan.in_flight} microbatches in flight (all trainers together); loss: mean cross-entropy on 4 held-out microbatches (nats per byte)",
         "2 replicas/stage x 2 trainers: every stage's replicas all-reduce each global step's gradients and take the same AdamW step; "
         "the trainers take alternate microbatches of the same sequence",
+        f"sync local (DiLoCo): each replica takes its inner AdamW step on its own samples, and every {plan.local_steps} global steps the replicas "
+        "all-reduce what they learned and take an outer Nesterov step (lr 0.7, momentum 0.5); sync bytes/sample: what the stage servers sent in "
+        "their step rounds, all together, per trained sample",
         "one run per configuration, fp32 x1 twice: the order in which asynchronous microbatches finish varies from run to run, so the two show the noise a difference must exceed",
         "training loss against samples and against wall time: the 'curve' of each row in the JSON (the first trainer's mean loss per global step, and when it saw the step done)",
     ]
-    summary = {f"{r['wire'].split()[0]}{'_again' if 'again' in r['wire'] else ''}_x{r['replicas/stage']}_vs_fp32": r["vs fp32 x1"] for r in rows}
+    summary = {f"{r['wire'].split()[0]}{'_again' if 'again' in r['wire'] else ''}_x{r['replicas/stage']}{'_local' if r['sync'] == 'local' else ''}_vs_fp32": r["vs fp32 x1"] for r in rows}
     table = [{k: v for k, v in r.items() if k != "curve"} for r in rows]
     return BenchResult("convergence", "loss after the same samples: wire codecs, one model on 2 replicas x 2 trainers", COLUMNS, table, params={**vars(plan), "curves": [r["curve"] for r in rows]}, notes=notes, summary=summary)

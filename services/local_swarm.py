@@ -112,6 +112,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--wire-codec", default="int8", choices=FLOAT_CODECS)
     p.add_argument("--global-batch", type=int, default=32, help="samples of one global step, all trainers and replicas together (default 32)")
+    p.add_argument("--sync", default=os.environ.get("SWARM_SYNC", "global"), choices=("global", "local"),
+                   help="'global': a stage's replicas all-reduce every step's gradient; 'local' (DiLoCo): each steps on its own samples and every "
+                        "--local-steps steps they average what they learned in an outer step (SWARM_OUTER_LR, SWARM_OUTER_MOMENTUM) (default: SWARM_SYNC, else global)")
+    p.add_argument("--local-steps", type=int, default=os.environ.get("SWARM_LOCAL_STEPS", "10"), help="--sync local: global steps between outer steps (default: SWARM_LOCAL_STEPS, else 10)")
     p.add_argument("--microbatch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--in-flight", type=int, default=4, help="microbatches in flight (default 4)")
@@ -126,6 +130,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
     p.add_argument("--progress", default=os.environ.get("SWARM_PROGRESS", "auto"), help="'bar' (live, even into a pipe), 'off', or 'auto': a bar on a terminal, else a plain line every 10 steps (default: SWARM_PROGRESS, else auto)")
     args = p.parse_args(argv)
+    if args.local_steps < 1:
+        p.error(f"--local-steps must be >= 1, got {args.local_steps}")
     if args.progress not in PROGRESS_SETTINGS:
         p.error(f"--progress (SWARM_PROGRESS) must be one of {', '.join(PROGRESS_SETTINGS)}, got {args.progress!r}")
     return args
@@ -225,7 +231,8 @@ def start_servers(procs: LocalProcesses, args: argparse.Namespace, common: dict)
     for stage in range(args.stages):
         for replica in range(args.replicas):
             port = free_port(args.host)
-            env = {**common, "SWARM_STAGE": str(stage), "SWARM_PORT": str(port), "SWARM_HOST": args.host, "SWARM_LR": str(args.lr), "SWARM_GLOBAL_BATCH": str(args.global_batch)}
+            env = {**common, "SWARM_STAGE": str(stage), "SWARM_PORT": str(port), "SWARM_HOST": args.host, "SWARM_LR": str(args.lr), "SWARM_GLOBAL_BATCH": str(args.global_batch),
+                   "SWARM_SYNC": args.sync, "SWARM_LOCAL_STEPS": str(args.local_steps)}  # fmt: skip
             name = f"stage{stage}-{replica}"
             procs.start(name, ["services.stage_server"], env)
             servers[name] = f"{_scheme()}://{args.host}:{port}"

@@ -14,6 +14,7 @@ from shared.log import get_logger
 from shared.metrics import Metrics, add_metrics_route, metrics_middleware
 from services.stage_server.averaging_routes import AVERAGER, add_averaging_routes
 from services.stage_server.latency import LatencyProbe
+from services.stage_server.local_sync import OuterConfig
 from services.stage_server.membership import Membership
 from services.stage_server.metrics import STAGE_METRICS, StageMetrics
 from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, STEPPER, WORKER, MoveOrder, add_routes
@@ -44,6 +45,7 @@ def build_runtime(settings: StageServerSettings) -> StageRuntime:
         cache_size=settings.backward_cache,
         max_staleness=settings.max_staleness,
         solo=not settings.coordinator,  # no coordinator counts the stage's samples: this server steps on its own
+        outer=OuterConfig(settings.local_steps, settings.outer_lr, settings.outer_momentum) if settings.sync == "local" else None,
     )
 
 
@@ -140,6 +142,7 @@ def _stepper(app: web.Application, settings: StageServerSettings, session, log) 
         # a reservation may be held while the stage is a whole step ahead (the coordinator's step_timeout_s)
         return await post_json(session, settings.coordinator + path, body, timeout_s=settings.join_timeout_s)
 
+    app[AVERAGER].resync = resync  # a local-mode replica that missed an outer step takes a peer's anchor
     return StepClient(
         runtime, post=post, resync=resync, wait_round=app[AVERAGER].wait_round, in_round=lambda: app[AVERAGER].running,
         identity={"run_id": settings.run_id, "stage": settings.stage, "url": url, "global_batch": settings.global_batch},

@@ -24,6 +24,7 @@ from services.stage_server.averaging import (
     RETRY_FETCH_BY,
     RETRY_REDUCE_AT,
     RETRY_SEP,
+    EPSILON_WEIGHT,
     START_WAIT_S,
     AveragingRound,
     PartMessage,
@@ -56,6 +57,7 @@ class Averager:
         self.rounds_completed = 0
         self.rounds_started = 0  # started - completed - running = failed (metrics)
         self.samples_at_last_round = 0
+        self.bytes_sent = 0  # by the rounds that ended here, all kinds: parts posted and reductions served
         self._task: asyncio.Task | None = None
         self._close_handle: asyncio.TimerHandle | None = None
         self._early: tuple[str, dict[int, tuple[PartMessage, torch.Tensor]]] = ("", {})  # parts that beat their round's start
@@ -63,6 +65,7 @@ class Averager:
         self._started = asyncio.Event()
         self._stepped = asyncio.Event()  # set and replaced after every step applied here
         self._closing = False
+        self.resync: Callable[[], Awaitable[None]] | None = None  # take a live replica's state (set once the server has a coordinator)
 
     @property
     def running(self) -> bool:
@@ -72,6 +75,7 @@ class Averager:
         return {
             "step": self.runtime.step,
             "rounds_completed": self.rounds_completed,
+            "bytes_sent": self.bytes_sent,
             "running": self.round.spec.round_id if self.running else None,
             "last_round": self.last_round.summary() if self.last_round else None,
         }
@@ -195,6 +199,7 @@ class Averager:
             log.exception("averaging.round.failed", reason=repr(exc))
         finally:
             rnd.outcome["seconds"] = round(time.perf_counter() - started, 4)
+            self.bytes_sent += rnd.bytes_sent
             self.last_round = rnd
 
     async def _reduce(self, rnd: AveragingRound, sent: torch.Tensor, weight: float, log) -> torch.Tensor:
@@ -223,11 +228,41 @@ class Averager:
         self.samples_at_last_round = samples
         self.rounds_completed += 1
 
+    async def _local_step(self, rnd: AveragingRound, log) -> None:
+        """A step round in ``local`` mode (``local_sync.py``): this member's own gradient of the
+        step, alone; when an outer step is due, the members' outer gradients all-reduced
+        (weighted by the samples each served since the last one) and the same outer step on
+        every member. A member that missed a part keeps its inner weights and its anchor
+        (what it learned goes into its next outer gradient) and takes a live replica's state
+        (``self.resync``), so that the anchors stay one."""
+        taken = await self.run_compute(self.runtime.take_gradients, rnd.spec.step)
+        await self.run_compute(self.runtime.inner_step, taken)
+        rnd.samples = taken.samples
+        self._stepped.set()
+        self._stepped = asyncio.Event()
+        outer = self.runtime.outer
+        if not outer.due(self.runtime.step):
+            self.rounds_completed += 1
+            log.info("step.applied", step=self.runtime.step, local=True, samples_here=taken.samples)
+            return
+        delta = await self.run_compute(self.runtime.outer_gradient)
+        mean = await self._reduce(rnd, self._as_sent(delta, log), float(outer.samples) or EPSILON_WEIGHT, log)
+        if all(p is not None for p in rnd.parts):
+            await self.run_compute(self.runtime.outer_step, mean)
+            self.rounds_completed += 1
+            log.info("step.applied", step=self.runtime.step, local=True, samples_here=taken.samples, outer_step=outer.steps, outer_norm=round(float(mean.norm()), 6))
+            return
+        log.warning("outer.missed", step=self.runtime.step, parts_failed=[j for j, p in enumerate(rnd.parts) if p is None], resync=self.resync is not None)
+        if self.resync is not None:
+            await self.resync()
+
     async def _step(self, rnd: AveragingRound, log) -> None:
         """A step round: the accumulated gradients all-reduced (weighted by samples), then the
         same optimizer step on every member. A member that missed a part does not step; it
         gives its gradient back (if nobody stepped, nothing is lost; if the others stepped,
         the coordinator tells it to take their state, and its samples count as dropped)."""
+        if self.runtime.outer is not None:
+            return await self._local_step(rnd, log)
         taken = await self.run_compute(self.runtime.take_gradients, rnd.spec.step)
         weight = float(taken.samples) or (1.0 if self.byzantine else 0.0)  # an attacker claims a weight even when it served nothing
         mean = await self._reduce(rnd, self._as_sent(taken.mean, log), weight, log)

@@ -97,7 +97,10 @@ async def status(request: web.Request) -> web.Response:
 async def digest(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     step, value = await request.app[WORKER].run(lambda: (runtime.step, runtime.digest()))
-    return web.json_response({"step": step, "digest": value})
+    reply = {"step": step, "digest": value}
+    if runtime.outer is not None:  # local mode: replicas in the middle of an outer step are between steps too
+        reply["outer_steps"] = runtime.outer.steps
+    return web.json_response(reply)
 
 
 def add_averaging_routes(app: web.Application) -> None:

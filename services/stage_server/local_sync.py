@@ -30,7 +30,7 @@ import torch
 class OuterConfig:
     every: int = 10  # H: global (inner) steps between outer steps
     lr: float = 0.7  # DiLoCo's outer learning rate
-    momentum: float = 0.9  # Nesterov momentum of the outer step; 0: none
+    momentum: float = 0.5  # Nesterov momentum of the outer step; 0: none (DiLoCo: 0.9, for H in the hundreds)
 
     def __post_init__(self):
         assert self.every >= 1, f"an outer step needs every >= 1 inner steps, got {self.every}"

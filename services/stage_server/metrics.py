@@ -56,6 +56,7 @@ class StageMetrics:
         yield gauge("swarm_stage_weights_version", "bumped by every change of the weights", self.runtime.version)
         yield gauge("swarm_stage_draining", "1 while the server drains before it stops", float(worker.draining))
         failed = max(0, averager.rounds_started - averager.rounds_completed - int(averager.running))
+        yield counter("swarm_stage_averaging_bytes_sent", "bytes this server sent in averaging and step rounds (parts and reductions), counted as each round ends", averager.bytes_sent)
         yield counter("swarm_stage_averaging_rounds", "averaging rounds this server took part in, by outcome", {("completed",): averager.rounds_completed, ("failed",): failed}, ["outcome"])
 
 STAGE_METRICS = web.AppKey("stage_metrics", StageMetrics)

@@ -106,7 +106,12 @@ def test_rebalancing(results):
 
 def test_convergence(results):
     table = rows(results, "convergence")
-    assert [(r["wire"], r["replicas/stage"], r["trainers"]) for r in table] == [("fp32", 1, 1), ("fp32 (again)", 1, 1), ("fp32", 2, 2), ("fp16", 1, 1), ("int8", 1, 1), ("int8", 2, 2)]
+    assert [(r["wire"], r["replicas/stage"], r["trainers"], r["sync"]) for r in table] == [
+        ("fp32", 1, 1, "global"), ("fp32 (again)", 1, 1, "global"), ("fp32", 2, 2, "global"), ("fp32", 2, 2, "local"), ("fp16", 1, 1, "global"), ("int8", 1, 1, "global"), ("int8", 2, 2, "global")]
+    by = {(r["wire"], r["replicas/stage"], r["sync"]): r for r in table}
+    assert by[("fp32", 1, "global")]["sync bytes/sample"] == 0  # one replica per stage: nothing to all-reduce
+    # local mode (an outer step every 2 of the quick plan's 4 steps) sends fewer bytes than an all-reduce every step
+    assert 0 < by[("fp32", 2, "local")]["sync bytes/sample"] < by[("fp32", 2, "global")]["sync bytes/sample"]
     assert len({r["global steps"] for r in table}) == 1  # every swarm took the same global steps of the same global batch
     assert all(r["samples"] >= table[0]["samples"] for r in table)  # two trainers may compute a few microbatches past the last step
     for r in table:

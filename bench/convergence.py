@@ -93,7 +93,7 @@ async def train_one(plan: Plan, codec: str, replicas: int, trainers: int, sync: 
             mesh.client.until_step = steps
             mesh.client.client_id = f"t{t}"
             runs.append(Trainer(mesh.client, mesh.batcher, steps=steps, global_batch=plan.global_batch, in_flight=plan.in_flight // trainers, seed=0,
-                                shard_index=t, num_shards=trainers))
+                                shard_index=t, num_shards=trainers, before_final_eval=lambda view=mesh.view: view.average(60.0)))  # evaluate once the last step is applied
         summaries = await asyncio.gather(*(r.run() for r in runs))
         stage_steps, sync_bytes = [], 0  # every replica's global step, as it says; bytes of its rounds
         for url in (u for replicas_of in mesh.view.replicas() for u in replicas_of):

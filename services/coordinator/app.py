@@ -155,9 +155,11 @@ def _averaging(settings: CoordinatorSettings):
 
 
 async def average_now(request: web.Request) -> web.Response:
-    """``POST /average``: check now (after the pass running, if any) that each stage's
-    replicas are identical, repair those that drifted, and answer when the repairs ended:
-    {checks: [{stage, verdict, replicas, steps, digests}], rounds: [{stage, round_id, members, accepted, ended}]}."""
+    """``POST /average``: once the step rounds running now have ended (a trainer asks before
+    its final evaluation, which must see the run's last step applied), check that each
+    stage's replicas are identical, repair those that drifted, and answer when the repairs
+    ended: {checks: [{stage, verdict, replicas, steps, digests}], rounds: [{stage, round_id, members, accepted, ended}]}."""
+    await request.app[STEPS].settled()
     scheduler = request.app[AVERAGING]
     rounds = await scheduler.average_now()
     return web.json_response({"checks": scheduler.checks, "rounds": [r.as_json() for r in rounds]})

@@ -23,7 +23,7 @@ from services.coordinator.dashboard import EventRecorder, RecentEvents
 from services.coordinator.dashboard_routes import EVENTS, PROGRESS, add_dashboard_routes, DASHBOARD_PATHS
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.placement import TopologyRebalancer, placement_inputs, split_moves, uses_topology
-from services.coordinator.registry import RegisteredServer, Registry
+from services.coordinator.registry import RegisteredServer, Registry, ServerReport
 from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY, SETTINGS, STEPS, TRAFFIC, _check_run, add_routes, read_json
 from services.coordinator.steps import StepScheduler, check_report
 
@@ -99,7 +99,7 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     app.router.add_post("/average", average_now)
     app[STEPS] = StepScheduler(
         settings.num_stages, app[REGISTRY].live, codec=settings.averaging_codec, timeout_s=settings.step_timeout_s, aggregator=settings.averaging_aggregator, log=log,
-        lease_s=app[REGISTRY].lease_s,
+        lease_s=app[REGISTRY].lease_s, reported_step=lambda server: app[REGISTRY].reports.get(server.server_id, ServerReport()).step,
     )
     app.cleanup_ctx.append(_steps())
     app.router.add_post("/step/reserve", step_reserve)

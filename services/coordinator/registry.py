@@ -92,6 +92,7 @@ class ServerReport:
     parameters: int = 0  # of its stage: what an averaging round moves
     samples_per_step: int = 0  # samples per optimizer step (0: unknown)
     activation_bytes_per_sample: float = 0.0  # wire bytes per sample crossing its boundary, measured (0: none yet)
+    step: int | None = None  # the global step its state is at, as of the message (None: not said)
 
 
 @dataclass(frozen=True)
@@ -359,10 +360,12 @@ def check_region(value) -> str:
 
 def check_report(msg: dict) -> ServerReport | None:
     """The ServerReport in a registration or heartbeat (``region``, ``workload``:
-    {parameters, samples_per_step, activation_bytes_per_sample}), None if it has neither."""
-    region, workload = msg.get("region"), msg.get("workload")
-    if region is None and workload is None:
+    {parameters, samples_per_step, activation_bytes_per_sample}, ``step``), None if it has none."""
+    region, workload, step = msg.get("region"), msg.get("workload"), msg.get("step")
+    if region is None and workload is None and step is None:
         return None
+    if step is not None and (type(step) is not int or not 0 <= step < 2**53):
+        raise BadPayload("'step' must be an int >= 0")
     region = "" if region is None else check_region(region)
     workload = {} if workload is None else workload
     if not isinstance(workload, dict):
@@ -374,7 +377,7 @@ def check_report(msg: dict) -> ServerReport | None:
         raise BadPayload(f"'workload.samples_per_step' must be an int in [0, {MAX_SAMPLES_PER_STEP}]")
     if type(activation) not in (int, float) or not math.isfinite(activation) or not 0 <= activation <= MAX_ACTIVATION_BYTES:
         raise BadPayload("'workload.activation_bytes_per_sample' must be a finite number in [0, 2**40]")
-    return ServerReport(region, parameters, samples, float(activation))
+    return ServerReport(region, parameters, samples, float(activation), step)
 
 
 def _check_throughput(value) -> float:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -157,15 +157,14 @@ class StepCounter:
             return False
         return complete
 
-    def members(self, stage: int, live: list[str]) -> list[str]:
+    def members(self, stage: int, live: list[str], reported: Mapping[str, int] | None = None) -> list[str]:
         """Who takes part in the stage's step round: its live replicas that have said they are
-        at its step. Not those behind (they would refuse; they resync on their next
-        reservation), nor those not heard of yet in this stage (a joiner or a moved server
-        that took a peer's state a step ago would refuse the round, and its peers would
-        wait for its parts until their deadline): a replica takes part from the round after
-        its first reservation."""
-        st = self.stages[stage]
-        return [url for url in live if st.replica_steps.get(url, -1) >= st.step]
+        at its step, in a reservation or report, or in their registration or heartbeat
+        (``reported``: URL -> step). Not those behind (they would refuse, and their peers
+        would wait for their parts until the round's deadline; they resync on their next
+        reservation), nor those that said nothing yet."""
+        st, reported = self.stages[stage], reported or {}
+        return [url for url in live if max(st.replica_steps.get(url, -1), reported.get(url, -1)) >= st.step]
 
     def forget(self, url: str) -> None:
         for st in self.stages:
@@ -230,8 +229,11 @@ def check_report(msg: dict, num_stages: int, fields: tuple[str, ...]) -> tuple:
 class StepScheduler:
     """Runs :class:`StepCounter` with real rounds among the live replicas of each stage."""
 
-    def __init__(self, num_stages: int, live_servers: Callable[[], Iterable], *, codec: str, timeout_s: float, aggregator: str, log, lease_s: float = 0.0):
+    def __init__(self, num_stages: int, live_servers: Callable[[], Iterable], *, codec: str, timeout_s: float, aggregator: str, log, lease_s: float = 0.0,
+                 reported_step: Callable[[object], int | None] = lambda server: None):
+        """``reported_step(server)``: the step a live server said in its registration or last heartbeat."""
         self.live_servers, self.codec, self.timeout_s, self.aggregator, self.log = live_servers, codec, timeout_s, aggregator, log
+        self.reported_step = reported_step
         self.counter = StepCounter(num_stages, timeout_s=timeout_s, lease_s=lease_s)
         self.session: aiohttp.ClientSession | None = None
         self._changed = asyncio.Condition()  # a round started or ended: held reservations and closing reports look again
@@ -289,7 +291,8 @@ class StepScheduler:
         if not self.counter.ready(stage, self._live(stage)) or self.session is None:
             return
         st = self.counter.stages[stage]
-        step, members = st.step, self.counter.members(stage, self._live(stage))
+        reported = {s.url: step for s in self.live_servers() if s.stage == stage and (step := self.reported_step(s)) is not None}
+        step, members = st.step, self.counter.members(stage, self._live(stage), reported)
         if not members:
             return
         st.round_id = STARTING  # no second round while this one is being started

@@ -91,15 +91,16 @@ def _load(app: web.Application):
 
 
 def _report(settings: StageServerSettings, app: web.Application):
-    """What the coordinator's placement needs to know of this server, beyond its load:
-    where it is, and the work of its stage (parameters averaged, samples per optimizer
-    step, measured wire bytes per sample of the activation crossing its boundary)."""
+    """What the coordinator needs to know of this server, beyond its load: where it is, the
+    work of its stage (parameters averaged, samples per optimizer step, measured wire bytes
+    per sample of the activation crossing its boundary), and its global step."""
     parameters = sum(p.numel() for p in app[RUNTIME].params)
     stage_metrics = app[STAGE_METRICS]
 
     def report() -> dict:
         workload = {"parameters": parameters, "samples_per_step": settings.global_batch, "activation_bytes_per_sample": round(stage_metrics.activation_bytes_per_sample, 3)}
-        return {"workload": workload, **({"region": settings.region} if settings.region else {})}
+        # step: the coordinator leaves a replica out of a step round it has not reached (e.g. a joiner that took a peer's state a step ago)
+        return {"workload": workload, "step": app[RUNTIME].step, **({"region": settings.region} if settings.region else {})}
 
     return report
 

@@ -81,7 +81,8 @@ class OptimizerConfig:
 @dataclass
 class StageStats:
     forwards: int = 0
-    backwards: int = 0
+    backwards: int = 0  # backwards whose gradient was accumulated here
+    backwards_run: int = 0  # every backward computed: accumulated, a duplicate, dropped (its step taken) or past the run's last step
     samples: int = 0  # samples whose gradient was accumulated here
     optimizer_steps: int = 0  # global steps applied: the stage's step
     cache_hits: int = 0
@@ -239,6 +240,7 @@ class StageRuntime:
         step, bucket = self.step, self.step if bucket is None else bucket
         if late_to_current and 0 <= bucket < step:  # a replica counting its own steps: late for its step, the next one takes it
             bucket = step
+        self.stats.backwards_run += 1
         first_bucket = self._accumulated_in(microbatch_id)
         duplicate = first_bucket is not None
         batch, holder = inputs.shape[0], first_bucket

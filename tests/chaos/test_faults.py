@@ -66,8 +66,10 @@ def stats(server: Member) -> dict:
 
 
 def hops(server: Member) -> int:
+    """Forwards and backwards the server computed and answered (a backward of a re-run
+    microbatch is answered, not accumulated again: it counts in ``backwards_run`` only)."""
     s = stats(server)
-    return s["forwards"] + s["backwards"]
+    return s["forwards"] + s["backwards_run"]
 
 
 def stop(swarm: ChaosSwarm, servers: list[Member]) -> None:

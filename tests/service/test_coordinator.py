@@ -212,6 +212,7 @@ BAD_REGISTER = [
     ({"workload": {"parameters": 1.5}}, "workload.parameters"), ({"workload": {"samples_per_step": "32"}}, "workload.samples_per_step"),
     ({"workload": {"activation_bytes_per_sample": float("nan")}}, "workload.activation_bytes_per_sample"),
     ({"workload": {"activation_bytes_per_sample": -1.0}}, "workload.activation_bytes_per_sample"),
+    ({"step": -1}, "step"), ({"step": 1.0}, "step"), ({"step": "3"}, "step"),
 ]  # fmt: skip
 
 

@@ -163,6 +163,7 @@ def test_a_duplicate_backward_returns_its_gradient_but_is_accumulated_once():
     assert first.accumulated and not again.accumulated
     assert torch.equal(first.grad_inputs, again.grad_inputs)
     assert rt.pending_samples == 2 and rt.stats.duplicate_backwards == 1
+    assert rt.stats.backwards == 1 and rt.stats.backwards_run == 2  # both answered, one accumulated
 
 
 def test_a_duplicate_says_which_step_holds_its_microbatch_also_after_that_step_was_applied():

@@ -91,16 +91,18 @@ def test_members_that_did_not_step_lose_their_samples_and_are_left_out_of_the_ne
     assert c.members(0, [A, B]) == [A, B]
 
 
-def test_a_replica_not_heard_of_in_its_stage_yet_is_left_out_of_its_rounds():
+def test_a_replica_behind_by_its_registration_or_silent_is_left_out_of_its_rounds():
     """A server that moved here took a peer's state at step s, and registered after the stage
     reached s + 1: named in that round, it would refuse, and the others would wait for its
     parts until the deadline (measured: 8 s of a stalled swarm)."""
     c, _ = counter()
     c.done(0, A, 0, c.reserve(0, A, 0, 8, G).bucket, 8, 8, G)
-    assert c.members(0, [A, B]) == [A]  # B is live in the registry, silent here
+    assert c.members(0, [A, B]) == [A]  # B is live in the registry and has said nothing
+    assert c.members(0, [A, B], reported={B: 0}) == [A, B]  # its registration said step 0: it takes part, with nothing
     c.round_started(0, "r0")
     c.round_ended(0, {A: 1}, {A: 8})
-    assert c.reserve(0, B, 0, 4, G).resync  # B's first word: it is behind, it resyncs
+    assert c.members(0, [A, B], reported={B: 0}) == [A]  # registered at step 0, the stage is at 1
+    assert c.reserve(0, B, 0, 4, G).resync  # B's first reservation: it is behind, it resyncs
     assert c.members(0, [A, B]) == [A]
     assert c.reserve(0, B, 1, 4, G).bucket == 1
     assert c.members(0, [A, B]) == [A, B]

@@ -31,7 +31,7 @@ BENCHES = {
     "pipelining": "mesh tokens/s over torch.distributed.pipelining (gloo, 1F1B)",
     "churn": "tokens/s with a replica killed and restarted every 20 s, against no faults",
     "rebalancing": "throughput before and after rebalancing 1:2:4 replicas, against the exhaustive optimum",
-    "convergence": "loss after the same samples: fp32/fp16/int8 wires, 1 vs 2 averaged replicas",
+    "convergence": "loss after the same samples: fp32/fp16/int8 wires, 1 vs 2 replicas, global vs local (DiLoCo) sync",
 }
 ALIASES = {"square-cube": "square_cube"}
 

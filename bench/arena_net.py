@@ -1,0 +1,349 @@
+"""The WAN arena's network: every peer in its own Linux network namespace, behind an access
+link shaped in both directions, with one-way latency, on one machine.
+
+Layout (all names start with ``swa<pid>-``, so a run's leftovers are recognisable):
+
+- a hub namespace holding a bridge; nothing runs there (names ``swa<pid>-<n>-hub``, and
+  ``swa<pid>-<n>-<peer index>`` for the peers);
+- per peer, a namespace with one veth into the bridge and an address ``10.77.0.N/24``;
+  the peer's veth end shapes its upload, the hub's end its download, each with a token
+  bucket (``tc qdisc ... tbf``) at the peer's rate;
+- latency: this kernel has no ``netem``, so each service a peer offers listens on loopback
+  inside its namespace behind a :mod:`bench.delay_relay` on the peer's address, which
+  delays every chunk by the peer's one-way latency in each direction. Every connection in
+  the arena goes to one peer's relay, so a connection to a peer sees that peer's latency
+  each way (its RTT is twice it) and the bandwidth of both ends' buckets;
+- compute: an optional CPU cap per peer (cgroup v1 ``cpu.cfs_quota_us``, or v2
+  ``cpu.max``), the processes started in the peer joining it.
+
+Everything is created by :class:`Arena` and removed by it (``with Arena(...)``), also on an
+error or Ctrl-C: processes stopped, namespaces deleted (their veths and qdiscs with them),
+cgroups removed. :func:`cleanup_stale` removes what a killed run left. Nothing outside the
+arena's own addresses is contacted. Needs root, ``ip`` and ``tc``: :func:`unavailable`
+says why not, for the bench to skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUBNET = "10.77.0"
+PREFIX = "swa"
+CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
+CGROUP_V2 = Path("/sys/fs/cgroup")
+CFS_PERIOD_US = 100_000
+_ARENAS = 0  # arenas built by this process: each gets its own names
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    name: str  # e.g. "stage0", "trainer"
+    rate_mbit: float  # access link, each direction
+    one_way_ms: float  # added by the peer's relays, each direction
+    cpus: float | None = None  # CPU cap in cores (None: uncapped)
+
+
+@dataclass
+class Peer:
+    spec: PeerSpec
+    index: int
+    netns: str
+    address: str
+    veth_peer: str
+    veth_hub: str
+    cgroup: Path | None = None
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot build an arena (None: it can)."""
+    if os.geteuid() != 0:
+        return "the arena needs root (network namespaces, tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the arena needs {tool!r} (iproute2)"
+    return None
+
+
+def _run(*argv: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = (["ip", "netns", "exec", netns] if netns else []) + list(argv)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}): {result.stderr.strip() or result.stdout.strip()}")
+    return result
+
+
+def namespaces(prefix: str = PREFIX) -> list[str]:
+    """Network namespaces whose names start with ``prefix``."""
+    out = _run("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0].startswith(prefix)]
+
+
+def cleanup_stale(prefix: str = PREFIX) -> list[str]:
+    """Remove the namespaces and cgroups of arenas whose process is gone (a run killed with
+    SIGKILL); returns the namespaces removed."""
+    removed = []
+    for ns in namespaces(prefix):
+        owner = ns[len(prefix):].split("-", 1)[0]
+        if owner.isdigit() and not _alive(int(owner)):
+            _run("ip", "netns", "del", ns, check=False)
+            removed.append(ns)
+    for root in (CGROUP_V1, CGROUP_V2):
+        for path in root.glob(f"{prefix}*") if root.is_dir() else ():
+            owner = path.name[len(prefix):].split("-", 1)[0]
+            if owner.isdigit() and not _alive(int(owner)):
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Arena:
+    """``with Arena(peers) as arena``: the namespaces, links and caps of ``peers``; start
+    processes in a peer with :meth:`popen`, put a delaying relay in front of a loopback
+    service with :meth:`relay`."""
+
+    def __init__(self, peers: list[PeerSpec]):
+        if not peers or len(peers) > 250:
+            raise ValueError(f"an arena holds 1 to 250 peers, got {len(peers)}")
+        if len({p.name for p in peers}) != len(peers):
+            raise ValueError("peer names must be unique")
+        for p in peers:
+            if not p.rate_mbit > 0 or p.one_way_ms < 0 or (p.cpus is not None and not p.cpus > 0):
+                raise ValueError(f"peer {p.name!r}: rate must be > 0, latency >= 0 and cpus > 0 or None")
+        global _ARENAS
+        _ARENAS += 1
+        self.id = f"{PREFIX}{os.getpid()}-{_ARENAS}"
+        self.hub = f"{self.id}-hub"
+        short = f"{os.getpid() % 100_000}{_ARENAS % 100}"  # interface names have 15 characters at most
+        self.peers = {
+            spec.name: Peer(spec, i, f"{self.id}-{i}", f"{SUBNET}.{i + 1}", f"a{short}p{i}", f"a{short}h{i}")
+            for i, spec in enumerate(peers)
+        }
+        self._built = False
+
+    # ---------------------------------------------------------------- build and tear down
+    def __enter__(self) -> Arena:
+        why = unavailable()
+        if why:
+            raise RuntimeError(why)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        self._built = True
+        _run("ip", "netns", "add", self.hub)
+        _run("ip", "link", "set", "lo", "up", netns=self.hub)
+        _run("ip", "link", "add", "br0", "type", "bridge", netns=self.hub)
+        _run("ip", "link", "set", "br0", "up", netns=self.hub)
+        for peer in self.peers.values():
+            _run("ip", "netns", "add", peer.netns)
+            _run("ip", "link", "set", "lo", "up", netns=peer.netns)
+            _run("ip", "link", "add", peer.veth_hub, "type", "veth", "peer", "name", peer.veth_peer, netns=self.hub)
+            _run("ip", "link", "set", peer.veth_peer, "netns", peer.netns, netns=self.hub)
+            _run("ip", "link", "set", peer.veth_hub, "master", "br0", "up", netns=self.hub)
+            _run("ip", "addr", "add", f"{peer.address}/24", "dev", peer.veth_peer, netns=peer.netns)
+            _run("ip", "link", "set", peer.veth_peer, "up", netns=peer.netns)
+            for netns, dev in ((peer.netns, peer.veth_peer), (self.hub, peer.veth_hub)):  # upload, download
+                _run("tc", "qdisc", "add", "dev", dev, "root", *tbf_args(peer.spec.rate_mbit), netns=netns)
+            if peer.spec.cpus is not None:
+                peer.cgroup = _make_cgroup(f"{self.id}-{peer.index}", peer.spec.cpus)
+
+    def close(self) -> None:
+        """Stop every process, delete every namespace and cgroup; safe to call twice."""
+        for peer in self.peers.values():
+            for proc in peer.processes:
+                _stop(proc)
+            peer.processes.clear()
+        if not self._built:
+            return
+        for peer in self.peers.values():
+            _run("ip", "netns", "del", peer.netns, check=False)
+            if peer.cgroup is not None:
+                _remove_cgroup(peer.cgroup)
+                peer.cgroup = None
+        _run("ip", "netns", "del", self.hub, check=False)
+        self._built = False
+
+    # ---------------------------------------------------------------- use
+    def popen(self, peer: str, argv: list[str], *, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
+        """Start ``argv`` inside ``peer``'s namespace (and CPU cap); stopped by :meth:`close`."""
+        p = self.peers[peer]
+        out = open(log, "ab") if log else subprocess.DEVNULL
+        try:
+            proc = subprocess.Popen(["ip", "netns", "exec", p.netns, *argv], env={**os.environ, **(env or {})}, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        finally:
+            if log:
+                out.close()
+        if p.cgroup is not None:
+            _join_cgroup(p.cgroup, proc.pid)  # its children (ip netns exec execs in place) inherit it
+        p.processes.append(proc)
+        return proc
+
+    def relay(self, peer: str, port: int, inner_port: int, *, log: Path | None = None) -> str:
+        """A delaying relay on ``peer``'s address and ``port`` in front of its service on
+        ``127.0.0.1:inner_port``; returns the URL others use (``http://ADDRESS:PORT``)."""
+        p = self.peers[peer]
+        self.popen(peer, [sys.executable, "-m", "bench.delay_relay", "--listen", f"{p.address}:{port}", "--to", f"127.0.0.1:{inner_port}",
+                          "--delay-ms", str(p.spec.one_way_ms)], log=log)  # fmt: skip
+        wait_listening(self, peer, p.address, port)
+        return f"http://{p.address}:{port}"
+
+    def qdiscs(self) -> dict[str, str]:
+        """The tbf lines of every shaped interface, as ``tc`` shows them (peer -> upload | download)."""
+        shown = {}
+        for name, peer in self.peers.items():
+            up = _run("tc", "qdisc", "show", "dev", peer.veth_peer, netns=peer.netns, check=False).stdout.strip()
+            down = _run("tc", "qdisc", "show", "dev", peer.veth_hub, netns=self.hub, check=False).stdout.strip()
+            shown[name] = f"{up} | {down}"
+        return shown
+
+    def describe(self) -> list[dict]:
+        return [{"peer": name, "netns": p.netns, "address": p.address, "rate_mbit": p.spec.rate_mbit, "one_way_ms": p.spec.one_way_ms, "cpus": p.spec.cpus}
+                for name, p in self.peers.items()]  # fmt: skip
+
+
+def tbf_args(rate_mbit: float) -> list[str]:
+    """A token bucket at ``rate_mbit``: burst at least one timer tick of the rate (else it
+    cannot reach it) and 32 KiB, a queue of up to 2 s."""
+    burst = max(32 * 1024, int(rate_mbit * 1e6 / 8 / 100))
+    return ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "2000ms"]
+
+
+def wait_listening(arena: Arena, peer: str, host: str, port: int, timeout_s: float = 10.0) -> None:
+    """Until something accepts TCP connections on ``host:port`` inside ``peer`` (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    probe = f"import socket; socket.create_connection(({host!r}, {port}), timeout=0.5).close()"
+    while True:
+        if _run(sys.executable, "-c", probe, netns=arena.peers[peer].netns, check=False).returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"nothing listens on {host}:{port} in {peer} after {timeout_s} s")
+        time.sleep(0.1)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(grace_s)
+
+
+def _make_cgroup(name: str, cpus: float) -> Path:
+    quota = max(1000, int(cpus * CFS_PERIOD_US))
+    if (CGROUP_V1 / "cpu.cfs_quota_us").exists():
+        path = CGROUP_V1 / name
+        path.mkdir()
+        (path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+        (path / "cpu.cfs_quota_us").write_text(str(quota))
+        return path
+    if (CGROUP_V2 / "cgroup.controllers").exists() and "cpu" in (CGROUP_V2 / "cgroup.controllers").read_text().split():
+        path = CGROUP_V2 / name
+        path.mkdir()
+        (path / "cpu.max").write_text(f"{quota} {CFS_PERIOD_US}")
+        return path
+    raise RuntimeError("no cgroup cpu controller (v1 cpu.cfs_quota_us or v2 cpu.max) to cap a peer's CPU")
+
+
+def _join_cgroup(path: Path, pid: int) -> None:
+    (path / "cgroup.procs").write_text(str(pid))
+
+
+def _remove_cgroup(path: Path) -> None:
+    procs = path / "cgroup.procs"
+    for _ in range(50):  # its processes were stopped; the directory goes once they are reaped
+        with contextlib.suppress(OSError):
+            if procs.exists() and procs.read_text().split():
+                for pid in procs.read_text().split():
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), signal.SIGKILL)
+            path.rmdir()
+            return
+        time.sleep(0.1)
+
+
+def measure_link(arena: Arena, src: str, dst: str, *, port: int = 7000, inner_port: int = 17000, seconds: float = 1.5, pings: int = 20) -> dict:
+    """The link from ``src`` to ``dst`` as the arena built it: a bulk transfer into ``dst``
+    through its relay (about ``seconds`` long at the set rate) and a ping-pong. The set
+    figures are the slower end's rate and twice ``dst``'s one-way latency."""
+    import json
+
+    a, b = arena.peers[src], arena.peers[dst]
+    rate = min(a.spec.rate_mbit, b.spec.rate_mbit)
+    started = len(b.processes)
+    server = arena.popen(dst, [sys.executable, "-m", "bench.arena_probe", "serve", "--port", str(inner_port)])
+    try:
+        wait_listening(arena, dst, "127.0.0.1", inner_port)
+        arena.relay(dst, port, inner_port)
+        to = f"{b.address}:{port}"
+        nbytes = max(2**20, int(rate * 1e6 / 8 * seconds))
+        sent = json.loads(_run(sys.executable, "-m", "bench.arena_probe", "send", "--to", to, "--bytes", str(nbytes), netns=a.netns).stdout)
+        rtt = json.loads(_run(sys.executable, "-m", "bench.arena_probe", "ping", "--to", to, "--count", str(pings), netns=a.netns).stdout)
+    finally:
+        for proc in b.processes[started:]:
+            _stop(proc)
+        del b.processes[started:]
+    assert server.poll() is not None
+    return {"from": src, "to": dst, "set_mbit": rate, "mbit_s": round(sent["mbit_s"], 2), "bytes": sent["bytes"],
+            "set_rtt_ms": 2 * b.spec.one_way_ms, "rtt_ms": round(rtt["rtt_ms_median"], 2), "rtt_ms_max": round(rtt["rtt_ms_max"], 2)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.arena_net links``: build two-peer arenas at the given rates and
+    latency and print each link as measured; ``cleanup``: remove what killed runs left."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m bench.arena_net", description=main.__doc__.split(";")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    links = sub.add_parser("links", help="measure two-peer links as the arena builds them")
+    links.add_argument("--rates", default="10,50,200", help="Mbit/s, comma-separated (default 10,50,200)")
+    links.add_argument("--one-way-ms", type=float, default=20.0, help="one-way latency of each peer (default 20)")
+    sub.add_parser("cleanup", help="remove the namespaces and cgroups of arenas whose process is gone")
+    args = p.parse_args(argv)
+    why = unavailable()
+    if why:
+        print(f"arena: skipped: {why}", file=sys.stderr)
+        return 0 if args.cmd == "cleanup" else 2
+    if args.cmd == "cleanup":
+        print(json.dumps({"removed": cleanup_stale()}))
+        return 0
+    for rate in (float(r) for r in args.rates.split(",")):
+        with Arena([PeerSpec("a", rate, args.one_way_ms), PeerSpec("b", rate, args.one_way_ms)]) as arena:
+            print(json.dumps(measure_link(arena, "a", "b")), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,8 +2,11 @@
 
 A round reduces one flat vector per member: in a ``step`` round the member's accumulated
 mean gradient, weighted by its samples (every member then applies the same optimizer
-step, see ``stepping.py``); in a ``params`` round its weights (repairs replicas that
-drifted apart, see the coordinator's ``averaging.py``).
+step, see ``stepping.py``), or in ``SWARM_SYNC=local`` mode, when an outer step is due,
+its outer gradient weighted by the samples it served since the last one (the maths are
+in ``local_sync.py``; between outer steps a step round exchanges nothing); in a
+``params`` round its weights (repairs replicas that drifted apart, see the
+coordinator's ``averaging.py``).
 
 Plain logic, no aiohttp: ``averaging_routes.py`` is the HTTP edge and ``averager.py`` runs one
 server's side of a round; they hand this module decoded values and a :class:`Transport`

@@ -1,18 +1,16 @@
 """The WAN arena's network: every peer in its own Linux network namespace, behind an access
-link shaped in both directions, with one-way latency, on one machine.
+link shaped in both directions and with its own latency, on one machine.
 
 Layout (all names start with ``swa<pid>-``, so a run's leftovers are recognisable):
 
-- a hub namespace holding a bridge; nothing runs there (names ``swa<pid>-<n>-hub``, and
-  ``swa<pid>-<n>-<peer index>`` for the peers);
-- per peer, a namespace with one veth into the bridge and an address ``10.77.0.N/24``;
-  the peer's veth end shapes its upload, the hub's end its download, each with a token
-  bucket (``tc qdisc ... tbf``) at the peer's rate;
-- latency: this kernel has no ``netem``, so each service a peer offers listens on loopback
-  inside its namespace behind a :mod:`bench.delay_relay` on the peer's address, which
-  delays every chunk by the peer's one-way latency in each direction. Every connection in
-  the arena goes to one peer's relay, so a connection to a peer sees that peer's latency
-  each way (its RTT is twice it) and the bandwidth of both ends' buckets;
+- a hub namespace (``swa<pid>-<n>-hub``) where :mod:`bench.delay_switch` joins the peers'
+  links: a learning switch that delays each frame by the latency of the link it came in
+  on plus that of the link it goes out on (this kernel has no ``netem``);
+- per peer, a namespace (``swa<pid>-<n>-<peer index>``) with one veth into the hub and an
+  address ``10.77.0.N/24``; the peer's veth end shapes its upload, the hub's end its
+  download, each with a token bucket (``tc qdisc ... tbf``) at the peer's rate. So every
+  connection between two peers, whatever its ports (HTTP, gloo), crosses both peers'
+  buckets and both links' latencies: a peer-to-peer RTT is twice the sum of the two;
 - compute: an optional CPU cap per peer (cgroup v1 ``cpu.cfs_quota_us``, or v2
   ``cpu.max``), the processes started in the peer joining it.
 
@@ -40,6 +38,8 @@ PREFIX = "swa"
 CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
 CGROUP_V2 = Path("/sys/fs/cgroup")
 CFS_PERIOD_US = 100_000
+MTU = 16000  # large frames: the switch forwards about 1,600 a second at 200 Mbit/s
+REPO = Path(__file__).resolve().parents[1]  # for the arena's own Python processes (``-m bench...``)
 _ARENAS = 0  # arenas built by this process: each gets its own names
 
 
@@ -47,7 +47,7 @@ _ARENAS = 0  # arenas built by this process: each gets its own names
 class PeerSpec:
     name: str  # e.g. "stage0", "trainer"
     rate_mbit: float  # access link, each direction
-    one_way_ms: float  # added by the peer's relays, each direction
+    one_way_ms: float  # latency of the access link, each direction
     cpus: float | None = None  # CPU cap in cores (None: uncapped)
 
 
@@ -73,9 +73,9 @@ def unavailable() -> str | None:
     return None
 
 
-def _run(*argv: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def _run(*argv: str, netns: str | None = None, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = (["ip", "netns", "exec", netns] if netns else []) + list(argv)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env={**os.environ, **env} if env else None)
     if check and result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}): {result.stderr.strip() or result.stdout.strip()}")
     return result
@@ -117,8 +117,7 @@ def _alive(pid: int) -> bool:
 
 class Arena:
     """``with Arena(peers) as arena``: the namespaces, links and caps of ``peers``; start
-    processes in a peer with :meth:`popen`, put a delaying relay in front of a loopback
-    service with :meth:`relay`."""
+    processes in a peer with :meth:`popen` (a service listens on its peer's ``address``)."""
 
     def __init__(self, peers: list[PeerSpec]):
         if not peers or len(peers) > 250:
@@ -138,6 +137,7 @@ class Arena:
             for i, spec in enumerate(peers)
         }
         self._built = False
+        self._switch: subprocess.Popen | None = None
 
     # ---------------------------------------------------------------- build and tear down
     def __enter__(self) -> Arena:
@@ -156,22 +156,29 @@ class Arena:
 
     def _build(self) -> None:
         self._built = True
+        cleanup_stale()
         _run("ip", "netns", "add", self.hub)
         _run("ip", "link", "set", "lo", "up", netns=self.hub)
-        _run("ip", "link", "add", "br0", "type", "bridge", netns=self.hub)
-        _run("ip", "link", "set", "br0", "up", netns=self.hub)
         for peer in self.peers.values():
             _run("ip", "netns", "add", peer.netns)
             _run("ip", "link", "set", "lo", "up", netns=peer.netns)
             _run("ip", "link", "add", peer.veth_hub, "type", "veth", "peer", "name", peer.veth_peer, netns=self.hub)
             _run("ip", "link", "set", peer.veth_peer, "netns", peer.netns, netns=self.hub)
-            _run("ip", "link", "set", peer.veth_hub, "master", "br0", "up", netns=self.hub)
+            _run("ip", "link", "set", peer.veth_hub, "mtu", str(MTU), "up", netns=self.hub)
             _run("ip", "addr", "add", f"{peer.address}/24", "dev", peer.veth_peer, netns=peer.netns)
-            _run("ip", "link", "set", peer.veth_peer, "up", netns=peer.netns)
+            _run("ip", "link", "set", peer.veth_peer, "mtu", str(MTU), "up", netns=peer.netns)
+            _run(sys.executable, "-c", f"from bench.delay_switch import transmit_checksum_off; transmit_checksum_off({peer.veth_peer!r})",
+                 netns=peer.netns, env={"PYTHONPATH": str(REPO)})  # fmt: skip
             for netns, dev in ((peer.netns, peer.veth_peer), (self.hub, peer.veth_hub)):  # upload, download
                 _run("tc", "qdisc", "add", "dev", dev, "root", *tbf_args(peer.spec.rate_mbit), netns=netns)
             if peer.spec.cpus is not None:
                 peer.cgroup = _make_cgroup(f"{self.id}-{peer.index}", peer.spec.cpus)
+        ports = [f"{p.veth_hub}:{p.spec.one_way_ms}" for p in self.peers.values()]
+        self._switch = subprocess.Popen(["ip", "netns", "exec", self.hub, sys.executable, "-m", "bench.delay_switch", *ports], stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True, text=True)  # fmt: skip
+        ready = self._switch.stdout.readline()  # it prints its ports once its sockets are open
+        if not ready.startswith('{"switch"'):
+            raise RuntimeError(f"the arena's switch did not start: {ready.strip() or self._switch.wait(5)}")
 
     def close(self) -> None:
         """Stop every process, delete every namespace and cgroup; safe to call twice."""
@@ -181,6 +188,10 @@ class Arena:
             peer.processes.clear()
         if not self._built:
             return
+        if self._switch is not None:
+            _stop(self._switch)
+            self._switch.stdout.close()
+            self._switch = None
         for peer in self.peers.values():
             _run("ip", "netns", "del", peer.netns, check=False)
             if peer.cgroup is not None:
@@ -195,7 +206,7 @@ class Arena:
         p = self.peers[peer]
         out = open(log, "ab") if log else subprocess.DEVNULL
         try:
-            proc = subprocess.Popen(["ip", "netns", "exec", p.netns, *argv], env={**os.environ, **(env or {})}, stdout=out,
+            proc = subprocess.Popen(["ip", "netns", "exec", p.netns, *argv], env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         finally:
             if log:
@@ -204,15 +215,6 @@ class Arena:
             _join_cgroup(p.cgroup, proc.pid)  # its children (ip netns exec execs in place) inherit it
         p.processes.append(proc)
         return proc
-
-    def relay(self, peer: str, port: int, inner_port: int, *, log: Path | None = None) -> str:
-        """A delaying relay on ``peer``'s address and ``port`` in front of its service on
-        ``127.0.0.1:inner_port``; returns the URL others use (``http://ADDRESS:PORT``)."""
-        p = self.peers[peer]
-        self.popen(peer, [sys.executable, "-m", "bench.delay_relay", "--listen", f"{p.address}:{port}", "--to", f"127.0.0.1:{inner_port}",
-                          "--delay-ms", str(p.spec.one_way_ms)], log=log)  # fmt: skip
-        wait_listening(self, peer, p.address, port)
-        return f"http://{p.address}:{port}"
 
     def qdiscs(self) -> dict[str, str]:
         """The tbf lines of every shaped interface, as ``tc`` shows them (peer -> upload | download)."""
@@ -230,8 +232,8 @@ class Arena:
 
 def tbf_args(rate_mbit: float) -> list[str]:
     """A token bucket at ``rate_mbit``: burst at least one timer tick of the rate (else it
-    cannot reach it) and 32 KiB, a queue of up to 2 s."""
-    burst = max(32 * 1024, int(rate_mbit * 1e6 / 8 / 100))
+    cannot reach it) and two of the arena's largest frames, a queue of up to 2 s."""
+    burst = max(2 * (MTU + 14), int(rate_mbit * 1e6 / 8 / 100))
     return ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "2000ms"]
 
 
@@ -293,35 +295,31 @@ def _remove_cgroup(path: Path) -> None:
         time.sleep(0.1)
 
 
-def measure_link(arena: Arena, src: str, dst: str, *, port: int = 7000, inner_port: int = 17000, seconds: float = 1.5, pings: int = 20) -> dict:
-    """The link from ``src`` to ``dst`` as the arena built it: a bulk transfer into ``dst``
-    through its relay (about ``seconds`` long at the set rate) and a ping-pong. The set
-    figures are the slower end's rate and twice ``dst``'s one-way latency."""
+def measure_link(arena: Arena, src: str, dst: str, *, port: int = 7000, seconds: float = 3.0, pings: int = 20) -> dict:
+    """The path from ``src`` to ``dst`` as the arena built it: a bulk transfer into ``dst``
+    (about ``seconds`` long at the set rate) and a ping-pong. The set figures are the slower
+    end's rate and twice the sum of the two links' latencies."""
     import json
 
     a, b = arena.peers[src], arena.peers[dst]
     rate = min(a.spec.rate_mbit, b.spec.rate_mbit)
-    started = len(b.processes)
-    server = arena.popen(dst, [sys.executable, "-m", "bench.arena_probe", "serve", "--port", str(inner_port)])
+    server = arena.popen(dst, [sys.executable, "-m", "bench.arena_probe", "serve", "--host", b.address, "--port", str(port)])
     try:
-        wait_listening(arena, dst, "127.0.0.1", inner_port)
-        arena.relay(dst, port, inner_port)
-        to = f"{b.address}:{port}"
+        wait_listening(arena, src, b.address, port)
+        to, env = f"{b.address}:{port}", {"PYTHONPATH": str(REPO)}
         nbytes = max(2**20, int(rate * 1e6 / 8 * seconds))
-        sent = json.loads(_run(sys.executable, "-m", "bench.arena_probe", "send", "--to", to, "--bytes", str(nbytes), netns=a.netns).stdout)
-        rtt = json.loads(_run(sys.executable, "-m", "bench.arena_probe", "ping", "--to", to, "--count", str(pings), netns=a.netns).stdout)
+        sent = json.loads(_run(sys.executable, "-m", "bench.arena_probe", "send", "--to", to, "--bytes", str(nbytes), netns=a.netns, env=env).stdout)
+        rtt = json.loads(_run(sys.executable, "-m", "bench.arena_probe", "ping", "--to", to, "--count", str(pings), netns=a.netns, env=env).stdout)
     finally:
-        for proc in b.processes[started:]:
-            _stop(proc)
-        del b.processes[started:]
-    assert server.poll() is not None
+        _stop(server)
+        b.processes.remove(server)
     return {"from": src, "to": dst, "set_mbit": rate, "mbit_s": round(sent["mbit_s"], 2), "bytes": sent["bytes"],
-            "set_rtt_ms": 2 * b.spec.one_way_ms, "rtt_ms": round(rtt["rtt_ms_median"], 2), "rtt_ms_max": round(rtt["rtt_ms_max"], 2)}  # fmt: skip
+            "set_rtt_ms": 2 * (a.spec.one_way_ms + b.spec.one_way_ms), "rtt_ms": round(rtt["rtt_ms_median"], 2), "rtt_ms_max": round(rtt["rtt_ms_max"], 2)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.arena_net links``: build two-peer arenas at the given rates and
-    latency and print each link as measured; ``cleanup``: remove what killed runs left."""
+    latency and print each path as measured; ``cleanup``: remove what killed runs left."""
     import argparse
     import json
 
@@ -329,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     links = sub.add_parser("links", help="measure two-peer links as the arena builds them")
     links.add_argument("--rates", default="10,50,200", help="Mbit/s, comma-separated (default 10,50,200)")
-    links.add_argument("--one-way-ms", type=float, default=20.0, help="one-way latency of each peer (default 20)")
+    links.add_argument("--one-way-ms", type=float, default=10.0, help="one-way latency of each peer's link: 2 x 10 ms = 20 ms one way peer to peer (default 10)")
     sub.add_parser("cleanup", help="remove the namespaces and cgroups of arenas whose process is gone")
     args = p.parse_args(argv)
     why = unavailable()

@@ -1,13 +1,13 @@
 """Measure an arena link: a bulk transfer (bandwidth) and a ping-pong (round-trip time),
 run in two peers' namespaces (see ``bench/arena_net.py``). Prints one JSON line.
 
-    python -m bench.arena_probe serve --port P            # in the peer measured, behind its relay
+    python -m bench.arena_probe serve --host ADDRESS --port P   # in the peer measured
     python -m bench.arena_probe send --to HOST:PORT --bytes N
     python -m bench.arena_probe ping --to HOST:PORT --count N
 
 The server reads a one-byte mode: ``b`` (bulk: it counts bytes until EOF and answers the
 count and the seconds from the first to the last byte, so the sender's slow start and the
-relay's delay do not count against the rate) or ``p`` (echo every 8-byte message back).
+link's latency do not count against the rate) or ``p`` (echo every 8-byte message back).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
         writer.close()
 
 
-async def serve(port: int) -> None:
-    server = await asyncio.start_server(_handle, "127.0.0.1", port, reuse_address=True)
+async def serve(host: str, port: int) -> None:
+    server = await asyncio.start_server(_handle, host, port, reuse_address=True)
     print(json.dumps({"serving": port}), flush=True)
     async with server:
         await server.serve_forever()
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.arena_probe", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve")
+    s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, required=True)
     b = sub.add_parser("send")
     b.add_argument("--to", type=_address, required=True)
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--count", type=int, default=20)
     args = p.parse_args(argv)
     if args.cmd == "serve":
-        asyncio.run(serve(args.port))
+        asyncio.run(serve(args.host, args.port))
     elif args.cmd == "send":
         print(json.dumps(asyncio.run(send(*args.to, args.bytes))), flush=True)
     else:

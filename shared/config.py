@@ -185,6 +185,7 @@ class TrainerSettings(ModelSettings, DiscoverySettings):
     info_timeout_s: float = Field(5.0, gt=0, description="timeout of each GET /info when checking the swarm at start")
     max_retries: int = Field(3, ge=0, le=100, description="extra tries of a failed hop before the microbatch fails")
     log_every: int = Field(10, ge=1, description="log a line every N steps")
+    eval_every: int = Field(0, ge=0, description="also evaluate the held-out loss every N global steps, beside the training (the summary's eval_curve: loss against samples and wall time); 0: only before and after the run")
     final_average: bool = Field(True, description="before the final evaluation, ask the coordinator to check that every stage's replicas are identical, repairing any drift (POST /average)")
     final_average_timeout_s: float = Field(120.0, gt=0, description="how long the final averaging may take before the trainer evaluates anyway")
     progress: Literal["auto", "bar", "off"] = Field("auto", description="progress on stderr: 'bar' (live, even into a pipe), 'off', or 'auto': a bar on a terminal, else a plain line every log_every steps (none with JSON logs)")

@@ -133,6 +133,7 @@ async def train(settings: TrainerSettings) -> int:
             in_flight=settings.in_flight,
             seed=settings.seed,
             log_every=settings.log_every,
+            eval_every=settings.eval_every,
             metrics_file=settings.metrics_file,
             log=log,
             start_step=settings.start_step,

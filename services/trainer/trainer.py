@@ -39,6 +39,7 @@ class TrainSummary:
     eval_loss_after: float | None = None
     step_losses: list[float] = field(default_factory=list)  # this trainer's mean loss of each global step (NaN: it fed none)
     step_elapsed_s: list[float] = field(default_factory=list)  # when the trainer saw each step done
+    eval_curve: list[dict] = field(default_factory=list)  # held-out loss every eval_every steps: {step, samples, elapsed_s, loss}
     failures: list[str] = field(default_factory=list)
 
 
@@ -87,11 +88,14 @@ class StepLosses:
 
 
 class Trainer:
-    def __init__(self, client: PipelineClient, batcher: ByteBatcher, *, steps: int, global_batch: int, in_flight: int, seed: int = 0, log_every: int = 10, eval_microbatches: int = 4, metrics_file: str = "", log=None, start_step: int = 0, before_final_eval=None, on_step: Callable[[dict], None] | None = None, shard_index: int = 0, num_shards: int = 1):
+    def __init__(self, client: PipelineClient, batcher: ByteBatcher, *, steps: int, global_batch: int, in_flight: int, seed: int = 0, log_every: int = 10, eval_microbatches: int = 4, metrics_file: str = "", log=None, start_step: int = 0, before_final_eval=None, on_step: Callable[[dict], None] | None = None, shard_index: int = 0, num_shards: int = 1, eval_every: int = 0):
         """Trains global steps ``start_step`` .. ``steps - 1`` (a resumed run starts past 0).
         ``before_final_eval``: an async callable awaited after the last step, before the
         final evaluation (e.g. the coordinator checks that replicas are one model).
-        ``on_step``: called with each step's metrics record as the step completes (progress)."""
+        ``on_step``: called with each step's metrics record as the step completes (progress).
+        ``eval_every``: also evaluate the held-out loss each time this many more steps are
+        done (beside the training, forward only), into ``summary.eval_curve``: the
+        loss against samples and wall time, from which a time to a target loss is read."""
         self.client, self.batcher, self.log = client, batcher, log
         self.steps, self.in_flight, self.seed, self.log_every = steps, in_flight, seed, log_every
         self.start_step, self.global_batch = start_step, global_batch
@@ -99,6 +103,8 @@ class Trainer:
         self.eval_microbatches, self.metrics_file = eval_microbatches, metrics_file
         self.before_final_eval = before_final_eval
         self.on_step = on_step
+        self.eval_every = eval_every
+        self._evaluations: list[asyncio.Task] = []
         self.microbatches_per_step = max(1, math.ceil(global_batch / batcher.microbatch_size))
 
     async def evaluate(self) -> float:
@@ -165,6 +171,7 @@ class Trainer:
         summary.tokens_per_s = summary.tokens / summary.elapsed_s if summary.elapsed_s else 0.0
         if state["swarm_step"] < self.steps:
             self._emit("train.short", level="warning", swarm_step=state["swarm_step"], steps=self.steps, reason="this trainer fed the samples of every step left, and the swarm did not step that far (other trainers gone, failed microbatches, dropped samples)")
+        await asyncio.gather(*self._evaluations)
         if self.before_final_eval is not None:
             await self.before_final_eval()
         summary.eval_loss_after = await self.evaluate()
@@ -177,6 +184,20 @@ class Trainer:
             summary.step_losses.append(step_loss)
             summary.step_elapsed_s.append(time.perf_counter() - started)
             self._step_done(step, step_loss, summary, summary.step_elapsed_s[-1])
+            if self.eval_every and (step + 1) % self.eval_every == 0 and step + 1 < self.steps:  # the last step gets the final evaluation
+                self._evaluations.append(asyncio.create_task(self._evaluate_at(step + 1, summary, started), name=f"eval-{step + 1}"))
+
+    async def _evaluate_at(self, steps_done: int, summary: TrainSummary, started: float) -> None:
+        """The held-out loss once ``steps_done`` steps are done, timed from when it started."""
+        elapsed_s = time.perf_counter() - started
+        try:
+            loss = await self.evaluate()
+        except MicrobatchFailed as exc:  # an evaluation is a measurement: the run goes on without it
+            self._emit("train.eval.failed", level="warning", step=steps_done, error=str(exc))
+            return
+        point = {"step": steps_done, "samples": steps_done * self.global_batch, "elapsed_s": round(elapsed_s, 3), "loss": round(loss, 4)}
+        summary.eval_curve.append(point)
+        self._emit("train.eval", when="during", **point)
 
     def _step_done(self, step: int, loss: float, summary: TrainSummary, elapsed_s: float) -> None:
         tokens_per_s = summary.tokens / elapsed_s if elapsed_s else 0.0

@@ -302,3 +302,15 @@ async def test_metrics_file_is_strict_json_when_a_whole_step_failed(tmp_path):
 
     for line in metrics.read_text().splitlines():
         json.loads(line, parse_constant=reject)
+
+
+async def test_held_out_loss_every_n_steps_gives_the_loss_against_samples_and_time():
+    client = FakeClient(2, fail=set(), eval_loss=3.25)
+    trainer = Trainer(client, make_batcher(), steps=6, global_batch=4, in_flight=2, eval_microbatches=2, eval_every=2)
+    summary = await run_guarded(trainer)
+    # after steps 2 and 4 (step 6 is the final evaluation's), on the same held-out microbatches
+    assert [(p["step"], p["samples"], p["loss"]) for p in summary.eval_curve] == [(2, 8, 3.25), (4, 16, 3.25)]
+    assert [p["elapsed_s"] for p in summary.eval_curve] == sorted(p["elapsed_s"] for p in summary.eval_curve)
+    assert all(0 <= p["elapsed_s"] <= summary.elapsed_s for p in summary.eval_curve)
+    assert client.eval_calls == [0, 1] * 4  # before, after step 2, after step 4, after the run
+    assert json.loads(summary_json(summary))["eval_curve"] == summary.eval_curve

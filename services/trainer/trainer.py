@@ -185,11 +185,10 @@ class Trainer:
             summary.step_elapsed_s.append(time.perf_counter() - started)
             self._step_done(step, step_loss, summary, summary.step_elapsed_s[-1])
             if self.eval_every and (step + 1) % self.eval_every == 0 and step + 1 < self.steps:  # the last step gets the final evaluation
-                self._evaluations.append(asyncio.create_task(self._evaluate_at(step + 1, summary, started), name=f"eval-{step + 1}"))
+                self._evaluations.append(asyncio.create_task(self._evaluate_at(step + 1, summary, summary.step_elapsed_s[-1]), name=f"eval-{step + 1}"))
 
-    async def _evaluate_at(self, steps_done: int, summary: TrainSummary, started: float) -> None:
-        """The held-out loss once ``steps_done`` steps are done, timed from when it started."""
-        elapsed_s = time.perf_counter() - started
+    async def _evaluate_at(self, steps_done: int, summary: TrainSummary, elapsed_s: float) -> None:
+        """The held-out loss once ``steps_done`` steps are done (seen done ``elapsed_s`` into the run)."""
         try:
             loss = await self.evaluate()
         except MicrobatchFailed as exc:  # an evaluation is a measurement: the run goes on without it

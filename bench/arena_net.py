@@ -225,10 +225,6 @@ class Arena:
             shown[name] = f"{up} | {down}"
         return shown
 
-    def describe(self) -> list[dict]:
-        return [{"peer": name, "netns": p.netns, "address": p.address, "rate_mbit": p.spec.rate_mbit, "one_way_ms": p.spec.one_way_ms, "cpus": p.spec.cpus}
-                for name, p in self.peers.items()]  # fmt: skip
-
 
 def tbf_args(rate_mbit: float) -> list[str]:
     """A token bucket at ``rate_mbit``: burst at least one timer tick of the rate (else it

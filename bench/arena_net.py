@@ -73,9 +73,9 @@ def unavailable() -> str | None:
     return None
 
 
-def _run(*argv: str, netns: str | None = None, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _run(*argv: str, netns: str | None = None, check: bool = True, env: dict[str, str] | None = None, timeout_s: float = 30.0) -> subprocess.CompletedProcess:
     cmd = (["ip", "netns", "exec", netns] if netns else []) + list(argv)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env={**os.environ, **env} if env else None)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **env} if env else None)
     if check and result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}): {result.stderr.strip() or result.stdout.strip()}")
     return result
@@ -180,12 +180,17 @@ class Arena:
         if not ready.startswith('{"switch"'):
             raise RuntimeError(f"the arena's switch did not start: {ready.strip() or self._switch.wait(5)}")
 
-    def close(self) -> None:
-        """Stop every process, delete every namespace and cgroup; safe to call twice."""
-        for peer in self.peers.values():
+    def stop_processes(self, first: tuple[str, ...] = ()) -> None:
+        """Stop every process started in a peer, those of the peers ``first`` before the others
+        (clients before their servers); the network stays."""
+        for peer in sorted(self.peers.values(), key=lambda p: p.spec.name not in first):
             for proc in peer.processes:
                 _stop(proc)
             peer.processes.clear()
+
+    def close(self) -> None:
+        """Stop every process, delete every namespace and cgroup; safe to call twice."""
+        self.stop_processes()
         if not self._built:
             return
         if self._switch is not None:
@@ -202,11 +207,13 @@ class Arena:
 
     # ---------------------------------------------------------------- use
     def popen(self, peer: str, argv: list[str], *, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
-        """Start ``argv`` inside ``peer``'s namespace (and CPU cap); stopped by :meth:`close`."""
+        """Start ``argv`` inside ``peer``'s namespace (and CPU cap), with this process's
+        environment less its ``SWARM_*`` settings, plus ``env``; stopped by :meth:`close`."""
         p = self.peers[peer]
         out = open(log, "ab") if log else subprocess.DEVNULL
         try:
-            proc = subprocess.Popen(["ip", "netns", "exec", p.netns, *argv], env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, stdout=out,
+            base = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}  # the caller's swarm settings stay out
+            proc = subprocess.Popen(["ip", "netns", "exec", p.netns, *argv], env={**base, "PYTHONPATH": str(REPO), **(env or {})}, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         finally:
             if log:
@@ -215,6 +222,27 @@ class Arena:
             _join_cgroup(p.cgroup, proc.pid)  # its children (ip netns exec execs in place) inherit it
         p.processes.append(proc)
         return proc
+
+    def run(self, peer: str, argv: list[str], *, timeout_s: float = 30.0) -> str:
+        """Run ``argv`` inside ``peer``'s namespace to its end; its stdout (RuntimeError if it fails)."""
+        return _run(*argv, netns=self.peers[peer].netns, env={"PYTHONPATH": str(REPO)}, timeout_s=timeout_s + 5).stdout
+
+    def kill(self, peer: str, proc: subprocess.Popen) -> None:
+        """SIGKILL ``proc`` (a process :meth:`popen` started in ``peer``) and its children: a crash."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        self.peers[peer].processes.remove(proc)
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Bytes each peer sent and received on its link so far, read from the hub's side of
+        its veth (what the peer sent arrives there: the hub's ``rx``)."""
+        import json
+
+        links = json.loads(_run("ip", "-j", "-s", "link", "show", netns=self.hub).stdout)
+        by_name = {link["ifname"]: link["stats64"] for link in links if "stats64" in link}
+        return {name: {"sent": by_name[p.veth_hub]["rx"]["bytes"], "received": by_name[p.veth_hub]["tx"]["bytes"]}
+                for name, p in self.peers.items() if p.veth_hub in by_name}  # fmt: skip
 
     def qdiscs(self) -> dict[str, str]:
         """The tbf lines of every shaped interface, as ``tc`` shows them (peer -> upload | download)."""

@@ -4,6 +4,7 @@ run in two peers' namespaces (see ``bench/arena_net.py``). Prints one JSON line.
     python -m bench.arena_probe serve --host ADDRESS --port P   # in the peer measured
     python -m bench.arena_probe send --to HOST:PORT --bytes N
     python -m bench.arena_probe ping --to HOST:PORT --count N
+    python -m bench.arena_probe wait-http --url URL [--key K --at-least N] --timeout S
 
 The server reads a one-byte mode: ``b`` (bulk: it counts bytes until EOF and answers the
 count and the seconds from the first to the last byte, so the sender's slow start and the
@@ -85,6 +86,26 @@ async def ping(host: str, port: int, count: int) -> dict:
     return {"count": count, "rtt_ms_median": rtts[len(rtts) // 2] * 1000, "rtt_ms_min": rtts[0] * 1000, "rtt_ms_max": rtts[-1] * 1000}
 
 
+def wait_http(url: str, key: str, at_least: float, timeout_s: float) -> dict:
+    """Poll ``GET url`` (every 0.2 s, at most ``timeout_s``) until it answers 200 with a JSON
+    object whose ``key`` is at least ``at_least`` (no key: any 200); returns that object.
+    How the arena waits for a service that only its own namespaces can reach."""
+    import urllib.request
+
+    deadline, last = time.monotonic() + timeout_s, "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as resp:
+                body = json.loads(resp.read())
+            if not key or (isinstance(body.get(key), (int, float)) and body[key] >= at_least):
+                return body
+            last = f"{key}={body.get(key)!r}"
+        except (OSError, ValueError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        time.sleep(0.2)
+    raise SystemExit(f"{url}: not ready after {timeout_s} s ({last})")
+
+
 def _address(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit():
@@ -104,8 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("ping")
     q.add_argument("--to", type=_address, required=True)
     q.add_argument("--count", type=int, default=20)
+    w = sub.add_parser("wait-http")
+    w.add_argument("--url", required=True)
+    w.add_argument("--key", default="")
+    w.add_argument("--at-least", type=float, default=0.0)
+    w.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args(argv)
-    if args.cmd == "serve":
+    if args.cmd == "wait-http":
+        print(json.dumps(wait_http(args.url, args.key, args.at_least, args.timeout)), flush=True)
+    elif args.cmd == "serve":
         asyncio.run(serve(args.host, args.port))
     elif args.cmd == "send":
         print(json.dumps(asyncio.run(send(*args.to, args.bytes))), flush=True)

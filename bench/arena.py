@@ -1,0 +1,607 @@
+"""Bench 8, arena: the mesh and torch.distributed.pipelining on shaped links, uneven peers
+and churn, scored by the time to a target held-out loss.
+
+Every peer (each stage server, each trainer, the coordinator, each pipelining rank) runs
+in its own network namespace behind its own shaped access link with latency, and stage
+peers under a CPU cap (``bench/arena_net.py``). Three sides train the same model (the
+``small`` preset's dimensions, 8 layers over 4 stages, seed 0) on the same samples with the
+same global batch and the same optimizer:
+
+- ``mesh int8``: coordinator, stage servers and trainers as stock processes, the default
+  wire codec; its best number of trainers and microbatches in flight, swept where the
+  scenario says so (tokens/s over a few steps), else the last sweep's best;
+- ``mesh fp32``: the same with the fp32 wire (what the codec buys, against the design);
+- ``pipelining``: ``torch.distributed.pipelining`` over gloo, Schedule1F1B, fp32
+  activations (``bench/arena_pipelining.py``), with its microbatch count for the global
+  batch swept in the same arena first and its fastest used.
+
+The target is the held-out loss the same model reaches in one process after
+``target_steps`` global steps (computed here, printed). Each side trains until its
+held-out loss (the same 4 held-out microbatches, evaluated every ``eval_every`` steps)
+reaches the target or its budget is spent: time to target is the training time at that
+evaluation: the mesh evaluates beside its training, and an evaluation counts when it
+ends (it may see later stages a step further on); pipelining evaluates between steps, and
+its evaluations are left out of its clock. Tokens/s: tokens of the global steps done over
+their time. Bytes per
+token: what all the side's peers sent on their links, from the interfaces' counters,
+over those tokens.
+
+``swarm bench arena`` runs every scenario (about 30 minutes here); ``python -m bench.arena
+SCENARIO`` runs one (``--list`` names them). Needs root, ``ip`` and ``tc``: without them
+the bench says so and skips.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from bench.arena_net import Arena, PeerSpec, measure_link, unavailable
+from bench.report import BenchResult
+from bench.workload import Workload
+
+COORD_PORT, SERVER_PORT, GLOO_PORT = 7000, 7100, 29500
+START_TIMEOUT_S = 240.0  # many processes import torch at once on 2 cores, some capped
+POLL_S = 0.25
+TRAINERS = ("t0", "t1", "t2", "t3")  # the peers trainers run in (stopped before the servers)
+HOMOGENEOUS_CPUS = 0.4  # per stage peer: 4 x 0.4 leaves the machine's rest to trainers, coordinator and the switch
+HETERO_UNIT = 1.6 / 24  # caps 1:1:2:2:2:4:4:4 of this many cores: 1.6 cores in all
+
+COLUMNS = ["scenario", "side", "best setting", "time to target s", "steps to target", "tokens/s", "bytes/token", "mesh / pipelining time", "mesh / pipelining tok/s"]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    servers: tuple[tuple[float, float | None], ...]  # per stage server: (link Mbit/s, CPU cap in cores or None)
+    one_way_ms: float  # latency of every access link, each direction (a peer-to-peer path has two)
+    trainer_mbit: float
+    budget_s: float  # each side's training time at most
+    stages: int = 4
+    churn: tuple[float, float] | None = None  # (kill a stage server every S, restart it S later)
+    target_steps: int | None = None  # the target: the loss one process reaches after this many steps (None: the plan's)
+    rebalance_every_s: float = 0.0  # the coordinator's rebalancing (0: off; one server per stage)
+    sweep_mesh: bool = False  # sweep the mesh's trainers x in-flight here (else the last sweep's best)
+    description: str = ""
+
+    def peer_specs(self, trainers: int) -> list[PeerSpec]:
+        peers = [PeerSpec(f"s{i}", rate, self.one_way_ms, cpus) for i, (rate, cpus) in enumerate(self.servers)]
+        peers += [PeerSpec(f"t{i}", self.trainer_mbit, self.one_way_ms) for i in range(trainers)]
+        return peers + [PeerSpec("coord", self.trainer_mbit, self.one_way_ms)]
+
+    def pipeline_ranks(self) -> list[str]:
+        """Pipelining's best static assignment: the ``stages`` strongest servers (CPU cap, then
+        link), one per stage; the rest idle."""
+        order = sorted(range(len(self.servers)), key=lambda i: (-(self.servers[i][1] or 1e9), -self.servers[i][0], i))
+        return [f"s{i}" for i in sorted(order[: self.stages])]
+
+
+@dataclass(frozen=True)
+class Plan:
+    work: Workload
+    scenarios: tuple[Scenario, ...]
+    target_steps: int
+    eval_every: int
+    mesh_settings: tuple[tuple[int, int], ...]  # (trainers, microbatches in flight, all trainers together)
+    pipeline_candidates: tuple[int, ...]  # microbatches per global step
+    sweep_steps: int = 4
+    extra: dict = field(default_factory=dict)
+
+
+def _homogeneous(rate: float, budget_s: float, sweep: bool = False) -> Scenario:
+    return Scenario(f"homogeneous-{rate:g}", ((rate, HOMOGENEOUS_CPUS),) * 4, 10.0, rate, budget_s, sweep_mesh=sweep,
+                    description=f"4 stages x 1 peer, every link {rate:g} Mbit/s and 10 ms (20 ms one way peer to peer), stage peers capped at {HOMOGENEOUS_CPUS} cores")  # fmt: skip
+
+
+# caps in the ratio 1:1:2:2:2:4:4:4, links 10-100 Mbit/s mixed (strong peers on slow links too)
+HETERO_SERVERS = tuple((rate, units * HETERO_UNIT) for rate, units in ((100, 1), (20, 1), (10, 2), (50, 2), (100, 2), (20, 4), (50, 4), (100, 4)))
+HETERO = Scenario("heterogeneous", HETERO_SERVERS, 10.0, 100, 240.0, rebalance_every_s=10.0, sweep_mesh=True,
+                  description="8 servers, CPU caps 1:1:2:2:2:4:4:4 (1.6 cores in all), links 10-100 Mbit/s mixed, 10 ms each; mesh: stages assigned and rebalanced by the coordinator")  # fmt: skip
+FULL = Plan(
+    work=Workload(d_model=256, n_layer=8, seq_len=64),  # microbatches of 8, 32 samples per global step
+    scenarios=(_homogeneous(10, 200.0, sweep=True), _homogeneous(50, 150.0), _homogeneous(200, 150.0), HETERO,
+               Scenario("churn", HETERO_SERVERS, 10.0, 100, 300.0, churn=(60.0, 30.0), rebalance_every_s=10.0, target_steps=24,
+                        description="heterogeneous, with a random stage server SIGKILLed every 60 s and restarted 30 s later; a later target, so that the runs see several kills")),  # fmt: skip
+    target_steps=8,
+    eval_every=2,
+    mesh_settings=((1, 4), (1, 8), (2, 8)),
+    pipeline_candidates=(4, 8, 16),  # Schedule1F1B needs at least as many microbatches as stages
+)
+QUICK = Plan(
+    work=Workload(d_model=64, n_layer=2, seq_len=32, microbatch_size=4, samples_per_step=8),
+    scenarios=(Scenario("quick", ((50, 0.5), (50, 0.5)), 5.0, 50, 20.0, stages=2, description="2 stages x 1 peer capped at 0.5 cores, links 50 Mbit/s and 5 ms"),),
+    target_steps=2,
+    eval_every=1,
+    mesh_settings=((1, 2),),
+    pipeline_candidates=(2,),
+)
+
+
+# ------------------------------------------------------------------------------ the target
+def reference_targets(work: Workload, stages: int, steps: set[int]) -> dict[int, float]:
+    """The held-out loss (4 decimals, as the sides print theirs) of the model trained in this
+    process, as ``stages`` stages each with the stage servers' optimizer and clipping, after
+    each number of global steps in ``steps``: what the sides must reach."""
+    from bench.arena_pipelining import EVAL_MICROBATCHES, loss_fn, stock_adamw, stock_optimizer_config
+    from shared.model import build_stage
+
+    optim = stock_optimizer_config()
+    models = [build_stage(work.gpt_config(), s, stages, seed=0) for s in range(stages)]
+    optimizers = [stock_adamw(m, optim) for m in models]
+    batcher, n = work.batcher(), work.microbatches_per_step
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for m in models:
+            x = m(x)
+        return x
+
+    def held_out() -> float:
+        with torch.no_grad():
+            losses = [float(loss_fn(forward(mb.inputs), mb.targets)) for mb in (batcher.microbatch(i, split="eval") for i in range(EVAL_MICROBATCHES))]
+        return round(sum(losses) / len(losses), 4)
+
+    targets = {}
+    for step in range(max(steps)):
+        for i in range(n):
+            mb = batcher.microbatch(step * n + i)
+            (loss_fn(forward(mb.inputs), mb.targets) / n).backward()
+        for m, opt in zip(models, optimizers):
+            torch.nn.utils.clip_grad_norm_(list(m.parameters()), optim.max_grad_norm)
+            for group in opt.param_groups:
+                group["lr"] = optim.lr_at(step)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if step + 1 in steps:
+            targets[step + 1] = held_out()
+    return targets
+
+
+# ------------------------------------------------------------------------------ compute against transfer
+WIRE_BYTES_PER_VALUE = {"fp32": 4.0, "int8": 1.0 + 4 / 4096}  # int8: a code per value, an fp32 absmax per block of 4096
+
+
+def stage_compute_s(work: Workload, stages: int, reps: int = 5) -> float:
+    """Seconds of one middle stage's forward and backward of one microbatch, one thread, uncapped
+    (median of ``reps`` after a warm-up): the stage servers' compute per hop at a full core."""
+    from shared.model import build_stage
+
+    stage = build_stage(work.gpt_config(), min(1, stages - 1), stages, seed=0)
+    x = torch.randn(work.microbatch_size, work.seq_len, work.d_model, requires_grad=True)
+    times = []
+    for _ in range(reps + 1):
+        started = time.perf_counter()
+        out = stage(x)
+        out.backward(torch.ones_like(out))
+        times.append(time.perf_counter() - started)
+        stage.zero_grad(set_to_none=True)
+    return sorted(times[1:])[reps // 2]
+
+
+def hop_ratios(work: Workload, compute_s: float, servers: tuple[tuple[float, float | None], ...]) -> list[dict]:
+    """Per distinct (link, CPU cap): a hop's compute (forward and backward at the cap) over the
+    time its activation and its gradient take on the link, per codec: the square-cube ratio
+    that docs/benchmarks.md sets against SWARM's T4 at 200 Mbit/s."""
+    values = work.microbatch_size * work.seq_len * work.d_model
+    rows = []
+    for rate, cpus in sorted(set(servers)):
+        compute = compute_s / (cpus or 1.0)
+        row = {"link_mbit": rate, "cpus": round(cpus, 3) if cpus else None, "compute_s": round(compute, 4)}
+        for codec, per_value in WIRE_BYTES_PER_VALUE.items():
+            transfer = 2 * values * per_value * 8 / (rate * 1e6)  # the activation forward, its gradient back
+            row[f"transfer_s_{codec}"], row[f"ratio_{codec}"] = round(transfer, 4), round(compute / transfer, 2)
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------ watching a side
+def _timestamp(event: dict) -> float:
+    """A structlog event's ISO timestamp, in seconds."""
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+class Watch:
+    """Follows a process's JSON-lines log (a trainer's structlog events, a pipelining rank's
+    lines): the events seen so far, read as the log grows."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.events = path, 0, []
+
+    def poll(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        new = []
+        for line in complete.decode(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    new.append(json.loads(line))
+                except ValueError:
+                    continue
+        self.events += new
+        return new
+
+
+@dataclass
+class Outcome:
+    """One side's run: its evaluation curve and what the links carried."""
+
+    curve: list[dict] = field(default_factory=list)  # {step, elapsed_s, loss}
+    steps: int = 0
+    elapsed_s: float = 0.0  # training time at ``steps``
+    reached_s: float | None = None  # training time when the held-out loss first reached the target
+    reached_step: int | None = None  # the global step of that evaluation
+    bytes_sent: int = 0
+    stopped: str = ""  # why the run ended: target, budget, a kill (pipelining under churn)
+    kills: list[dict] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+    def point(self, step: int, elapsed_s: float, loss: float | None, target: float, **extra: float) -> None:
+        if loss is not None:
+            self.curve.append({"step": step, "elapsed_s": round(elapsed_s, 2), "loss": round(loss, 4), **extra})
+            if self.reached_s is None and loss <= target:
+                self.reached_s, self.reached_step = elapsed_s, step
+
+
+class SideRun:
+    """What one side needs from the arena: environments, logs, the bytes on its links."""
+
+    def __init__(self, arena: Arena, scenario: Scenario, plan: Plan, logs: Path, label: str):
+        self.arena, self.sc, self.plan, self.logs, self.label = arena, scenario, plan, logs, label
+        self.run_id = f"arena-{label}"
+        logs.mkdir(parents=True, exist_ok=True)
+
+    def log(self, name: str) -> Path:
+        path = self.logs / f"{self.label}-{name}.log"
+        path.unlink(missing_ok=True)
+        return path
+
+    def sent(self, peers: list[str]) -> int:
+        counters = self.arena.counters()
+        return sum(counters[p]["sent"] for p in peers)
+
+    def url(self, peer: str, port: int) -> str:
+        return f"http://{self.arena.peers[peer].address}:{port}"
+
+    def base_env(self) -> dict[str, str]:
+        return {"SWARM_RUN_ID": self.run_id, "SWARM_MDNS": "false", "SWARM_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "SWARM_LOG_LEVEL": "warning",
+                "SWARM_NUM_STAGES": str(self.sc.stages)}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ the mesh
+class MeshSide(SideRun):
+    def __init__(self, *args, codec: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.codec = codec
+        self.servers: dict[str, object] = {}
+        self.coordinator = self.url("coord", COORD_PORT)
+
+    def start_swarm(self) -> None:
+        env = {**self.base_env(), "SWARM_HOST": self.arena.peers["coord"].address, "SWARM_PORT": str(COORD_PORT), "SWARM_STATE_DB": str(self.logs / f"{self.label}-coordinator.sqlite"),
+               "SWARM_REBALANCE_EVERY_S": str(self.sc.rebalance_every_s)}  # fmt: skip
+        (self.logs / f"{self.label}-coordinator.sqlite").unlink(missing_ok=True)
+        self.arena.popen("coord", [sys.executable, "-m", "services.coordinator"], env=env, log=self.log("coordinator"))
+        for i in range(len(self.sc.servers)):
+            self.start_server(f"s{i}", i)
+        self.arena.run("coord", [sys.executable, "-m", "bench.arena_probe", "wait-http", "--url", f"{self.coordinator}/health", "--key", "servers",
+                                 "--at-least", str(len(self.sc.servers)), "--timeout", str(START_TIMEOUT_S)], timeout_s=START_TIMEOUT_S)  # fmt: skip
+
+    def start_server(self, peer: str, index: int) -> None:
+        w = self.plan.work
+        stage = "auto" if self.sc.rebalance_every_s else str(index % self.sc.stages)
+        env = {**self.base_env(), "SWARM_HOST": self.arena.peers[peer].address, "SWARM_PORT": str(SERVER_PORT), "SWARM_COORDINATOR": self.coordinator,
+               "SWARM_STAGE": stage, "SWARM_WIRE_CODEC": self.codec, "SWARM_GLOBAL_BATCH": str(w.samples_per_step), "SWARM_DRAIN_TIMEOUT_S": "2"}  # fmt: skip
+        args = [f"--bench-{k.replace('_', '-')}={v}" for k, v in w.dims.items()]
+        self.servers[peer] = self.arena.popen(peer, [sys.executable, "-m", "bench.stage_proc", *args], env=env, log=self.logs / f"{self.label}-{peer}.log")
+
+    def start_trainers(self, trainers: int, in_flight: int, *, start_step: int, steps: int, eval_every: int, tag: str) -> list[Path]:
+        w, logs = self.plan.work, []
+        for t in range(trainers):
+            env = {**self.base_env(), "SWARM_COORDINATOR": self.coordinator, "SWARM_SEQ_LEN": str(w.seq_len), "SWARM_MICROBATCH_SIZE": str(w.microbatch_size),
+                   "SWARM_WIRE_CODEC": self.codec, "SWARM_IN_FLIGHT": str(max(1, in_flight // trainers)), "SWARM_STEPS": str(steps), "SWARM_START_STEP": str(start_step),
+                   "SWARM_SHARD_INDEX": str(t), "SWARM_NUM_SHARDS": str(trainers), "SWARM_EVAL_EVERY": str(eval_every if t == 0 else 0),
+                   "SWARM_LOG_FORMAT": "json", "SWARM_LOG_LEVEL": "info", "SWARM_LOG_EVERY": "1", "SWARM_PROGRESS": "off", "SWARM_FINAL_AVERAGE": "false"}  # fmt: skip
+            logs.append(self.log(f"{tag}-t{t}"))
+            self.arena.popen(f"t{t}", [sys.executable, "-m", "services.trainer"], env=env, log=logs[-1])
+        return logs
+
+    def stop_trainers(self, trainers: int) -> None:
+        for t in range(trainers):
+            for proc in list(self.arena.peers[f"t{t}"].processes):
+                self.arena.kill(f"t{t}", proc)
+
+    def sweep(self, settings: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], list[dict]]:
+        """Tokens/s of each (trainers, in flight) over ``sweep_steps`` steps on one swarm."""
+        steps, done, rows = self.plan.sweep_steps, 0, []
+        tokens_per_step = self.plan.work.samples_per_step * self.plan.work.seq_len
+        for trainers, in_flight in settings:
+            watch = Watch(self.start_trainers(trainers, in_flight, start_step=done, steps=done + steps, eval_every=0, tag=f"sweep{trainers}x{in_flight}")[0])
+            seen = self._follow(watch, lambda ev: ev.get("event") == "train.step" and ev.get("step", 0) >= done + steps, START_TIMEOUT_S + 60 * steps)
+            times = {ev["step"]: ev["elapsed_s"] for ev in seen if ev.get("event") == "train.step"}
+            first, last = min(times), max(times)
+            rate = (last - first) * tokens_per_step / (times[last] - times[first]) if last > first and times[last] > times[first] else 0.0
+            rows.append({"trainers": trainers, "in_flight": in_flight, "tokens_per_s": round(rate, 1)})
+            self.stop_trainers(trainers)
+            done = last
+        best = max(rows, key=lambda r: r["tokens_per_s"])
+        return (best["trainers"], best["in_flight"]), rows
+
+    def train_to_target(self, trainers: int, in_flight: int, target: float) -> Outcome:
+        out, sc = Outcome(), self.sc
+        peers = [p for p in self.arena.peers if p.startswith("s")] + [f"t{t}" for t in range(trainers)] + ["coord"]
+        sent0 = self.sent(peers)
+        watch = Watch(self.start_trainers(trainers, in_flight, start_step=0, steps=100_000, eval_every=self.plan.eval_every, tag="run")[0])
+        rng, started_at, killed = random.Random(0), None, {}  # the churn's victims: the same in every run
+        next_kill = sc.churn[0] if sc.churn else None
+        deadline = time.monotonic() + START_TIMEOUT_S + sc.budget_s + 60
+        t0 = None  # when the trainer's clock started: its first evaluation's end
+        while time.monotonic() < deadline:
+            for ev in watch.poll():
+                if ev.get("event") == "train.start":
+                    started_at = time.monotonic()
+                elif ev.get("event") == "train.step":
+                    out.steps, out.elapsed_s = ev["step"], ev["elapsed_s"]
+                elif ev.get("event") == "train.eval" and ev.get("when") == "before":
+                    t0 = _timestamp(ev)
+                elif ev.get("event") == "train.eval" and ev.get("when") == "during" and t0 is not None:
+                    # credited when the evaluation ended, not when its step was seen done: it ran
+                    # beside the training, and later stages may have stepped again meanwhile
+                    out.point(ev["step"], _timestamp(ev) - t0, ev["loss"], target, step_done_s=ev["elapsed_s"])
+            if out.reached_s is not None or out.elapsed_s >= sc.budget_s:
+                out.stopped = "target" if out.reached_s is not None else "budget"
+                break
+            now = time.monotonic() - started_at if started_at else 0.0
+            if next_kill is not None and started_at and now >= next_kill:
+                victim = rng.choice(sorted(p for p in self.servers if p not in killed))
+                self.arena.kill(victim, self.servers.pop(victim))
+                killed[victim] = now + sc.churn[1]
+                out.kills.append({"server": victim, "killed_at_s": round(now, 1), "restarted_at_s": round(killed[victim], 1)})
+                next_kill += sc.churn[0]
+            for victim, when in list(killed.items()):
+                if now >= when:
+                    self.start_server(victim, int(victim[1:]))
+                    del killed[victim]
+            time.sleep(POLL_S)
+        else:
+            out.stopped = "timed out"
+        out.bytes_sent = self.sent(peers) - sent0
+        failures = [ev for ev in watch.events if ev.get("event") == "microbatch.failed"]
+        reruns = [ev for ev in watch.events if ev.get("event") == "train.step"]
+        out.extra = {"microbatches_failed": len(failures), "log": str(watch.path), "steps_logged": len(reruns)}
+        return out
+
+    def _follow(self, watch: Watch, until, timeout_s: float) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(until(ev) for ev in watch.poll()):
+                return watch.events
+            for proc in self.arena.peers["t0"].processes:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the trainer exited ({proc.returncode}); see {watch.path}")
+            time.sleep(POLL_S)
+        raise RuntimeError(f"the trainer did not get there in {timeout_s:.0f} s; see {watch.path}")
+
+
+def run_mesh(arena: Arena, sc: Scenario, plan: Plan, logs: Path, codec: str, setting: tuple[int, int] | None, target: float) -> tuple[Outcome, tuple[int, int], list[dict]]:
+    """One mesh side: a fresh swarm for the sweep (when ``setting`` is None), a fresh one for the run."""
+    sweep_rows: list[dict] = []
+    if setting is None:
+        side = MeshSide(arena, sc, plan, logs, f"{codec}-sweep", codec=codec)
+        try:
+            side.start_swarm()
+            setting, sweep_rows = side.sweep(plan.mesh_settings)
+        finally:
+            arena.stop_processes(first=TRAINERS)
+    side = MeshSide(arena, sc, plan, logs, codec, codec=codec)
+    try:
+        side.start_swarm()
+        outcome = side.train_to_target(*setting, target=target)
+    finally:
+        arena.stop_processes(first=TRAINERS)
+    return outcome, setting, sweep_rows
+
+
+# ------------------------------------------------------------------------------ pipelining
+_GLOO_RUNS = 0
+
+
+def run_pipelining(arena: Arena, sc: Scenario, plan: Plan, logs: Path, target: float) -> tuple[Outcome, int, list[dict]]:
+    global _GLOO_RUNS
+    _GLOO_RUNS += 1
+    side = SideRun(arena, sc, plan, logs, "pipelining")
+    ranks = sc.pipeline_ranks()
+    out, sweep_rows, microbatches = Outcome(), [], plan.pipeline_candidates[0]
+    watch = None
+    try:
+        for r, peer in enumerate(ranks):
+            cfg = {"rank": r, "world": len(ranks), "master_addr": arena.peers[ranks[0]].address, "master_port": GLOO_PORT + _GLOO_RUNS,
+                   "ifname": arena.peers[peer].veth_peer, "work": asdict(plan.work), "candidates": list(plan.pipeline_candidates),
+                   "eval_every": plan.eval_every, "target": target, "budget_s": sc.budget_s}  # fmt: skip
+            log = side.log(f"rank{r}")
+            arena.popen(peer, [sys.executable, "-m", "bench.arena_pipelining", json.dumps(cfg)], env={"OMP_NUM_THREADS": "1"}, log=log)
+            if r == len(ranks) - 1:
+                watch = Watch(log)
+        sent0, started_at = None, None
+        rng = random.Random(0)
+        next_kill = sc.churn[0] if sc.churn else None
+        sweep_allowance = START_TIMEOUT_S + 3 * 2 * len(plan.pipeline_candidates) * 60
+        deadline = time.monotonic() + sweep_allowance + sc.budget_s + 60
+        while time.monotonic() < deadline:
+            for ev in watch.poll():
+                if ev["event"] == "sweep":
+                    sweep_rows.append({k: v for k, v in ev.items() if k != "event"})
+                elif ev["event"] == "start":
+                    microbatches, started_at, sent0 = ev["microbatches"], time.monotonic(), side.sent(ranks)
+                elif ev["event"] == "eval":
+                    out.steps, out.elapsed_s = ev["step"], ev["elapsed_s"]
+                    out.point(ev["step"], ev["elapsed_s"], ev["loss"], target)
+                elif ev["event"] == "done":
+                    out.steps, out.elapsed_s = ev["steps"], ev["elapsed_s"]
+                    out.stopped = "target" if out.reached_s is not None else "budget"
+            if out.stopped:
+                break
+            now = time.monotonic() - started_at if started_at else 0.0
+            if next_kill is not None and started_at and now >= next_kill:
+                victim = rng.choice([f"s{i}" for i in range(len(sc.servers))])  # the mesh's schedule of victims
+                out.kills.append({"server": victim, "killed_at_s": round(now, 1), "rank": victim in ranks})
+                next_kill += sc.churn[0]
+                if victim in ranks:  # a pipeline with a dead stage cannot go on: record where it stopped
+                    for proc in list(arena.peers[victim].processes):
+                        arena.kill(victim, proc)
+                    out.stopped = f"{victim} killed at {now:.0f} s"
+                    break
+            for peer in ranks:
+                for proc in arena.peers[peer].processes:
+                    if proc.poll() not in (None, 0):
+                        raise RuntimeError(f"pipelining's rank in {peer} exited with {proc.returncode}; see {logs}")
+            time.sleep(POLL_S)
+        else:
+            out.stopped = "timed out"
+        out.bytes_sent = side.sent(ranks) - sent0 if sent0 is not None else 0
+    finally:
+        arena.stop_processes()
+    return out, microbatches, sweep_rows
+
+
+# ------------------------------------------------------------------------------ the bench
+def _links(arena: Arena, sc: Scenario, quick: bool) -> list[dict]:
+    """The trainer's path to one server of each link rate, as built (bandwidth and RTT)."""
+    firsts = {rate: i for i, (rate, _) in reversed(list(enumerate(sc.servers)))}
+    return [measure_link(arena, "t0", f"s{i}", seconds=1.0 if quick else 2.0, pings=5 if quick else 10) for _, i in sorted(firsts.items())]
+
+
+def _row(sc: Scenario, side: str, setting: str, out: Outcome, plan: Plan) -> dict:
+    tokens = out.steps * plan.work.samples_per_step * plan.work.seq_len
+    if out.reached_s is not None:
+        ttt = round(out.reached_s, 1)
+    else:
+        best = min((p["loss"] for p in out.curve), default=None)
+        ttt = f"not reached ({out.stopped}; best {best} in {out.elapsed_s:.1f} s)"
+    return {"scenario": sc.name, "side": side, "best setting": setting, "time to target s": ttt, "steps to target": out.reached_step,
+            "tokens/s": round(tokens / out.elapsed_s, 1) if out.elapsed_s else 0.0, "bytes/token": round(out.bytes_sent / tokens) if tokens else None}  # fmt: skip
+
+
+def _ratios(rows: list[dict]) -> None:
+    pipe = next(r for r in rows if r["side"] == "pipelining")
+    for r in rows:
+        if r["side"] == "pipelining":
+            continue
+        a, b = r["time to target s"], pipe["time to target s"]
+        if isinstance(a, float) and isinstance(b, float):
+            r["mesh / pipelining time"] = round(b / a, 2)  # how many times sooner the mesh got there
+        elif isinstance(a, float):
+            r["mesh / pipelining time"] = "pipelining did not reach it"
+        if pipe["tokens/s"]:
+            r["mesh / pipelining tok/s"] = round(r["tokens/s"] / pipe["tokens/s"], 2)
+
+
+def run_scenario(sc: Scenario, plan: Plan, target: float, compute_s: float, logs: Path, quick: bool, best_mesh: tuple[int, int] | None) -> tuple[list[dict], dict, tuple[int, int]]:
+    trainers = max(t for t, _ in plan.mesh_settings)
+    detail: dict = {"scenario": asdict(sc), "ranks": sc.pipeline_ranks(), "hop_ratios": hop_ratios(plan.work, compute_s, sc.servers)}
+    with Arena(sc.peer_specs(trainers)) as arena:
+        detail["links"] = _links(arena, sc, quick)
+        detail["qdiscs"] = arena.qdiscs()
+        print(f"arena {sc.name}: links {[(l['set_mbit'], l['mbit_s'], l['set_rtt_ms'], l['rtt_ms']) for l in detail['links']]}", flush=True)
+        rows = []
+        setting = None if sc.sweep_mesh or best_mesh is None else best_mesh
+        for codec in ("int8", "fp32"):
+            out, setting, sweep = run_mesh(arena, sc, plan, logs / sc.name, codec, setting, target)
+            detail[f"mesh_{codec}"] = asdict(out) | {"sweep": sweep}
+            rows.append(_row(sc, f"mesh {codec}", f"{setting[0]} trainer(s), {setting[1]} in flight", out, plan))
+            print(f"arena {sc.name}: {rows[-1]}", flush=True)
+        out, microbatches, sweep = run_pipelining(arena, sc, plan, logs / sc.name, target)
+        detail["pipelining"] = asdict(out) | {"sweep": sweep}
+        rows.append(_row(sc, "pipelining", f"{microbatches} microbatches of {plan.work.samples_per_step // microbatches}", out, plan))
+        print(f"arena {sc.name}: {rows[-1]}", flush=True)
+        detail["torn_down"] = {"namespaces": [arena.hub, *(p.netns for p in arena.peers.values())]}
+    _ratios(rows)
+    return rows, detail, setting
+
+
+def run(ctx) -> BenchResult:
+    why = unavailable()
+    if why:
+        return BenchResult("arena", "the WAN arena", ["skipped"], [{"skipped": why}], notes=[f"arena: skipped: {why}"], summary={"skipped": why})
+    plan = QUICK if ctx.quick else FULL
+    scenarios = ctx.cache.get("arena_scenarios") or plan.scenarios
+    stages = scenarios[0].stages
+    started = time.monotonic()
+    targets = reference_targets(plan.work, stages, {plan.target_steps} | {sc.target_steps for sc in scenarios if sc.target_steps})
+    target = targets[plan.target_steps]
+    print(f"arena: target held-out losses {targets} (one process, after that many global steps, {time.monotonic() - started:.0f} s)", flush=True)
+    compute_s = stage_compute_s(plan.work, stages)
+    rows, details, best_mesh = [], [], (plan.mesh_settings[0] if len(plan.mesh_settings) == 1 else None)
+    for sc in scenarios:
+        steps = sc.target_steps or plan.target_steps
+        sc_rows, detail, best_mesh = run_scenario(sc, plan, targets[steps], compute_s, ctx.log_dir / "arena", ctx.quick, best_mesh)
+        detail.update(target=targets[steps], target_steps=steps)
+        rows += sc_rows
+        details.append(detail)
+    w = plan.work
+    notes = [
+        f"model: {w.n_layer} layers, d_model {w.d_model}, {w.n_head} heads, byte vocabulary, seq {w.seq_len}; global steps of {w.samples_per_step} samples "
+        f"(mesh microbatches of {w.microbatch_size}); the stage servers' AdamW (lr warm-up 10 steps, each stage clipped to norm 1) on every side",
+        f"target: held-out loss {target:.4f}, what the same model reaches in one process after {plan.target_steps} global steps (churn: its own, below); "
+        f"every side evaluates the same 4 held-out microbatches every {plan.eval_every} steps; the mesh's evaluation counts when it ends (it runs beside "
+        "the training), pipelining's evaluations (between steps) are left out of its clock",
+        "tokens/s: tokens of the global steps done over their time; bytes/token: bytes all of a side's peers sent on their links (interface counters) per such token",
+        "mesh / pipelining time: pipelining's time to the target over the mesh's (above 1: the mesh got there sooner); tok/s likewise",
+    ]
+    for d in details:
+        links = "; ".join(f"{l['set_mbit']:g} Mbit/s -> {l['mbit_s']}, RTT {l['set_rtt_ms']:g} -> {l['rtt_ms']} ms" for l in d["links"])
+        ratios = "; ".join(f"{h['link_mbit']:g} Mbit/s, {h['cpus']} cores: int8 {h['ratio_int8']}, fp32 {h['ratio_fp32']}" for h in d["hop_ratios"])
+        notes.append(f"{d['scenario']['name']}: {d['scenario']['description']}; target {d['target']} (after {d['target_steps']} steps); pipelining ranks {', '.join(d['ranks'])}; links as measured (set -> measured): {links}; "
+                     f"compute / transfer per hop: {ratios}")  # fmt: skip
+        for side in ("mesh_int8", "mesh_fp32", "pipelining"):
+            if d[side]["kills"]:
+                notes.append(f"{d['scenario']['name']} {side.replace('_', ' ')} churn: {d[side]['kills']}")
+    summary = {f"{r['scenario']}_{r['side'].replace(' ', '_')}_time_ratio": r.get("mesh / pipelining time") for r in rows if r["side"] != "pipelining"}
+    params = {"work": asdict(w), "target": target, "stage_compute_s": round(compute_s, 4), "target_steps": plan.target_steps, "eval_every": plan.eval_every, "mesh_settings": plan.mesh_settings,
+              "pipeline_candidates": plan.pipeline_candidates, "scenarios": details}  # fmt: skip
+    return BenchResult("arena", "time to a target loss on shaped links: mesh int8 / fp32 against torch.distributed.pipelining", COLUMNS, rows,
+                       params=params, notes=notes, summary=summary)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.arena [SCENARIO ...]``: run some of the arena's scenarios by hand."""
+    from bench.__main__ import BenchContext
+    from bench.report import format_table, machine, write_json
+    from shared.log import configure_logging
+
+    names = [s.name for s in FULL.scenarios + QUICK.scenarios]
+    p = argparse.ArgumentParser(prog="python -m bench.arena", description=main.__doc__.split(":")[0])
+    p.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=f"one of {', '.join(names)} (default: all of the full bench)")
+    p.add_argument("--list", action="store_true", help="print the scenarios and exit")
+    p.add_argument("--out", default="bench/results", help="directory of the JSON result (arena-SCENARIO.json)")
+    args = p.parse_args(argv)
+    if args.list:
+        for sc in FULL.scenarios + QUICK.scenarios:
+            print(f"{sc.name:<18} {sc.description}")
+        return 0
+    unknown = [n for n in args.scenarios if n not in names]
+    if unknown:
+        p.error(f"unknown scenario {unknown[0]!r}; choose from {', '.join(names)}")
+    torch.set_num_threads(1)
+    configure_logging("console", "error")
+    quick = bool(args.scenarios) and all(n in [s.name for s in QUICK.scenarios] for n in args.scenarios)
+    ctx = BenchContext(quick=quick, log_dir=Path(args.out) / "logs")
+    ctx.cache["arena_scenarios"] = tuple(s for s in (QUICK if quick else FULL).scenarios if not args.scenarios or s.name in args.scenarios)
+    result = run(ctx)
+    print(format_table(result))
+    write_json(result, Path(args.out) / f"arena-{'-'.join(args.scenarios) or 'all'}.json", command="python -m bench.arena " + " ".join(argv or sys.argv[1:]), machine_info=machine(), quick=quick)
+    return 0 if result.columns != ["error"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The arena bench's quick scenario (``python -m bench.arena quick``): the arena is built,
+its links shaped as set, every side trains in it to the target and its peers carry the
+bytes, and nothing is left behind (namespace, cgroup, process). Needs root, ``ip`` and
+``tc``; skipped without them, except in CI (``CI`` set), where it must run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.arena_net import CGROUP_V1, CGROUP_V2, PREFIX, namespaces, unavailable
+
+WHY = unavailable()
+if WHY and os.environ.get("CI"):
+    pytest.fail(f"CI must build the arena: {WHY}", pytrace=False)
+pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def arena_processes() -> list[str]:
+    """Command lines of live processes that an arena run starts."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (proc / "environ").read_bytes()
+        except OSError:
+            continue
+        if "bench.arena_pipelining" in cmdline or "bench.delay_switch" in cmdline or b"SWARM_RUN_ID=arena-" in environ:
+            found.append(cmdline)
+    return found
+
+
+def cgroups() -> list[Path]:
+    return [p for root in (CGROUP_V1, CGROUP_V2) if root.is_dir() for p in root.glob(f"{PREFIX}*")]
+
+
+def test_quick_arena_trains_every_side_on_shaped_links_and_leaves_nothing(tmp_path):
+    before_ns, before_cg = set(namespaces()), set(cgroups())
+    assert not arena_processes()
+    run = subprocess.run([sys.executable, "-m", "bench.arena", "quick", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    print(run.stdout[-3000:])
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "arena-quick.json").read_text())
+    (detail,) = result["params"]["scenarios"]
+
+    # built and shaped: every peer's link in both directions at its rate, measured as set
+    peers = {"s0", "s1", "t0", "coord"}
+    assert set(detail["qdiscs"]) == peers
+    for peer, shown in detail["qdiscs"].items():
+        assert shown.count("tbf") == 2 and shown.count("rate 50Mbit") == 2, (peer, shown)
+    (link,) = detail["links"]
+    assert abs(link["mbit_s"] - 50) <= 5 and abs(link["rtt_ms"] - link["set_rtt_ms"]) <= 0.1 * link["set_rtt_ms"], link
+
+    # used: each side trained to the target, its bytes crossed the shaped links
+    rows = {r["side"]: r for r in result["rows"]}
+    assert set(rows) == {"mesh int8", "mesh fp32", "pipelining"}
+    for side, row in rows.items():
+        assert isinstance(row["time to target s"], float) and row["steps to target"] >= 1 and row["tokens/s"] > 0, row
+        assert row["bytes/token"] > 0, row
+        curve = detail[side.replace(" ", "_")]["curve"]
+        assert curve and curve[-1]["loss"] <= result["params"]["target"], (side, curve)
+
+    # the codec each mesh side names is the one its links carried (fp32 is 4x int8's payload)
+    assert rows["mesh fp32"]["bytes/token"] > 2 * rows["mesh int8"]["bytes/token"], rows
+
+    # torn down: the namespaces it named are gone, with their veths and qdiscs; no cgroup, no process
+    assert detail["torn_down"]["namespaces"] and not set(detail["torn_down"]["namespaces"]) & set(namespaces())
+    assert set(namespaces()) == before_ns
+    assert set(cgroups()) == before_cg
+    assert not arena_processes()

@@ -3,7 +3,8 @@ a stage server whose model has other dimensions than its preset's.
 
 The benches compare the mesh with other systems at d_model 256, 512 and 1024 with 8
 layers, which no preset has. Everything else is the stock stage server
-(``services.stage_server``: same app, routes, runtime and settings from ``SWARM_*``);
+(``services.stage_server``: same main, app, routes, runtime and settings from ``SWARM_*``,
+``--stage auto`` and moves between stages, after which it restarts as itself);
 only the model configuration is the preset's with these dimensions replaced.
 """
 
@@ -11,14 +12,10 @@ from __future__ import annotations
 
 import sys
 
-import torch
-from aiohttp import web
 from pydantic import Field
 
-from shared.config import StageServerSettings, parse_settings
-from shared.log import configure_logging
+from shared.config import StageServerSettings
 from shared.model import GPTConfig, config_from_preset
-from services.stage_server.app import create_app
 
 
 class SizedStageSettings(StageServerSettings):
@@ -32,16 +29,10 @@ class SizedStageSettings(StageServerSettings):
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = parse_settings(SizedStageSettings, argv, "bench.stage_proc", __doc__.split("\n\n")[0])
-    configure_logging(settings.log_format, settings.log_level)
-    torch.set_num_threads(settings.num_threads)
-    try:
-        app = create_app(settings)
-    except ValueError as exc:
-        print(f"bench.stage_proc: {exc}", file=sys.stderr)
-        return 2
-    web.run_app(app, host=settings.host, port=settings.port, print=None, shutdown_timeout=settings.drain_timeout_s, access_log=None)
-    return 0
+    """The stock server's main (coordinator lookup, ``--stage auto``, moves) with these settings."""
+    from services.stage_server.__main__ import main as serve
+
+    return serve(argv, settings_class=SizedStageSettings, module="bench.stage_proc")
 
 
 if __name__ == "__main__":

@@ -45,8 +45,10 @@ async def resolve(settings: StageServerSettings, log) -> StageServerSettings:
     return settings.model_copy(update={"coordinator": coordinator, "stage": stage})
 
 
-def main(argv: list[str] | None = None) -> int:
-    settings = parse_settings(StageServerSettings, argv, "swarm server", "Serve one pipeline stage over HTTP.")
+def main(argv: list[str] | None = None, *, settings_class: type[StageServerSettings] = StageServerSettings, module: str = "services.stage_server") -> int:
+    """Serve until stopped. ``settings_class`` and ``module`` let a variant of the server (the
+    benches' ``bench.stage_proc``) run the same way and restart as itself after a move."""
+    settings = parse_settings(settings_class, argv, "swarm server", "Serve one pipeline stage over HTTP.")
     configure_logging(settings.log_format, settings.log_level)
     torch.set_num_threads(settings.num_threads)
     try:
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     web.run_app(app, host=settings.host, port=settings.port, print=None, shutdown_timeout=settings.drain_timeout_s, access_log=None, ssl_context=ssl_context)
     if order.to_stage is not None:  # moved by the coordinator: start again as a server of the new stage
         argv = [a for a in (sys.argv[1:] if argv is None else argv)]
-        os.execv(sys.executable, [sys.executable, "-m", "services.stage_server", *argv, "--stage", str(order.to_stage)])
+        os.execv(sys.executable, [sys.executable, "-m", module, *argv, "--stage", str(order.to_stage)])
     return 0
 
 

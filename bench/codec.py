@@ -5,8 +5,10 @@ One round trip is what a hop pays: ``encode_tensor`` + ``pack_message`` on one s
 of activation per second of round trip, one thread, against a plain copy of the same
 tensor (``torch.Tensor.copy_``: what moving the bytes costs at least). Tensors are
 activation-like: (batch, seq, 1024) Gaussian values with a log-normal scale per channel
-and a few outlier channels 20x larger, as transformer hidden states have. hivemind's
-8-bit blockwise serialization is measured the same way where hivemind is installed.
+and a few outlier channels 20x larger, as transformer hidden states have. Besides every
+codec this peer sends, the dynamic-map int8 that older peers send (bitsandbytes blockwise
+dynamic quantization) is measured as a row of its own, and hivemind's 8-bit blockwise
+serialization the same way where hivemind is installed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from shared.codec import FLOAT_CODECS, decode_tensor, encode_tensor, pack_message, unpack_message, warm_up
+from shared.codec import FLOAT_CODECS, decode_tensor, encode_int8_dynamic, encode_tensor, pack_message, unpack_message, warm_up
 from bench.report import NOT_INSTALLED, BenchResult
 
 WIDTH = 1024
@@ -32,6 +34,8 @@ QUICK_TOKENS = (100, 512)
 # glibc keeps freed buffers up to 32 MiB for reuse instead of unmapping them (see run's notes)
 RECYCLE_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456"
 COLUMNS = ["MiB", "codec", "MB/s", "x memcpy", "rel. error", "error if Gaussian", "wire bytes", "fp32/wire"]
+DYNAMIC_INT8 = "int8 (bitsandbytes dynamic)"
+DYNAMIC_BLOCK = 4096  # what older peers sent by default
 
 
 def activation_like(tokens: int, seed: int = 0) -> torch.Tensor:
@@ -55,6 +59,11 @@ def timed(fn, min_s: float, min_reps: int = 3, max_reps: int = 200) -> float:
 
 def round_trip(x: torch.Tensor, codec: str) -> tuple[torch.Tensor, int]:
     body = pack_message({"t": encode_tensor(x, codec)})
+    return decode_tensor(unpack_message(body)["t"]), len(body)
+
+
+def dynamic_int8_round_trip(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    body = pack_message({"t": encode_int8_dynamic(x, DYNAMIC_BLOCK)})
     return decode_tensor(unpack_message(body)["t"]), len(body)
 
 
@@ -92,7 +101,8 @@ def measure(quick: bool) -> list[dict]:
         base = {"MiB": round(nbytes / 2**20, 2)}
         rows.append({**base, "codec": "memcpy", "MB/s": nbytes / copy_s / 1e6, "x memcpy": 1.0, "rel. error": 0.0, "error if Gaussian": 0.0, "wire bytes": nbytes, "fp32/wire": 1.0})
         rows.append({**base, "codec": "memcpy, new buffer", "MB/s": nbytes / clone_s / 1e6, "x memcpy": copy_s / clone_s, "rel. error": 0.0, "error if Gaussian": 0.0, "wire bytes": nbytes, "fp32/wire": 1.0})
-        trips = [(codec, lambda x, c=codec: round_trip(x, c)) for codec in FLOAT_CODECS] + ([("hivemind 8-bit", hivemind)] if hivemind else [])
+        trips = [(codec, lambda x, c=codec: round_trip(x, c)) for codec in FLOAT_CODECS] + [(DYNAMIC_INT8, dynamic_int8_round_trip)]
+        trips += [("hivemind 8-bit", hivemind)] if hivemind else []
         for codec, trip in trips:
             seconds = timed(lambda: trip(x), min_s)
             y, wire = trip(x)
@@ -120,16 +130,22 @@ def run(ctx) -> BenchResult:
     recycled = {(r["MiB"], r["codec"]): r["MB/s"] for r in _measure_in_child(ctx, {"GLIBC_TUNABLES": RECYCLE_TUNABLES}, "recycled")}
     for row in rows:
         row["MB/s, buffers recycled"] = recycled.get((row["MiB"], row["codec"]))
-    int8 = [r for r in rows if r["codec"] == "int8"]
+    int8, int4, dynamic = ([r for r in rows if r["codec"] == codec] for codec in ("int8", "int4", DYNAMIC_INT8))
     summary = {"int8_MBps_largest": int8[-1]["MB/s"], "int8_MBps_largest_recycled": int8[-1]["MB/s, buffers recycled"], "int8_rel_error_max": max(r["rel. error"] for r in int8),
-               "int8_fp32_over_wire_min": min(r["fp32/wire"] for r in int8), "hivemind": NOT_INSTALLED if any(r["MB/s"] == NOT_INSTALLED for r in rows) else "measured"}
+               "int8_fp32_over_wire_min": min(r["fp32/wire"] for r in int8),
+               "int8_dynamic_MBps_largest": dynamic[-1]["MB/s"], "int8_dynamic_rel_error_max": max(r["rel. error"] for r in dynamic),
+               "int4_MBps_largest": int4[-1]["MB/s"], "int4_rel_error_max": max(r["rel. error"] for r in int4), "int4_fp32_over_wire_min": min(r["fp32/wire"] for r in int4),
+               "hivemind": NOT_INSTALLED if any(r["MB/s"] == NOT_INSTALLED for r in rows) else "measured"}
     notes = [
         "MB/s: fp32 megabytes (1e6 B) of activation per second of encode+pack+unpack+decode, 1 thread, as the services run (glibc's default malloc); x memcpy: that speed over "
         "a plain tensor copy's into a buffer allocated beforehand; memcpy, new buffer: the copy into freshly allocated memory (Tensor.clone)",
         f"MB/s, buffers recycled: the same in a process started with GLIBC_TUNABLES={RECYCLE_TUNABLES}, where freed buffers of up to 32 MiB are reused "
         "instead of being returned to the kernel and faulted in again page by page",
         "rel. error: ||x - decoded|| / ||x|| on the activation-like tensor; error if Gaussian: the same on N(0, 1) values of the same shape; wire bytes: the whole msgpack body; fp32/wire: how many times fewer bytes than raw fp32",
-        "int8 = bitsandbytes blockwise dynamic quantization (block 4096, one fp32 absmax per block)",
+        "int8: linear blockwise absmax quantization, one bfloat16 absmax per block of 128 tokens of one channel (blocks down the columns), or per run of 128 "
+        "values when the tensor has fewer than 128 rows (the 0.39 MiB row: 100 tokens); int4: a seeded Hadamard rotation per block of 64 values, then 4-bit "
+        "absmax quantization with one bfloat16 absmax per block",
+        f"{DYNAMIC_INT8}: the int8 older peers send, still decoded: bitsandbytes blockwise dynamic quantization (block {DYNAMIC_BLOCK}, one fp32 absmax per block)",
     ]
     return BenchResult("codec", "wire codecs: encode+decode speed, error, bytes", COLUMNS + ["MB/s, buffers recycled"], rows, params={"width": WIDTH, "threads": 1, "recycle_tunables": RECYCLE_TUNABLES}, notes=notes, summary=summary)
 

@@ -1,9 +1,9 @@
-"""Bench 7, convergence: held-out loss after the same samples with fp32, fp16 and int8
-wires, and with 1 replica per stage and 1 trainer against 2 replicas per stage and 2
-trainers, in ``global`` mode (the same global batch, all-reduced every step) and in
-``local`` mode (DiLoCo: each replica steps on its own samples, an outer step every H
-steps); see docs/architecture.md "One model per stage". The step rounds' bytes per sample
-(all replicas together) show what each mode sends between replicas.
+"""Bench 7, convergence: held-out loss after the same samples with fp32, fp16, int8 (the
+linear map) and int4 wires, and with 1 replica per stage and 1 trainer against 2 replicas
+per stage and 2 trainers, in ``global`` mode (the same global batch, all-reduced every
+step) and in ``local`` mode (DiLoCo: each replica steps on its own samples, an outer step
+every H steps); see docs/architecture.md "One model per stage". The step rounds' bytes per
+sample (all replicas together) show what each mode sends between replicas.
 
 Each configuration is a fresh swarm of the tiny model (same seed, so the same initial
 weights, and the same sequence of microbatches: two trainers take alternate ones): a
@@ -50,7 +50,8 @@ class Plan:
 FULL = Plan(stages=4, samples=1280, global_batch=32, seq_len=128, microbatch_size=8, in_flight=4, local_steps=10)
 QUICK = Plan(stages=2, samples=64, global_batch=16, seq_len=32, microbatch_size=4, in_flight=4, local_steps=2)
 # (wire, replicas per stage, trainers, sync); fp32 x1 twice: the run-to-run spread
-CONFIGS = (("fp32", 1, 1, "global"), ("fp32", 1, 1, "global"), ("fp32", 2, 2, "global"), ("fp32", 2, 2, "local"), ("fp16", 1, 1, "global"), ("int8", 1, 1, "global"), ("int8", 2, 2, "global"))
+CONFIGS = (("fp32", 1, 1, "global"), ("fp32", 1, 1, "global"), ("fp32", 2, 2, "global"), ("fp32", 2, 2, "local"), ("fp16", 1, 1, "global"), ("int8", 1, 1, "global"), ("int8", 2, 2, "global"),
+           ("int4", 1, 1, "global"))
 
 
 @contextlib.asynccontextmanager
@@ -141,6 +142,8 @@ def run(ctx) -> BenchResult:
         f"sync local (DiLoCo): each replica takes its inner AdamW step on its own samples, and every {plan.local_steps} global steps the replicas "
         "all-reduce what they learned and take an outer Nesterov step (lr 0.7, momentum 0.5); sync bytes/sample: what the stage servers sent in "
         "their step rounds, all together, per trained sample",
+        "wire: the codec of the activations and gradients between the trainer and the stages, both ways (int8: linear blockwise, one bfloat16 "
+        "absmax per block of 128 tokens of a channel; int4: 4-bit after a seeded Hadamard rotation per block of 64 values)",
         "one run per configuration, fp32 x1 twice: the order in which asynchronous microbatches finish varies from run to run, so the two show the noise a difference must exceed",
         "training loss against samples and against wall time: the 'curve' of each row in the JSON (the first trainer's mean loss per global step, and when it saw the step done)",
     ]

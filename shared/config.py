@@ -18,7 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from shared.codec import DEFAULT_INT8_BLOCK, FLOAT_CODECS, INT8_BLOCK_SIZES
 from shared.model import PRESETS, GPTConfig, config_from_preset
 
-Codec = Literal["fp32", "fp16", "bf16", "int8"]
+Codec = Literal["fp32", "fp16", "bf16", "int8", "int4"]
 assert set(Codec.__args__) == set(FLOAT_CODECS)
 
 

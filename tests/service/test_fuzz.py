@@ -69,7 +69,7 @@ def tensors(draw):
     elif mutation == "extend":
         enc["data"] = bytes(enc["data"]) + b"\x01" * draw(st.integers(1, 8))
     elif mutation == "codec":
-        enc["codec"] = draw(st.one_of(st.sampled_from(["int4", "", "raw", "fp64"]), junk))
+        enc["codec"] = draw(st.one_of(st.sampled_from(["int2", "", "raw", "fp64"]), junk))
     elif mutation == "drop":
         enc.pop(draw(st.sampled_from(sorted(enc))))
     elif mutation == "junk":

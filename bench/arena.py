@@ -38,7 +38,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -93,7 +93,14 @@ class Plan:
     mesh_settings: tuple[tuple[int, int], ...]  # (trainers, microbatches in flight, all trainers together)
     pipeline_candidates: tuple[int, ...]  # microbatches per global step
     sweep_steps: int = 4
+    routing: str = ""  # the mesh trainers' SWARM_ROUTING ("": the trainer's default)
     extra: dict = field(default_factory=dict)
+
+    @property
+    def mesh_routing(self) -> str:
+        from shared.config import TrainerSettings
+
+        return self.routing or TrainerSettings.model_fields["routing"].default
 
 
 def _homogeneous(rate: float, budget_s: float, sweep: bool = False) -> Scenario:
@@ -311,7 +318,8 @@ class MeshSide(SideRun):
             env = {**self.base_env(), "SWARM_COORDINATOR": self.coordinator, "SWARM_SEQ_LEN": str(w.seq_len), "SWARM_MICROBATCH_SIZE": str(w.microbatch_size),
                    "SWARM_WIRE_CODEC": self.codec, "SWARM_IN_FLIGHT": str(max(1, in_flight // trainers)), "SWARM_STEPS": str(steps), "SWARM_START_STEP": str(start_step),
                    "SWARM_SHARD_INDEX": str(t), "SWARM_NUM_SHARDS": str(trainers), "SWARM_EVAL_EVERY": str(eval_every if t == 0 else 0),
-                   "SWARM_LOG_FORMAT": "json", "SWARM_LOG_LEVEL": "info", "SWARM_LOG_EVERY": "1", "SWARM_PROGRESS": "off", "SWARM_FINAL_AVERAGE": "false"}  # fmt: skip
+                   "SWARM_LOG_FORMAT": "json", "SWARM_LOG_LEVEL": "info", "SWARM_LOG_EVERY": "1", "SWARM_PROGRESS": "off", "SWARM_FINAL_AVERAGE": "false",
+                   "SWARM_ROUTING": self.plan.mesh_routing}  # fmt: skip
             logs.append(self.log(f"{tag}-t{t}"))
             self.arena.popen(f"t{t}", [sys.executable, "-m", "services.trainer"], env=env, log=logs[-1])
         return logs
@@ -518,7 +526,7 @@ def run_scenario(sc: Scenario, plan: Plan, target: float, compute_s: float, logs
         for codec in ("int8", "fp32"):
             out, setting, sweep = run_mesh(arena, sc, plan, logs / sc.name, codec, setting, target)
             detail[f"mesh_{codec}"] = asdict(out) | {"sweep": sweep}
-            rows.append(_row(sc, f"mesh {codec}", f"{setting[0]} trainer(s), {setting[1]} in flight", out, plan))
+            rows.append(_row(sc, f"mesh {codec}", f"{setting[0]} trainer(s), {setting[1]} in flight, {plan.mesh_routing}", out, plan))
             print(f"arena {sc.name}: {rows[-1]}", flush=True)
         out, microbatches, sweep = run_pipelining(arena, sc, plan, logs / sc.name, target)
         detail["pipelining"] = asdict(out) | {"sweep": sweep}
@@ -533,7 +541,7 @@ def run(ctx) -> BenchResult:
     why = unavailable()
     if why:
         return BenchResult("arena", "the WAN arena", ["skipped"], [{"skipped": why}], notes=[f"arena: skipped: {why}"], summary={"skipped": why})
-    plan = QUICK if ctx.quick else FULL
+    plan = replace(QUICK if ctx.quick else FULL, **ctx.cache.get("arena_plan", {}))
     scenarios = ctx.cache.get("arena_scenarios") or plan.scenarios
     stages = scenarios[0].stages
     started = time.monotonic()
@@ -567,7 +575,7 @@ def run(ctx) -> BenchResult:
             if d[side]["kills"]:
                 notes.append(f"{d['scenario']['name']} {side.replace('_', ' ')} churn: {d[side]['kills']}")
     summary = {f"{r['scenario']}_{r['side'].replace(' ', '_')}_time_ratio": r.get("mesh / pipelining time") for r in rows if r["side"] != "pipelining"}
-    params = {"work": asdict(w), "target": target, "stage_compute_s": round(compute_s, 4), "target_steps": plan.target_steps, "eval_every": plan.eval_every, "mesh_settings": plan.mesh_settings,
+    params = {"work": asdict(w), "target": target, "stage_compute_s": round(compute_s, 4), "target_steps": plan.target_steps, "eval_every": plan.eval_every, "mesh_settings": plan.mesh_settings, "mesh_routing": plan.mesh_routing,
               "pipeline_candidates": plan.pipeline_candidates, "scenarios": details}  # fmt: skip
     return BenchResult("arena", "time to a target loss on shaped links: mesh int8 / fp32 against torch.distributed.pipelining", COLUMNS, rows,
                        params=params, notes=notes, summary=summary)  # fmt: skip
@@ -584,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=f"one of {', '.join(names)} (default: all of the full bench)")
     p.add_argument("--list", action="store_true", help="print the scenarios and exit")
     p.add_argument("--out", default="bench/results", help="directory of the JSON result (arena-SCENARIO.json)")
+    p.add_argument("--routing", choices=("relay", "chain"), help="the mesh trainers' routing (default: the trainer's default)")
+    p.add_argument("--mesh", metavar="TxF,...", help="the mesh's settings to sweep, trainers x microbatches in flight (default: the plan's, e.g. 1x4,1x8,2x8)")
     args = p.parse_args(argv)
     if args.list:
         for sc in FULL.scenarios + QUICK.scenarios:
@@ -597,6 +607,15 @@ def main(argv: list[str] | None = None) -> int:
     quick = bool(args.scenarios) and all(n in [s.name for s in QUICK.scenarios] for n in args.scenarios)
     ctx = BenchContext(quick=quick, log_dir=Path(args.out) / "logs")
     ctx.cache["arena_scenarios"] = tuple(s for s in (QUICK if quick else FULL).scenarios if not args.scenarios or s.name in args.scenarios)
+    changes: dict = {"routing": args.routing} if args.routing else {}
+    if args.mesh:
+        try:
+            changes["mesh_settings"] = tuple(tuple(int(n) for n in item.split("x")) for item in args.mesh.split(","))
+        except ValueError:
+            p.error(f"--mesh takes settings like 1x4,2x8 (trainers x in flight), got {args.mesh!r}")
+        if not all(len(m) == 2 and 1 <= m[0] <= len(TRAINERS) and m[1] >= m[0] for m in changes["mesh_settings"]):
+            p.error(f"--mesh: 1 to {len(TRAINERS)} trainers, at least one microbatch in flight each")
+    ctx.cache["arena_plan"] = changes
     result = run(ctx)
     print(format_table(result))
     write_json(result, Path(args.out) / f"arena-{'-'.join(args.scenarios) or 'all'}.json", command="python -m bench.arena " + " ".join(argv or sys.argv[1:]), machine_info=machine(), quick=quick)

@@ -16,6 +16,7 @@ from typing import Callable
 
 import aiohttp
 
+from shared.config import TrainerSettings
 from shared.retry import RetryPolicy
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import HopTimeouts, MicrobatchFailed, PipelineClient
@@ -60,8 +61,9 @@ class PumpLog:
 class MeshClient:
     """A session, a balancer and a pipeline client for one run; ``coordinator`` or static URLs."""
 
-    def __init__(self, *, run_id: str, num_stages: int, codec: str, seq_len: int, microbatch_size: int, seed: int = 0, timeouts: HopTimeouts = HopTimeouts(60.0, 120.0), max_retries: int = 3):
-        self.run_id, self.num_stages, self.codec = run_id, num_stages, codec
+    def __init__(self, *, run_id: str, num_stages: int, codec: str, seq_len: int, microbatch_size: int, seed: int = 0, timeouts: HopTimeouts = HopTimeouts(60.0, 120.0), max_retries: int = 3,
+                 routing: str = TrainerSettings.model_fields["routing"].default):
+        self.run_id, self.num_stages, self.codec, self.routing = run_id, num_stages, codec, routing
         self.batcher = ByteBatcher(load_corpus(), seq_len, microbatch_size, seed=seed)
         self.balancer = ReplicaBalancer(num_stages, rng=random.Random(seed))
         self.timeouts, self.retry = timeouts, RetryPolicy(max_retries=max_retries)
@@ -72,7 +74,7 @@ class MeshClient:
     async def __aenter__(self) -> "MeshClient":
         self.session = await self._stack.enter_async_context(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
         self.client = PipelineClient(self.session, self.balancer, run_id=self.run_id, codec=self.codec, timeouts=self.timeouts, retry=self.retry,
-                                     on_stage_empty=self._stage_empty)
+                                     on_stage_empty=self._stage_empty, routing=self.routing)
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -119,6 +119,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--microbatch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--in-flight", type=int, default=4, help="microbatches in flight (default 4)")
+    p.add_argument("--routing", default=os.environ.get("SWARM_ROUTING", "relay"), choices=("relay", "chain"),
+                   help="'relay': the trainers carry every tensor between stages; 'chain': the stage servers pass them to each other (default: SWARM_ROUTING, else relay)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--corpus", default="", help="text file to train on (default: bundled Shakespeare)")
     p.add_argument("--run-dir", default="", help="logs and metrics go here (default runs/<time>)")
@@ -255,6 +257,7 @@ def start_trainers(procs: LocalProcesses, args: argparse.Namespace, run_dir: Pat
             "SWARM_MICROBATCH_SIZE": str(args.microbatch_size),
             "SWARM_SEQ_LEN": str(args.seq_len),
             "SWARM_IN_FLIGHT": str(args.in_flight),
+            "SWARM_ROUTING": args.routing,
             "SWARM_CORPUS": args.corpus,
             "SWARM_METRICS_FILE": str(run_dir / f"metrics{suffix}.jsonl"),
             "SWARM_SUMMARY_FILE": str(run_dir / f"summary{suffix}.json"),

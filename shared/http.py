@@ -112,7 +112,8 @@ async def request_bytes(session: aiohttp.ClientSession, method: str, url: str, *
         async with session.request(method, url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             payload = await resp.read()
             if resp.status != 200:
-                raise RemoteError(url, resp.status, *_error_of(payload, resp.reason), retry_after_s=_retry_after(resp.headers.get("Retry-After")))
+                code, message, details = _error_of(payload, resp.reason)
+                raise RemoteError(url, resp.status, code, message, retry_after_s=_retry_after(resp.headers.get("Retry-After")), details=details)
             if resp.content_type != expect:
                 raise RemoteError(url, resp.status, "bad_reply", f"reply has Content-Type {resp.content_type!r}")
             return payload
@@ -190,13 +191,14 @@ def _json_object(url: str, payload: bytes) -> dict:
     return value
 
 
-def _error_of(payload: bytes, reason: str | None) -> tuple[str, str]:
-    """(code, message) of a JSON error reply, or the best description of another body."""
+def _error_of(payload: bytes, reason: str | None) -> tuple[str, str, dict]:
+    """(code, message, the error's other fields) of a JSON error reply, or the best
+    description of another body."""
     try:
         err = json.loads(payload)["error"]
-        return str(err["code"]), str(err["message"])
+        return str(err["code"]), str(err["message"]), {k: v for k, v in err.items() if k not in ("code", "message")}
     except (ValueError, KeyError, TypeError):
-        return "http_error", reason or payload[:200].decode("utf-8", "replace")
+        return "http_error", reason or payload[:200].decode("utf-8", "replace"), {}
 
 
 # ------------------------------------------------------------------ security: signing and TLS

@@ -17,6 +17,7 @@ from services.stage_server.latency import LatencyProbe
 from services.stage_server.local_sync import OuterConfig
 from services.stage_server.membership import Membership
 from services.stage_server.metrics import STAGE_METRICS, StageMetrics
+from services.stage_server.chain import add_chain_routes
 from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, STEPPER, WORKER, MoveOrder, add_routes
 from services.stage_server.runtime import OptimizerConfig, StageRuntime
 from services.stage_server.state import load_stage_state
@@ -59,6 +60,7 @@ def create_app(settings: StageServerSettings, runtime: StageRuntime | None = Non
     app[WORKER] = ComputeWorker(settings.max_queue, inject_delay_s=settings.inject_delay_s)
     app[MOVE] = MoveOrder()
     add_routes(app)
+    add_chain_routes(app, settings)
     add_averaging_routes(app)
     add_state_routes(app)
     add_metrics_route(app, metrics)

@@ -86,6 +86,13 @@ class StageRequest:
 async def _parse(request: web.Request, *, backward: bool) -> StageRequest:
     settings = request.app[SETTINGS]
     msg = await read_message(request, int(settings.max_body_mb * 2**20))
+    return await parse_message(request, msg, names=["inputs", "targets"] + (["grad_outputs"] if backward else []))
+
+
+async def parse_message(request: web.Request, msg: dict, *, names: list[str]) -> StageRequest:
+    """Check a /forward, /backward or /chain message against this server and decode its
+    tensors ``names`` (``inputs`` first); raises :class:`BadPayload` or :class:`WrongStage`."""
+    settings = request.app[SETTINGS]
     stage = msg.get("stage")
     if type(stage) is not int:
         raise BadPayload("'stage' must be an int")
@@ -110,7 +117,6 @@ async def _parse(request: web.Request, *, backward: bool) -> StageRequest:
         raise BadPayload("'forward_step' must be an int >= 0")
     if until_step is not None and (type(until_step) is not int or not 1 <= until_step < 2**53):
         raise BadPayload("'until_step' must be an int >= 1")
-    names = ["inputs", "targets"] + (["grad_outputs"] if backward else [])
     device = request.app[RUNTIME].device
     body_bytes = request.content_length if request.content_length is not None else OFF_LOOP_BYTES  # chunked: assume large
     tensors = await _off_loop(body_bytes, _decode_all, msg, names, device)
@@ -145,27 +151,43 @@ async def _encode(t: torch.Tensor, codec: str, int8_block: int) -> dict:
 
 async def forward(request: web.Request) -> web.Response:
     req = await _parse(request, backward=False)
-    runtime, settings = request.app[RUNTIME], request.app[SETTINGS]
-    def run_forward():
+    reply = await run_forward(request.app, req)
+    request.app[STAGE_METRICS].count_tensors("out", reply)
+    return _respond(request.app[SETTINGS], reply)
+
+
+async def run_forward(app: web.Application, req: StageRequest) -> dict:
+    """The stage's forward of ``req`` on the compute worker; the reply: ``{stage,
+    microbatch_id, step}`` and ``outputs`` (encoded), or ``loss`` on the last stage."""
+    runtime, settings = app[RUNTIME], app[SETTINGS]
+
+    def compute():
         return runtime.forward(req.microbatch_id, req.seed, req.inputs, req.targets, keep_graph=not req.eval), runtime.step
 
-    output, step = await request.app[WORKER].run(run_forward)
+    output, step = await app[WORKER].run(compute)
     reply = {"stage": settings.stage, "microbatch_id": req.microbatch_id, "step": step}
     if runtime.spec.is_last:
         reply["loss"] = float(output)
     else:
         reply["outputs"] = await _encode(output, req.reply_codec, settings.int8_block)
-    request.app[STAGE_METRICS].count_tensors("out", reply)
-    if not req.eval and "outputs" in reply:
-        request.app[STAGE_METRICS].note_activation(reply["outputs"], _samples(req.inputs))
-    return _respond(settings, reply)
+        if not req.eval:
+            app[STAGE_METRICS].note_activation(reply["outputs"], _samples(req.inputs))
+    return reply
 
 
 async def backward(request: web.Request) -> web.Response:
     req = await _parse(request, backward=True)
-    runtime, settings = request.app[RUNTIME], request.app[SETTINGS]
+    reply = await run_backward(request.app, req)
+    request.app[STAGE_METRICS].count_tensors("out", reply)
+    return _respond(request.app[SETTINGS], reply)
+
+
+async def run_backward(app: web.Application, req: StageRequest) -> dict:
+    """The stage's backward of ``req`` (its gradient accumulated into the global step the
+    coordinator reserves, at most once per microbatch id); the reply of ``/backward``."""
+    runtime, settings = app[RUNTIME], app[SETTINGS]
     work = 3.0 if runtime.spec.is_last else 2.0  # the last stage's backward includes its forward
-    stepper = request.app.get(STEPPER)
+    stepper = app.get(STEPPER)
     if stepper and req.forward_step is not None:
         runtime.check_staleness(req.microbatch_id, req.forward_step)  # before a reservation: a stale backward takes none
     waited = time.perf_counter()
@@ -175,15 +197,15 @@ async def backward(request: web.Request) -> web.Response:
     bucket = NO_BUCKET if complete else reservation.bucket if reservation else None
     late_to_current = bool(reservation and reservation.alone)  # a step this replica counts alone: never dropped
     try:
-        result = await request.app[WORKER].run(runtime.backward, req.microbatch_id, req.seed, req.inputs, req.targets, req.grad_outputs, req.forward_step,
-                                               bucket, late_to_current, work=work)  # fmt: skip
+        result = await app[WORKER].run(runtime.backward, req.microbatch_id, req.seed, req.inputs, req.targets, req.grad_outputs, req.forward_step,
+                                       bucket, late_to_current, work=work)  # fmt: skip
     except BaseException:
         if reservation:
-            await stepper.settle(reservation, 0, request.app[WORKER].run)  # the reservation goes back
+            await stepper.settle(reservation, 0, app[WORKER].run)  # the reservation goes back
         raise
     if reservation:
         settled = time.perf_counter()
-        await stepper.settle(reservation, _samples(req.inputs) if result.accumulated else 0, request.app[WORKER].run)
+        await stepper.settle(reservation, _samples(req.inputs) if result.accumulated else 0, app[WORKER].run)
         waited += time.perf_counter() - settled
     reply: dict = {"stage": settings.stage, "microbatch_id": req.microbatch_id, "step": result.step, "stage_step": runtime.step, "accumulated": result.accumulated,
                    "bucket": _holder(result, reservation), "step_wait_s": round(waited, 6)}  # fmt: skip
@@ -193,8 +215,7 @@ async def backward(request: web.Request) -> web.Response:
         reply["grad_inputs"] = await _encode(result.grad_inputs, req.reply_codec, settings.int8_block)
     if result.loss is not None:
         reply["loss"] = result.loss
-    request.app[STAGE_METRICS].count_tensors("out", reply)
-    return _respond(settings, reply)
+    return reply
 
 
 def _holder(result, reservation) -> int:
@@ -242,6 +263,7 @@ async def info(request: web.Request) -> web.Response:
             "wire_codec": settings.wire_codec,
             "int8_block": settings.int8_block,
             "wire_version": WIRE_VERSION,
+            "routings": ["relay", "chain"],  # /forward + /backward, and /chain
             "global_batch": settings.global_batch,
             "max_staleness": settings.max_staleness,
             "device": str(runtime.device),

@@ -53,6 +53,8 @@ async def check_stages(session: aiohttp.ClientSession, stage_urls: list[list[str
             wrong = {k: info.get(k) for k, v in {**expected, "stage": stage}.items() if info.get(k) != v}
             if wrong:
                 raise SwarmMismatch(f"{url} serves {wrong}, expected {({**expected, 'stage': stage})}")
+            if settings.routing not in info.get("routings", ["relay"]):
+                raise SwarmMismatch(f"{url} does not serve SWARM_ROUTING={settings.routing} (it serves {info.get('routings', ['relay'])}): upgrade it, or set SWARM_ROUTING=relay")
             answered += 1
             first = first or info
         if not answered:
@@ -121,6 +123,7 @@ async def train(settings: TrainerSettings) -> int:
             on_stage_empty=view.stage_empty if view else None,
             client_id=trainer_id,
             telemetry=telemetry,
+            routing=settings.routing,
         )
         display = ProgressDisplay(choose_display(settings.progress, sys.stderr, log_format=settings.log_format), settings.steps, stream=sys.stderr, initial_steps=settings.start_step, every_steps=settings.log_every)
         trainer = Trainer(

@@ -14,6 +14,16 @@ Each forward answer carries the stage's global step; the backward of that stage 
 back (``forward_step``). A stage that stepped more than ``SWARM_MAX_STALENESS`` times since
 refuses the backward (409 ``stale_forward``): the microbatch runs again from stage 0,
 counted as a re-run, at most ``MAX_RERUNS`` times.
+
+``routing="chain"`` (``SWARM_ROUTING``): the trainer picks a replica for every stage (and up
+to ``CHAIN_ALTERNATES`` alternates each) with the same wiring, and sends the route with the
+token ids to the stage-0 replica, one ``POST /chain``; the stage servers pass activations
+and gradients to each other (``services/stage_server/chain.py``) and stage 0 answers with
+the loss and every hop's timings, which the wiring learns from as from its own calls. A
+chain broken where no alternate could take over (502 ``chain_broken``) runs again from
+stage 0 like a stale one, counted as a re-run, with the replicas that failed banned and the
+others kept (a stage that already accumulated the microbatch recognises it). The trainer
+then decodes nothing and holds only token ids.
 """
 
 from __future__ import annotations
@@ -35,7 +45,9 @@ from services.trainer.data import Microbatch
 from services.trainer.wiring import NoReplica, ReplicaBalancer
 
 
-MAX_RERUNS = 8  # times a microbatch runs again from the start after a stale backward
+MAX_RERUNS = 8  # times a microbatch runs again from the start after a stale backward or a broken chain
+CHAIN_ALTERNATES = 2  # replicas per later stage a chain may fall back on, besides its choice
+ROUTINGS = ("relay", "chain")
 MAX_OVERLOAD_WAITS = 30  # 503 "overloaded" answers a hop waits out (Retry-After) before they count as failures
 MAX_OVERLOAD_WAIT_S = 5.0
 
@@ -48,7 +60,8 @@ class MicrobatchFailed(Exception):
 
 
 class StaleMicrobatch(Exception):
-    """A stage refused a backward: its forward is too many steps old. Run the microbatch again."""
+    """A stage refused a backward (its forward is too many steps old), or a chain broke where
+    no alternate could take over: run the microbatch again."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,11 @@ class TrainResult:
 class HopTimeouts:
     forward_s: float = 30.0
     backward_s: float = 60.0
+
+    def chain_s(self, num_stages: int) -> float:
+        """A whole chain's budget: half a hop's forward and backward timeouts per stage (the
+        relay gives every hop its own); the servers split it along the chain."""
+        return num_stages * (self.forward_s + self.backward_s) / 2
 
 
 class PipelineClient:
@@ -81,7 +99,10 @@ class PipelineClient:
         on_stage_empty: Callable[[int], Awaitable[None]] | None = None,
         client_id: str = "",
         telemetry=None,
+        routing: str = "relay",
     ):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r} (setting SWARM_ROUTING)")
         self.session, self.balancer, self.run_id = session, balancer, run_id
         self.codec, self.timeouts, self.retry, self.log = codec, timeouts, retry, log
         self.until_step = until_step  # the run's last global step: stages refuse gradients past it
@@ -89,17 +110,21 @@ class PipelineClient:
         self.client_id = client_id or uuid.uuid4().hex[:8]  # microbatch ids stay unique across trainers
         self.num_stages = balancer.num_stages
         self.telemetry = telemetry  # a TrainerTelemetry: hops, bytes and microbatches counted
+        self.routing = routing
+        self._routes: dict[int, list[str]] = {}  # chain routing: a microbatch's replicas of stages 1.., kept for its re-runs
 
     async def train(self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None = None) -> TrainResult:
         """Forward and backward one microbatch, again from the start if a stage finds its
         forward too old (at most ``MAX_RERUNS`` times); raises :class:`MicrobatchFailed`.
         ``on_loss(loss_step)``: called when the last stage has answered, before the stages
         below run their backwards."""
+        train_once = self._train_chain if self.routing == "chain" else self._train_once
         for rerun in range(MAX_RERUNS + 1):
             try:
-                loss, loss_step, swarm_step, complete = await self._train_once(mb, seed, on_loss)
+                loss, loss_step, swarm_step, complete = await train_once(mb, seed, on_loss)
                 if self.telemetry:
                     self.telemetry.microbatch_done(mb.num_tokens)
+                self._routes.pop(mb.index, None)
                 return TrainResult(loss, loss_step, swarm_step, rerun, complete)
             except StaleMicrobatch as exc:
                 if self.telemetry:
@@ -107,9 +132,10 @@ class PipelineClient:
                 if self.log:
                     self.log.info("microbatch.rerun", microbatch=mb.index, rerun=rerun + 1, reason=str(exc))
                 error = exc
+        self._routes.pop(mb.index, None)
         if self.telemetry:
             self.telemetry.microbatch_failed()
-        raise MicrobatchFailed(mb.index, 0, "/backward", [RemoteError("pipeline", 409, "stale_forward", f"{MAX_RERUNS + 1} runs were all stale: {error}")])
+        raise MicrobatchFailed(mb.index, 0, "/backward", [RemoteError("pipeline", 409, "stale_forward", f"{MAX_RERUNS + 1} runs were all stale or broken: {error}")])
 
     async def _train_once(self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None) -> tuple[float, int, int, bool]:
         mb_id = f"{self.run_id}:{self.client_id}:{mb.index}"
@@ -135,9 +161,59 @@ class PipelineClient:
             grad, swarm_step, complete = await self._call(mb, stage, "/backward", msg, _grad_inputs if stage else _nothing)
         return loss, loss_step, swarm_step, complete
 
+    async def _train_chain(self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None) -> tuple[float, int, int, bool]:
+        """One run of the microbatch down a chain of stage servers and back (see the module's docstring)."""
+        msg = {"run_id": self.run_id, "microbatch_id": f"{self.run_id}:{self.client_id}:{mb.index}", "seed": seed, "codec": self.codec}
+        if self.until_step is not None:
+            msg["until_step"] = self.until_step
+        reply = await self._chain(mb, msg, _chain_trained)
+        loss, loss_step, swarm_step, complete = reply
+        if on_loss:
+            on_loss(loss_step)
+        return loss, loss_step, swarm_step, complete
+
+    async def _chain(self, mb: Microbatch, msg: dict, read: Callable[[dict], Any]) -> Any:
+        """POST ``msg`` down a chain (stage 0 chosen by :meth:`_call`, the later stages here) and learn from the answer."""
+        batch = mb.inputs.shape[0]
+        preferred = self._routes.get(mb.index) or []
+        route = []
+        for stage in range(1, self.num_stages):
+            keep = preferred[stage - 1] if stage - 1 < len(preferred) else None
+            url = keep if keep in self.balancer.usable(stage) else self.balancer.choose(stage, kind="chain", batch_size=batch)
+            route.append([url, *self.balancer.alternates(stage, url, CHAIN_ALTERNATES)])
+        if not msg.get("eval"):
+            self._routes[mb.index] = [replicas[0] for replicas in route]
+        body = {**msg, "stage": 0, "inputs": encode_tensor(mb.inputs, "raw"), "targets": encode_tensor(mb.targets, "raw"), "route": route,
+                "budget_s": self.timeouts.chain_s(self.num_stages)}  # fmt: skip
+        reply = await self._call(mb, 0, "/chain", body, lambda r: (r, read(r)), measure=False)
+        answer, result = reply
+        self._learn(answer, batch)
+        return result
+
+    def _learn(self, reply: dict, batch: int) -> None:
+        """The chain's timings per replica into the wiring, its failures as bans."""
+        hops = reply.get("hops") if isinstance(reply.get("hops"), list) else []
+        for hop in hops:
+            if not isinstance(hop, dict) or type(hop.get("stage")) is not int or not 0 < hop["stage"] < self.num_stages or not isinstance(hop.get("replica"), str):
+                continue
+            for kind in ("forward", "backward"):
+                seconds = hop.get(f"{kind}_s")
+                if isinstance(seconds, (int, float)) and seconds > 0:
+                    self.balancer.report_success(hop["stage"], hop["replica"], float(seconds), batch, kind)
+        self._ban(reply.get("rerouted"))
+
+    def _ban(self, failed) -> None:
+        for f in failed if isinstance(failed, list) else []:
+            if isinstance(f, dict) and type(f.get("stage")) is int and 0 <= f["stage"] < self.num_stages and isinstance(f.get("replica"), str):
+                self.balancer.report_failure(f["stage"], f["replica"])
+                if self.log:
+                    self.log.warning("chain.rerouted", stage=f["stage"], replica=f["replica"], code=f.get("code"))
+
     async def evaluate(self, mb: Microbatch, seed: int) -> float:
         """Forward only (no gradients, nothing cached on the servers); returns the loss."""
         base = {"run_id": self.run_id, "microbatch_id": f"{self.run_id}:{self.client_id}:eval:{mb.index}", "seed": seed, "codec": self.codec, "eval": True}
+        if self.routing == "chain":
+            return await self._chain(mb, base, _loss)
         x = encode_tensor(mb.inputs, "raw")
         for stage in range(self.num_stages - 1):
             x, _ = await self._call(mb, stage, "/forward", {**base, "stage": stage, "inputs": x}, _outputs)
@@ -145,11 +221,12 @@ class PipelineClient:
         loss, *_ = await self._call(mb, self.num_stages - 1, "/forward", msg, _loss_only)
         return loss
 
-    async def _call(self, mb: Microbatch, stage: int, path: str, msg: dict, read: Callable[[dict], Any]) -> Any:
+    async def _call(self, mb: Microbatch, stage: int, path: str, msg: dict, read: Callable[[dict], Any], measure: bool = True) -> Any:
         """One hop, retried on other replicas of the stage; ``read`` checks the reply and picks
-        out what the caller needs. Raises :class:`MicrobatchFailed` when every try failed."""
-        kind = "forward" if path == "/forward" else "backward"
-        timeout_s = self.timeouts.forward_s if kind == "forward" else self.timeouts.backward_s
+        out what the caller needs. Raises :class:`MicrobatchFailed` when every try failed.
+        ``measure``: the call's time is the replica's (not so for a whole chain)."""
+        kind = {"/forward": "forward", "/backward": "backward", "/chain": "chain"}[path]
+        timeout_s = {"forward": self.timeouts.forward_s, "backward": self.timeouts.backward_s}.get(kind) or msg["budget_s"]
         batch = mb.inputs.shape[0]
         body = pack_message(msg)  # packed once, resent as is on a retry
         headers = {MICROBATCH_HEADER: msg["microbatch_id"]}  # the servers bind it in their log lines
@@ -183,10 +260,14 @@ class PipelineClient:
                     self.telemetry.hop(stage, kind, time.monotonic() - started, err.code, msg)
                 errors.append(err)
                 tried.append(url)
+                if err.code == "stale_forward":  # no replica can take this backward: start over
+                    self._ban(err.details.get("failed"))
+                    raise StaleMicrobatch(str(err)) from None
+                if err.code == "chain_broken":  # further down the chain; this replica did its part
+                    self._ban(err.details.get("failed"))
+                    raise StaleMicrobatch(str(err)) from None
                 if err.retryable:  # the replica's fault (down, overloaded, moved): ban it for a while
                     self.balancer.report_failure(stage, url)
-                if err.code == "stale_forward":  # no replica can take this backward: start over
-                    raise StaleMicrobatch(str(err)) from None
                 if self.log:
                     self.log.warning("hop.failed", microbatch=msg["microbatch_id"], stage=stage, path=path, replica=url, status=err.status, code=err.code, attempt=attempt)
                 if not err.retryable:
@@ -200,7 +281,12 @@ class PipelineClient:
                 continue
             seconds = time.monotonic() - started
             waited = reply.get("step_wait_s", 0.0)  # waiting for the swarm's global step: not this replica's speed
-            self.balancer.report_success(stage, url, max(seconds - waited, 1e-6) if isinstance(waited, (int, float)) else seconds, batch, kind)
+            if measure:
+                self.balancer.report_success(stage, url, max(seconds - waited, 1e-6) if isinstance(waited, (int, float)) else seconds, batch, kind)
+            else:  # a chain: stage 0's own share of it, as the server measured it
+                for k in ("forward", "backward"):
+                    if isinstance(reply.get(f"{k}_s"), (int, float)) and reply[f"{k}_s"] > 0:
+                        self.balancer.report_success(stage, url, float(reply[f"{k}_s"]), batch, k)
             if self.telemetry:
                 self.telemetry.hop(stage, kind, seconds, "ok", msg, reply)
             if self.log:
@@ -255,6 +341,11 @@ def _loss_only(reply: dict) -> tuple[float, None, int, int, bool]:
 def _batch_step(reply: dict) -> int:
     """The global step whose gradient the backward went into (an older server: the step it ran at)."""
     return _step(reply, "bucket") if type(reply.get("bucket")) is int and reply["bucket"] >= 0 else _step(reply)
+
+
+def _chain_trained(reply: dict) -> tuple[float, int, int, bool]:
+    """A chain's answer from stage 0: the loss, the step of its batch, stage 0's step now, complete."""
+    return _loss(reply), _step(reply, "loss_step"), _step(reply, "stage_step"), reply.get("complete") is True
 
 
 def _nothing(reply: dict) -> tuple[None, int, bool]:

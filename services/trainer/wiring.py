@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-KINDS = ("forward", "backward")
+KINDS = ("forward", "backward", "chain")  # chain: the same replica serves the forward and the backward
 
 
 class NoReplica(LookupError):
@@ -126,9 +126,14 @@ class ReplicaBalancer:
         for other in replicas:
             if self.is_banned(stage, other):
                 replicas[other].virtual_time = max(replicas[other].virtual_time, earliest)
-        cost = self.backward_cost if kind == "backward" else 1.0
-        replicas[url].virtual_time += batch_size * self._seconds_per_sample(stage, url) * cost
+        replicas[url].virtual_time += batch_size * self._seconds_per_sample(stage, url) * self._cost(kind)
         return url
+
+    def alternates(self, stage: int, chosen: str, limit: int) -> list[str]:
+        """Up to ``limit`` other usable replicas of the stage, the fastest first (unmeasured
+        ones after the measured): where a chain goes when ``chosen`` fails."""
+        others = [u for u in self.usable(stage) if u != chosen]
+        return sorted(others, key=lambda u: (self._replicas(stage)[u].ema.value is None, self._replicas(stage)[u].ema.value or 0.0))[:limit]
 
     def report_success(self, stage: int, url: str, seconds: float, batch_size: int, kind: str) -> None:
         """A call took ``seconds`` for ``batch_size`` samples: update the replica's speed
@@ -137,8 +142,7 @@ class ReplicaBalancer:
         replica = self._replicas(stage).get(url)
         if replica is None:
             return
-        cost = self.backward_cost if kind == "backward" else 1.0
-        replica.ema.update(seconds / (batch_size * cost))
+        replica.ema.update(seconds / (batch_size * self._cost(kind)))
         replica.failures = 0
 
     def report_failure(self, stage: int, url: str) -> None:
@@ -165,6 +169,10 @@ class ReplicaBalancer:
     def estimates(self, stage: int) -> dict[str, float | None]:
         """Seconds per sample of each replica of the stage; None where not measured yet."""
         return {u: r.ema.value for u, r in self._replicas(stage).items()}
+
+    def _cost(self, kind: str) -> float:
+        """A request's work in forwards of its samples."""
+        return {"forward": 1.0, "backward": self.backward_cost, "chain": 1.0 + self.backward_cost}[kind]
 
     def _replicas(self, stage: int) -> dict[str, _Replica]:
         if not 0 <= stage < len(self._stages):

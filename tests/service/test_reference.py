@@ -30,10 +30,11 @@ def microbatch():
     return ByteBatcher(load_corpus(), seq_len=64, microbatch_size=4, seed=1).microbatch(0)
 
 
+@pytest.mark.parametrize("routing", ["relay", "chain"])
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
-async def test_split_model_matches_whole_model(codec, microbatch, start_stages, http_session):
+async def test_split_model_matches_whole_model(codec, routing, microbatch, start_stages, http_session):
     apps, urls = await start_stages([[stage_settings(s, wire_codec=codec)] for s in range(NUM_STAGES)])
-    client = PipelineClient(http_session, balancer_for(urls), run_id="test", codec=codec)
+    client = PipelineClient(http_session, balancer_for(urls), run_id="test", codec=codec, routing=routing)
 
     loss = (await client.train(microbatch, seed=0)).loss
 

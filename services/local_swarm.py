@@ -109,7 +109,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trainers", type=int, default=1, help="trainers (default 1)")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period of the servers (default 1 s)")
     p.add_argument("--steps", type=int, default=200, help="global steps to train, all trainers together: each step is --global-batch samples and one AdamW step of every stage, whatever the replicas and trainers (default 200)")
-    p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face model directory (default tiny)")
+    p.add_argument("--tokenizer", default="", help="a tokenizer.json or a directory holding one (swarm tokenizer train); default: the model directory's, or bytes for the byte-level presets")
     p.add_argument("--wire-codec", default="int8", choices=FLOAT_CODECS)
     p.add_argument("--global-batch", type=int, default=32, help="samples of one global step, all trainers and replicas together (default 32)")
     p.add_argument("--sync", default=os.environ.get("SWARM_SYNC", "global"), choices=("global", "local"),
@@ -122,7 +123,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--routing", default=os.environ.get("SWARM_ROUTING", "relay"), choices=("relay", "chain"),
                    help="'relay': the trainers carry every tensor between stages; 'chain': the stage servers pass them to each other (default: SWARM_ROUTING, else relay)")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--corpus", default="", help="text file to train on (default: bundled Shakespeare)")
+    p.add_argument("--corpus", default="", help="text file, JSONL, Parquet or a directory of them to train on (default: bundled Shakespeare)")
     p.add_argument("--run-dir", default="", help="logs and metrics go here (default runs/<time>)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--ready-timeout-s", type=float, default=120.0)
@@ -144,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and not args.run_dir:
         print("swarm up: --resume needs --run-dir of the run to continue", file=sys.stderr)
         return 2
+    try:
+        check_model_and_data(args)
+    except ValueError as exc:  # before any process starts, so no server registers
+        print(f"swarm up: {exc}", file=sys.stderr)
+        return 2
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
     start_step = 0
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     common = {
         "SWARM_RUN_ID": run_dir.name,
         "SWARM_NUM_STAGES": str(args.stages),
-        "SWARM_MODEL": args.model,
+        "SWARM_MODEL": args.model if args.model in PRESETS else str(Path(args.model).resolve()),
         "SWARM_WIRE_CODEC": args.wire_codec,
         "SWARM_MDNS": "false",
         "SWARM_HEARTBEAT_S": str(args.heartbeat_s),
@@ -195,6 +201,25 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         procs.stop_all()
+
+
+def check_model_and_data(args: argparse.Namespace) -> None:
+    """What would otherwise fail in every child, checked once before any starts: the model (a
+    preset, or a directory with every weight file), its cut, the tokenizer against its
+    vocabulary, and the corpus, tokenized here into the cache the trainers then reuse.
+    ValueError naming the file or the setting."""
+    from shared.config import TrainerSettings
+    from shared.hf import check_hf_dir
+    from shared.model import partition
+    from services.trainer.data import make_batcher
+
+    settings = TrainerSettings(model=args.model, num_stages=args.stages, tokenizer=args.tokenizer, corpus=args.corpus, seq_len=args.seq_len,
+                               microbatch_size=args.microbatch_size, num_shards=args.trainers)  # fmt: skip
+    cfg = check_hf_dir(args.model) if args.model not in PRESETS else settings.gpt_config()
+    partition(cfg, args.stages)
+    if args.seq_len > cfg.block_size:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's block_size {cfg.block_size}")
+    make_batcher(settings, cfg)
 
 
 def start_coordinator(procs: LocalProcesses, args: argparse.Namespace, run_dir: Path, common: dict) -> str:
@@ -259,6 +284,7 @@ def start_trainers(procs: LocalProcesses, args: argparse.Namespace, run_dir: Pat
             "SWARM_IN_FLIGHT": str(args.in_flight),
             "SWARM_ROUTING": args.routing,
             "SWARM_CORPUS": args.corpus,
+            "SWARM_TOKENIZER": args.tokenizer,
             "SWARM_METRICS_FILE": str(run_dir / f"metrics{suffix}.jsonl"),
             "SWARM_SUMMARY_FILE": str(run_dir / f"summary{suffix}.json"),
             "SWARM_METRICS_PORT": str(free_port(args.host)),  # each trainer's Prometheus /metrics

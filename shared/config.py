@@ -16,7 +16,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.codec import DEFAULT_INT8_BLOCK, FLOAT_CODECS, INT8_BLOCK_SIZES
-from shared.model import PRESETS, GPTConfig, config_from_preset
+from shared.model import PRESETS, ModelConfig, config_from_preset
 
 Codec = Literal["fp32", "fp16", "bf16", "int8", "int4"]
 assert set(Codec.__args__) == set(FLOAT_CODECS)
@@ -84,7 +84,7 @@ class DiscoverySettings(CommonSettings):
 class ModelSettings(CommonSettings):
     """What every member of a run must agree on: the model, its cut and the wire."""
 
-    model: str = "tiny"
+    model: str = Field("tiny", description="a model preset (tiny, small, base, medium, large, xl; llama-tiny, llama-10m, llama-135m, llama-1b, llama-7b) or a Hugging Face model directory (config.json + safetensors); members of a run compare the model's config, not the path")
     num_stages: int = Field(4, ge=1, le=1024)
     seed: int = Field(0, ge=0, lt=2**31)
     wire_codec: Codec = "int8"
@@ -93,9 +93,14 @@ class ModelSettings(CommonSettings):
     @field_validator("model")
     @classmethod
     def _known_model(cls, v: str) -> str:
-        if v not in PRESETS:
-            raise ValueError(f"SWARM_MODEL must be one of {sorted(PRESETS)}, got {v!r}")
-        return v
+        from shared.hf import is_hf_dir, read_hf_config
+
+        if v in PRESETS:
+            return v
+        if is_hf_dir(v):
+            read_hf_config(v)  # a missing or unsupported config.json fails here, naming the file
+            return v
+        raise ValueError(f"SWARM_MODEL must be one of {sorted(PRESETS)} or a Hugging Face model directory (config.json + safetensors), got {v!r}")
 
     @field_validator("int8_block")
     @classmethod
@@ -104,8 +109,11 @@ class ModelSettings(CommonSettings):
             raise ValueError(f"SWARM_INT8_BLOCK must be one of {INT8_BLOCK_SIZES}, got {v}")
         return v
 
-    def gpt_config(self) -> GPTConfig:
-        return config_from_preset(self.model)
+    def gpt_config(self) -> ModelConfig:
+        """The model's config, of either family (a preset's, or read from the directory's config.json)."""
+        from shared.hf import read_hf_config
+
+        return config_from_preset(self.model) if self.model in PRESETS else read_hf_config(self.model)
 
 
 class StageServerSettings(ModelSettings, DiscoverySettings):
@@ -138,11 +146,16 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     checkpoint_dir: str = Field("", description="resume from the latest checkpoint here when no live replica of the stage has state to give")
     join_timeout_s: float = Field(60.0, gt=0, description="timeout of the state download when joining a stage")
     region: str = Field("", max_length=64, pattern=r"^[A-Za-z0-9._-]*$", description="where this server runs: a region of the shipped network table (Oregon, Virginia, Ohio, Tokyo, Seoul, Singapore, Sydney, London, Frankfurt, Ireland) or any name shared by servers in one place; the coordinator's placement uses it for links it has not measured; empty: unknown")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="'bf16': the stage computes under bf16 autocast on CUDA, with fp32 master weights and optimizer state; 'fp32' (the only choice on CPU)")
+    activation_checkpointing: bool = Field(False, description="recompute each block's activations in the backward instead of keeping them from the forward (less memory, about 1/3 more compute)")
+    memory_check: bool = Field(True, description="at start, refuse a stage whose estimated memory (weights, gradients, AdamW state, gradient buckets) exceeds what the device has free")
 
     @model_validator(mode="after")
     def _schedule(self):
         if self.lr_schedule == "cosine" and self.total_steps <= self.warmup_steps:
             raise ValueError(f"SWARM_LR_SCHEDULE=cosine needs SWARM_TOTAL_STEPS > SWARM_WARMUP_STEPS ({self.warmup_steps}), got {self.total_steps}")
+        if self.precision == "bf16" and not self.device.startswith("cuda"):
+            raise ValueError(f"SWARM_PRECISION=bf16 needs SWARM_DEVICE=cuda (on {self.device} a stage computes in fp32)")
         return self
 
 
@@ -173,7 +186,9 @@ class CoordinatorSettings(DiscoverySettings):
 
 class TrainerSettings(ModelSettings, DiscoverySettings):
     stages: str = Field("", description="stage server URLs (replicas ',' stages ';'); empty: ask the coordinator")
-    corpus: str = Field("", description="text file to train on; empty: the bundled Shakespeare corpus")
+    corpus: str = Field("", description="data to train on: a text file, JSONL (a 'text' field per line), Parquet (a 'text' column), or a directory of such shards; empty: the bundled Shakespeare corpus")
+    tokenizer: str = Field("", description="a Hugging Face tokenizer.json (or a directory holding one, e.g. from swarm tokenizer train); empty: the model directory's tokenizer, or bytes for the byte-level presets")
+    token_cache_dir: str = Field("", description="where the corpus, tokenized once, is cached as memory-mapped token ids (reused by later runs); empty: ~/.cache/swarm-mesh/tokens")
     seq_len: int = Field(128, ge=1)
     microbatch_size: int = Field(8, ge=1)
     in_flight: int = Field(4, ge=1, le=1024, description="microbatches in flight at once")

@@ -1,10 +1,16 @@
-"""A GPT-style decoder (pre-LN, scaled_dot_product_attention) that can be cut into stages.
+"""Model families behind one stage interface, and the GPT family.
 
-The model knows nothing about the network. :class:`StageModel` holds a contiguous range
-of blocks plus, on the first stage, the embeddings and, on the last stage, the final
-norm, LM head and loss. :class:`GPT` is simply the one stage that holds everything, so the
-parameter names of all stages together are exactly those of the whole model:
-``wte.weight``, ``blocks.3.attn.c_attn.weight``, ``lm_head.weight``...
+The model knows nothing about the network. A stage model holds a contiguous range of
+blocks plus, on the first stage, the embeddings and, on the last stage, the final norm, LM
+head and loss; :func:`partition` cuts a model into stages, :func:`build_stage` builds one.
+Families: ``gpt`` (this module: pre-LN, learned positions, GELU MLP, biases) and ``llama``
+(``shared.llama``: RMSNorm, rotary positions, SwiGLU, grouped-query attention). A config
+names its family (``cfg.family``; ``config_from_dict`` reads one back), and
+:data:`PRESETS` holds both families' presets.
+
+:class:`GPT` is simply the one stage that holds everything, so the parameter names of all
+stages together are exactly those of the whole model: ``wte.weight``,
+``blocks.3.attn.c_attn.weight``, ``lm_head.weight``...
 
 Parameters are initialised per name from ``(seed, name)``, so a stage built alone gets
 the same weights as the same parameters of the whole model built with the same seed.
@@ -15,10 +21,14 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import asdict, dataclass, replace
+from typing import ClassVar, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from shared.llama import Llama, LlamaConfig, LlamaStage, count_llama_parameters, init_llama_parameters
 
 
 @dataclass(frozen=True)
@@ -30,27 +40,57 @@ class GPTConfig:
     d_model: int = 128
     dropout: float = 0.0
     bias: bool = True
+    activation: str = "gelu"  # the MLP's: "gelu" (exact) or "gelu_tanh" (GPT-2's tanh approximation)
+    norm_eps: float = 1e-5
+    head_bias: bool = True  # a bias on the LM head (GPT-2 has none)
+    tie_embeddings: bool = False  # the LM head is the token embedding (GPT-2); see shared.llama on stages
+
+    family: ClassVar[str] = "gpt"
 
     def __post_init__(self):
         assert self.d_model % self.n_head == 0, f"d_model {self.d_model} must be divisible by n_head {self.n_head}"
         assert self.n_layer >= 1 and self.vocab_size >= 2 and self.block_size >= 1, f"invalid config {self}"
         assert 0.0 <= self.dropout < 1.0, f"dropout {self.dropout} must be in [0, 1)"
+        assert self.activation in ("gelu", "gelu_tanh"), f"activation must be 'gelu' or 'gelu_tanh', got {self.activation!r}"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"family": self.family, **asdict(self)}
 
 
-PRESETS: dict[str, GPTConfig] = {
+ModelConfig = Union[GPTConfig, LlamaConfig]
+FAMILIES: dict[str, type] = {"gpt": GPTConfig, "llama": LlamaConfig}
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+    """The config of :meth:`to_dict` (a dict without ``family`` is a GPT's, as written before
+    the llama family); ValueError if it is not one."""
+    d = dict(d)
+    family = d.pop("family", "gpt")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known: {sorted(FAMILIES)}")
+    try:
+        return FAMILIES[family](**d)
+    except (TypeError, AssertionError) as exc:
+        raise ValueError(f"not a {family} model config: {exc}") from None
+
+
+PRESETS: dict[str, ModelConfig] = {
     "tiny": GPTConfig(n_layer=4, n_head=4, d_model=128, block_size=128),  # ~0.9M, tests and `swarm up`
     "small": GPTConfig(n_layer=8, n_head=8, d_model=256, block_size=256),  # ~6.5M
     "base": GPTConfig(n_layer=12, n_head=12, d_model=768, block_size=1024),  # ~86M (GPT-2 small body)
     "medium": GPTConfig(n_layer=24, n_head=16, d_model=1024, block_size=1024),  # ~300M
     "large": GPTConfig(n_layer=24, n_head=16, d_model=1536, block_size=2048),  # ~680M
     "xl": GPTConfig(n_layer=24, n_head=16, d_model=2048, block_size=2048),  # ~1.2B
+    # llama family: from-scratch presets take a tokenizer of at most vocab_size tokens (swarm tokenizer train)
+    "llama-tiny": LlamaConfig(vocab_size=2048, block_size=256, n_layer=4, n_head=4, n_kv_head=2, d_model=128, ffn_dim=384, tie_embeddings=True),  # ~0.9M
+    "llama-10m": LlamaConfig(vocab_size=8192, block_size=512, n_layer=12, n_head=8, n_kv_head=4, d_model=256, ffn_dim=704, tie_embeddings=True),  # ~10M
+    "llama-135m": LlamaConfig(vocab_size=49152, block_size=2048, n_layer=30, n_head=9, n_kv_head=3, d_model=576, ffn_dim=1536, tie_embeddings=True),  # SmolLM-135M's shape
+    "llama-1b": LlamaConfig(vocab_size=32000, block_size=2048, n_layer=22, n_head=32, n_kv_head=4, d_model=2048, ffn_dim=5632),  # TinyLlama-1.1B's shape
+    "llama-7b": LlamaConfig(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_kv_head=32, d_model=4096, ffn_dim=11008),  # Llama-2-7B's shape
 }
 
 
-def config_from_preset(name: str, **overrides) -> GPTConfig:
+def config_from_preset(name: str, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} (setting SWARM_MODEL)")
     return replace(PRESETS[name], **overrides)
@@ -80,9 +120,10 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.c_proj(F.gelu(self.c_fc(x))))
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
@@ -90,9 +131,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +158,7 @@ class StageSpec:
         return self.index == self.num_stages - 1
 
 
-def partition(cfg: GPTConfig, num_stages: int) -> list[StageSpec]:
+def partition(cfg: ModelConfig, num_stages: int) -> list[StageSpec]:
     """Cut ``cfg.n_layer`` blocks into ``num_stages`` contiguous ranges, sizes differing by at most one.
 
     Stage 0 also owns the embeddings and the last stage the final norm, LM head and loss,
@@ -139,20 +180,25 @@ class StageModel(nn.Module):
     """One pipeline stage. Input: token ids (B, T) on the first stage, hidden (B, T, C) after.
 
     Output: hidden (B, T, C); on the last stage the mean cross-entropy loss when targets
-    are given, else logits (B, T, vocab).
+    are given, else logits (B, T, vocab). ``checkpoint_blocks``: recompute each block's
+    activations in the backward instead of keeping them. A tied LM head is the embedding
+    only when one stage holds both (see ``shared.llama``).
     """
 
     def __init__(self, cfg: GPTConfig, spec: StageSpec):
         super().__init__()
         self.cfg, self.spec = cfg, spec
+        self.checkpoint_blocks = False
         if spec.is_first:
             self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
             self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in spec.layers})
         if spec.is_last:
-            self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.bias)
+            self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.bias and cfg.head_bias)
+            if spec.is_first and cfg.tie_embeddings:
+                self.lm_head.weight = self.wte.weight
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.spec.is_first:
@@ -161,7 +207,7 @@ class StageModel(nn.Module):
             pos = torch.arange(T, device=x.device)
             x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks.values():
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks and torch.is_grad_enabled() else block(x)
         if not self.spec.is_last:
             return x
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
@@ -178,11 +224,13 @@ class GPT(StageModel):
 
 
 def init_parameters(module: StageModel, seed: int) -> None:
-    """Initialise every parameter from ``(seed, name)`` alone (GPT-2 scheme)."""
+    """Initialise every parameter from ``(seed, name)`` alone (GPT-2 scheme). An untied copy
+    of a tied LM head starts equal to the embedding."""
     std_proj = 0.02 / math.sqrt(2 * module.cfg.n_layer)
     with torch.no_grad():
         for name, p in module.named_parameters():
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            key = "wte.weight" if name == "lm_head.weight" and module.cfg.tie_embeddings else name
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
             if name.endswith("bias"):
                 p.zero_()
             elif ".ln_" in name or name.startswith("ln_"):
@@ -192,13 +240,53 @@ def init_parameters(module: StageModel, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
-def build_stage(cfg: GPTConfig, stage: int, num_stages: int, seed: int) -> StageModel:
-    model = StageModel(cfg, partition(cfg, num_stages)[stage])
-    init_parameters(model, seed)
+def stage_model(cfg: ModelConfig, spec: StageSpec) -> nn.Module:
+    """The uninitialised stage ``spec`` of ``cfg``'s family (build it under ``torch.device("meta")``
+    for shapes only)."""
+    return StageModel(cfg, spec) if cfg.family == "gpt" else LlamaStage(cfg, spec)
+
+
+def whole_model(cfg: ModelConfig) -> nn.Module:
+    """The uninitialised whole model (:class:`GPT` or :class:`~shared.llama.Llama`)."""
+    return GPT(cfg) if cfg.family == "gpt" else Llama(cfg)
+
+
+def init_stage(model: nn.Module, seed: int) -> None:
+    (init_parameters if model.cfg.family == "gpt" else init_llama_parameters)(model, seed)
+
+
+def build_stage(cfg: ModelConfig, stage: int, num_stages: int, seed: int) -> nn.Module:
+    model = stage_model(cfg, partition(cfg, num_stages)[stage])
+    init_stage(model, seed)
     return model
 
 
-def build_gpt(cfg: GPTConfig, seed: int) -> GPT:
-    model = GPT(cfg)
-    init_parameters(model, seed)
+def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
+    """The whole model of ``cfg`` (either family) in one process, initialised from ``seed``."""
+    model = whole_model(cfg)
+    init_stage(model, seed)
     return model
+
+
+build_gpt = build_model  # the whole GPT, as the tests and benches name it
+
+
+def whole_parameters(params: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """The stages' parameters as the whole model's. A tied LM head that the last stage holds
+    as its own copy (two or more stages) is dropped while it still equals the embedding;
+    once trained apart, the whole model is untied (``tie_embeddings=False``)."""
+    if cfg.tie_embeddings and "lm_head.weight" in params and "wte.weight" in params:
+        if torch.equal(params["lm_head.weight"], params["wte.weight"]):
+            return {k: v for k, v in params.items() if k != "lm_head.weight"}, cfg
+        return params, replace(cfg, tie_embeddings=False)
+    return params, cfg
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Parameters of the whole model (a tied head counted once), by formula: no memory."""
+    if cfg.family == "llama":
+        return count_llama_parameters(cfg)
+    C, bias = cfg.d_model, int(cfg.bias)
+    block = 12 * C * C + bias * 9 * C + (2 + 2 * bias) * C  # attention, MLP and their biases, two LayerNorms
+    head = (0 if cfg.tie_embeddings else cfg.vocab_size * C) + int(cfg.bias and cfg.head_bias) * cfg.vocab_size
+    return (cfg.vocab_size + cfg.block_size) * C + cfg.n_layer * block + (1 + bias) * C + head

@@ -10,12 +10,15 @@ from shared import checkpoint, codec, package_version
 from shared.errors import RemoteError
 from shared.config import StageServerSettings, advertised_url
 from shared.http import auth_middlewares, error_middleware, from_any_replica, get_json, post_json, request_log_middleware, swarm_session
+from shared.hf import load_stage_from_hf
 from shared.log import get_logger
 from shared.metrics import Metrics, add_metrics_route, metrics_middleware
+from shared.model import PRESETS, partition
 from services.stage_server.averaging_routes import AVERAGER, add_averaging_routes
 from services.stage_server.latency import LatencyProbe
 from services.stage_server.local_sync import OuterConfig
 from services.stage_server.membership import Membership
+from services.stage_server.memory import check_stage_memory
 from services.stage_server.metrics import STAGE_METRICS, StageMetrics
 from services.stage_server.chain import add_chain_routes
 from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, STEPPER, WORKER, MoveOrder, add_routes
@@ -33,8 +36,13 @@ def build_runtime(settings: StageServerSettings) -> StageRuntime:
         raise ValueError("SWARM_STAGE=auto must be resolved by the coordinator before the server is built")
     if settings.stage >= settings.num_stages:
         raise ValueError(f"SWARM_STAGE={settings.stage} but the model has SWARM_NUM_STAGES={settings.num_stages}")
-    return StageRuntime(
-        settings.gpt_config(),
+    cfg = settings.gpt_config()
+    spec = partition(cfg, settings.num_stages)[settings.stage]
+    if settings.memory_check:
+        check_stage_memory(cfg, spec, settings.device)
+    model, report = load_stage_from_hf(settings.model, cfg, spec, settings.device) if settings.model not in PRESETS else (None, None)
+    runtime = StageRuntime(
+        cfg,
         settings.stage,
         settings.num_stages,
         seed=settings.seed,
@@ -47,7 +55,12 @@ def build_runtime(settings: StageServerSettings) -> StageRuntime:
         max_staleness=settings.max_staleness,
         solo=not settings.coordinator,  # no coordinator counts the stage's samples: this server steps on its own
         outer=OuterConfig(settings.local_steps, settings.outer_lr, settings.outer_momentum) if settings.sync == "local" else None,
+        model=model,
+        precision=settings.precision,
+        activation_checkpointing=settings.activation_checkpointing,
     )
+    runtime.load_report = report
+    return runtime
 
 
 def create_app(settings: StageServerSettings, runtime: StageRuntime | None = None) -> web.Application:
@@ -70,6 +83,8 @@ def create_app(settings: StageServerSettings, runtime: StageRuntime | None = Non
         spec = app[RUNTIME].spec
         if settings.wire_codec == "int8":
             await asyncio.to_thread(codec.warm_up)
+        if (report := getattr(app[RUNTIME], "load_report", None)) is not None:
+            log.info("stage.weights_loaded", model_dir=report.model_dir, tensors=len(report.names), bytes=report.bytes_read)
         log.info("server.ready", layers=[spec.layers.start, spec.layers.stop], codec=settings.wire_codec)
         yield
         drained = await app[WORKER].drain(settings.drain_timeout_s)

@@ -35,7 +35,7 @@ import torch
 from services.stage_server.averaging import flat_parameters, load_flat_parameters
 from services.stage_server.local_sync import OuterConfig, OuterOptimizer
 from shared.errors import BadPayload, SwarmError
-from shared.model import GPTConfig, StageModel, build_stage
+from shared.model import ModelConfig, build_stage
 
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -135,7 +135,7 @@ class Accumulated:
 class StageRuntime:
     def __init__(
         self,
-        cfg: GPTConfig,
+        cfg: ModelConfig,
         stage: int,
         num_stages: int,
         *,
@@ -146,14 +146,23 @@ class StageRuntime:
         max_staleness: int = 1,
         solo: bool = True,
         outer: OuterConfig | None = None,
+        model: torch.nn.Module | None = None,
+        precision: str = "fp32",
+        activation_checkpointing: bool = False,
     ):
         """``outer``: ``SWARM_SYNC=local`` (see ``local_sync.py``): each global step applies
         this replica's own gradient, every ``outer.every`` steps an outer step; None: the
-        replicas all-reduce every step's gradient (``global``)."""
+        replicas all-reduce every step's gradient (``global``). ``model``: the stage's model
+        with its weights (e.g. loaded from a Hugging Face directory); None: built from
+        ``seed``. ``precision="bf16"``: forward and backward under bf16 autocast on CUDA,
+        the weights and AdamW state stay fp32."""
         self.cfg, self.device, self.optim_cfg = cfg, torch.device(device), optim
         self.max_staleness, self.solo = max_staleness, solo
-        self.model: StageModel = build_stage(cfg, stage, num_stages, seed).to(self.device)
+        self.model = (model if model is not None else build_stage(cfg, stage, num_stages, seed)).to(self.device)
         self.model.train()
+        self.model.checkpoint_blocks = activation_checkpointing
+        self.autocast = precision == "bf16" and self.device.type == "cuda"
+        self.load_report = None  # what a stage loaded from a Hugging Face directory read (shared.hf.LoadReport)
         self.spec = self.model.spec
         self.params = [p for p in self.model.parameters()]
         self.param_dtype = self.params[0].dtype
@@ -429,7 +438,8 @@ class StageRuntime:
 
     def _run(self, seed: int, inputs: torch.Tensor, targets: torch.Tensor | None, *, grad: bool):
         leaf = inputs if self.spec.is_first else inputs.detach().requires_grad_(grad)
-        with torch.set_grad_enabled(grad), self._seeded(seed):
+        precision = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        with torch.set_grad_enabled(grad), self._seeded(seed), precision:
             output = self.model(leaf, targets if self.spec.is_last else None)
         return leaf, output
 

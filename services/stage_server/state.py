@@ -20,6 +20,7 @@ import torch
 
 from shared.checkpoint import OPTIM_PREFIX, state_from_bytes, state_to_bytes
 from shared.errors import BadPayload, WrongStage
+from shared.model import config_from_dict
 from services.stage_server.runtime import StageRuntime
 
 __all__ = ["load_stage_state", "stage_state", "state_from_bytes", "state_to_bytes"]
@@ -91,7 +92,11 @@ def _validate(runtime: StageRuntime, tensors: dict[str, torch.Tensor], metadata:
     for key, kind in (("stage", int), ("num_stages", int), ("layers", list), ("model_config", dict), ("optimizer_steps", int), ("adam_step", dict)):
         _check(type(metadata.get(key)) is kind, f"state metadata needs {key!r} of type {kind.__name__}")
     _check(metadata["optimizer_steps"] >= 0, "'optimizer_steps' must be >= 0")
-    if metadata["model_config"] != runtime.cfg.to_dict():
+    try:
+        theirs_cfg = config_from_dict(metadata["model_config"])
+    except ValueError as exc:
+        raise BadPayload(f"state metadata 'model_config': {exc}") from None
+    if theirs_cfg != runtime.cfg:
         raise WrongStage(f"state is of model {metadata['model_config']}, this server runs {runtime.cfg.to_dict()}")
     theirs = (metadata["stage"], metadata["num_stages"], metadata["layers"])
     ours = (spec.index, spec.num_stages, [spec.layers.start, spec.layers.stop])

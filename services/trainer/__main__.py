@@ -20,7 +20,7 @@ from shared.discovery import find_coordinator
 from shared.http import swarm_session
 from shared.log import configure_logging, get_logger
 from shared.retry import RetryPolicy
-from services.trainer.data import ByteBatcher, load_corpus
+from services.trainer.data import make_batcher
 from services.trainer.pipeline import HopTimeouts, PipelineClient
 from services.trainer.progress import ProgressDisplay, choose_display
 from services.trainer.swarm_view import SwarmView
@@ -40,7 +40,8 @@ async def check_stages(session: aiohttp.ClientSession, stage_urls: list[list[str
     that it serves the stage, model, cut and run this trainer expects. A replica that does
     not answer is skipped (the balancer routes around it) as long as its stage has another
     that does. Returns the info of a stage-0 replica."""
-    expected = {"run_id": settings.run_id, "model": settings.model, "num_stages": settings.num_stages}
+    # the model by its config: machines may hold a model directory at different paths
+    expected = {"run_id": settings.run_id, "model_config": settings.gpt_config().to_dict(), "num_stages": settings.num_stages}
     first = None
     for stage, urls in enumerate(stage_urls):
         answered = 0
@@ -101,7 +102,7 @@ async def find_swarm(session: aiohttp.ClientSession, settings: TrainerSettings, 
 async def train(settings: TrainerSettings) -> int:
     trainer_id = uuid.uuid4().hex[:8]
     log = get_logger(service="trainer", run=settings.run_id, trainer=trainer_id)
-    batcher = ByteBatcher(load_corpus(settings.corpus or None), settings.seq_len, settings.microbatch_size, seed=settings.seed)
+    batcher = make_batcher(settings, settings.gpt_config(), log)
     balancer = ReplicaBalancer(settings.num_stages, rng=random.Random(settings.seed))
     async with swarm_session(settings, limit=0) as session:  # limit 0: one keep-alive connection per request in flight
         view = await find_swarm(session, settings, balancer, log)

@@ -1,8 +1,12 @@
-"""Text corpus as byte-level tokens, sampled into microbatches deterministically.
+"""The trainer's data: :func:`make_batcher` picks the run's batches.
 
-Tokens are the bytes of the file (vocabulary 256). The bundled corpus is twelve
-Shakespeare plays from Project Gutenberg (public domain), ~1.5 MB. The last
-``eval_fraction`` of the file is held out for evaluation.
+- A byte-level model (the ``gpt`` presets) on one text file or the bundled corpus:
+  :class:`ByteBatcher` here. Tokens are the bytes of the file (vocabulary 256). The
+  bundled corpus is twelve Shakespeare plays from Project Gutenberg (public domain),
+  ~1.5 MB. The last ``eval_fraction`` of the file is held out for evaluation.
+- Anything else (a tokenizer, JSONL, Parquet, a directory of shards): the corpus is
+  tokenized once into a memory-mapped cache, and each trainer reads its own disjoint
+  shard of it (``token_cache.py``).
 """
 
 from __future__ import annotations
@@ -11,8 +15,12 @@ import gzip
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from shared.config import TrainerSettings
 
 BUNDLED_CORPUS = Path(__file__).parent / "corpus" / "shakespeare.txt.gz"
 
@@ -57,3 +65,21 @@ class ByteBatcher:
         starts = torch.randint(0, len(data) - self.seq_len - 1, (self.microbatch_size,), generator=gen)
         windows = torch.stack([data[s : s + self.seq_len + 1] for s in starts.tolist()]).long()
         return Microbatch(index, windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
+
+
+def make_batcher(settings: TrainerSettings, cfg, log=None):
+    """The run's batches for ``settings`` and the model config ``cfg``: a :class:`ByteBatcher`
+    for a byte-level model on one text file (or the bundled corpus), else a
+    ``TokenBatcher`` over the token cache of SWARM_CORPUS with the run's tokenizer.
+    ValueError naming the setting when the data or the tokenizer do not fit."""
+    from services.trainer.documents import is_document_data
+    from services.trainer.token_cache import TokenBatcher, default_cache_root, open_token_cache
+    from shared.tokenizer import ByteTokenizer, load_tokenizer
+
+    tokenizer = load_tokenizer(settings.model, settings.tokenizer, cfg)
+    if isinstance(tokenizer, ByteTokenizer) and not (settings.corpus and is_document_data(settings.corpus)):
+        return ByteBatcher(load_corpus(settings.corpus or None), settings.seq_len, settings.microbatch_size, seed=settings.seed)
+    cache = open_token_cache(settings.corpus or BUNDLED_CORPUS, tokenizer, settings.token_cache_dir or default_cache_root(), log=log)
+    if log:
+        log.info("tokens.opened", path=str(cache.path), reused=not cache.built, tokens=len(cache.tokens), held_out=cache.n_eval, tokenizer=tokenizer.name)
+    return TokenBatcher(cache, settings.seq_len, settings.microbatch_size, seed=settings.seed, num_shards=settings.num_shards)

@@ -1,0 +1,57 @@
+"""Will a stage fit its device? Checked at start, before any weight is allocated, so that a
+stage too large fails with a message naming the settings instead of an out-of-memory error
+later (petals#308).
+
+The estimate counts the stage's parameters (on the meta device: no memory) times
+:data:`BYTES_PER_PARAMETER`: fp32 weights, the gradient the optimizer step sets, AdamW's
+two moments and two gradient buckets (the step being filled and the next). Activations
+come on top and depend on the trainers' microbatches, which a server does not know: the
+check is a floor, not a promise. Free memory: ``torch.cuda.mem_get_info`` on CUDA,
+``MemAvailable`` of ``/proc/meminfo`` on CPU (Linux); where neither is known the check
+is skipped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shared.model import ModelConfig, StageSpec, stage_model
+
+BYTES_PER_PARAMETER = 4 * (1 + 1 + 2 + 2)
+
+
+def stage_parameters(cfg: ModelConfig, spec: StageSpec) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in stage_model(cfg, spec).parameters())
+
+
+def free_memory_bytes(device: str | torch.device) -> int | None:
+    """Free memory of ``device`` in bytes, or None where it cannot be known."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_stage_memory(cfg: ModelConfig, spec: StageSpec, device: str | torch.device, *, free_bytes: int | None = None) -> int:
+    """The stage's estimated need in bytes; ValueError naming the settings if ``device`` has
+    less free (``free_bytes``, default: measured)."""
+    params = stage_parameters(cfg, spec)
+    need = params * BYTES_PER_PARAMETER
+    free = free_memory_bytes(device) if free_bytes is None else free_bytes
+    if free is not None and need > free:
+        raise ValueError(
+            f"stage {spec.index} of {spec.num_stages} ({params / 1e6:,.0f}M parameters, layers {spec.layers.start}..{spec.layers.stop - 1}) needs about "
+            f"{need / 2**30:.1f} GiB ({BYTES_PER_PARAMETER} bytes per parameter: fp32 weights, gradient, AdamW moments, gradient buckets; activations on top) "
+            f"but {device} has {free / 2**30:.1f} GiB free: cut the model into more stages (SWARM_NUM_STAGES), use a device with more memory (SWARM_DEVICE), "
+            f"or skip this check (SWARM_MEMORY_CHECK=false)"
+        )
+    return need

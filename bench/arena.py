@@ -51,6 +51,7 @@ from bench.workload import Workload
 COORD_PORT, SERVER_PORT, GLOO_PORT = 7000, 7100, 29500
 START_TIMEOUT_S = 240.0  # many processes import torch at once on 2 cores, some capped
 POLL_S = 0.25
+STALL_GRACE_S = 60.0  # a side this long past its budget in wall time (from its start) without the budget in training time has stalled: stopped
 TRAINERS = ("t0", "t1", "t2", "t3")  # the peers trainers run in (stopped before the servers)
 HOMOGENEOUS_CPUS = 0.4  # per stage peer: 4 x 0.4 leaves the machine's rest to trainers, coordinator and the switch
 HETERO_UNIT = 1.6 / 24  # caps 1:1:2:2:2:4:4:4 of this many cores: 1.6 cores in all
@@ -366,10 +367,10 @@ class MeshSide(SideRun):
                     # credited when the evaluation ended, not when its step was seen done: it ran
                     # beside the training, and later stages may have stepped again meanwhile
                     out.point(ev["step"], _timestamp(ev) - t0, ev["loss"], target, step_done_s=ev["elapsed_s"])
-            if out.reached_s is not None or out.elapsed_s >= sc.budget_s:
-                out.stopped = "target" if out.reached_s is not None else "budget"
-                break
             now = time.monotonic() - started_at if started_at else 0.0
+            if out.reached_s is not None or out.elapsed_s >= sc.budget_s or now >= sc.budget_s + STALL_GRACE_S:
+                out.stopped = "target" if out.reached_s is not None else "budget" if out.elapsed_s >= sc.budget_s else "stalled"
+                break
             if next_kill is not None and started_at and now >= next_kill:
                 victim = rng.choice(sorted(p for p in self.servers if p not in killed))
                 self.arena.kill(victim, self.servers.pop(victim))

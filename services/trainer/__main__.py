@@ -118,7 +118,7 @@ async def train(settings: TrainerSettings) -> int:
             run_id=settings.run_id,
             codec=settings.wire_codec,
             until_step=settings.steps,
-            timeouts=HopTimeouts(settings.forward_timeout_s, settings.backward_timeout_s),
+            timeouts=HopTimeouts(settings.forward_timeout_s, settings.backward_timeout_s, settings.stage_wait_s),
             retry=RetryPolicy(max_retries=settings.max_retries),
             log=log,
             on_stage_empty=view.stage_empty if view else None,

@@ -24,6 +24,13 @@ chain broken where no alternate could take over (502 ``chain_broken``) runs agai
 stage 0 like a stale one, counted as a re-run, with the replicas that failed banned and the
 others kept (a stage that already accumulated the microbatch recognises it). The trainer
 then decodes nothing and holds only token ids.
+
+A stage none of whose replicas is usable (each failed and is banned, or the registry lists
+none: its servers were preempted and are restarting, or being replaced) is an outage, not
+a reason to fail microbatches: with ``HopTimeouts.stage_wait_s`` (``SWARM_STAGE_WAIT_S``)
+a hop, or a chain re-run, waits for a replica of that stage to become usable again (a ban
+runs out, the registry lists a new one) for up to that long, and the failures meanwhile do
+not count against its retries. Past it, they count as before and the microbatch fails.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ CHAIN_ALTERNATES = 2  # replicas per later stage a chain may fall back on, besid
 ROUTINGS = ("relay", "chain")
 MAX_OVERLOAD_WAITS = 30  # 503 "overloaded" answers a hop waits out (Retry-After) before they count as failures
 MAX_OVERLOAD_WAIT_S = 5.0
+STAGE_POLL_S = 1.0  # during an outage, how often the registry is read again (bans are waited out to the instant)
 
 class MicrobatchFailed(Exception):
     """A microbatch whose hop failed on every try; the trainer reports it."""
@@ -61,7 +69,12 @@ class MicrobatchFailed(Exception):
 
 class StaleMicrobatch(Exception):
     """A stage refused a backward (its forward is too many steps old), or a chain broke where
-    no alternate could take over: run the microbatch again."""
+    no alternate could take over: run the microbatch again. ``stages``: the stages whose
+    replicas failed on the way (a broken chain's)."""
+
+    def __init__(self, message: str, stages: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.stages = stages
 
 
 @dataclass(frozen=True)
@@ -77,11 +90,34 @@ class TrainResult:
 class HopTimeouts:
     forward_s: float = 30.0
     backward_s: float = 60.0
+    stage_wait_s: float = 0.0  # how long a stage with no usable replica is waited for (0: not at all; see the module docstring)
 
     def chain_s(self, num_stages: int) -> float:
         """A whole chain's budget: half a hop's forward and backward timeouts per stage (the
         relay gives every hop its own); the servers split it along the chain."""
         return num_stages * (self.forward_s + self.backward_s) / 2
+
+
+class Outage:
+    """The time one microbatch may spend waiting for stages with no usable replica: it
+    starts with the first wait and lasts ``wait_s`` (0: no waiting)."""
+
+    def __init__(self, wait_s: float, clock: Callable[[], float] = time.monotonic):
+        self.wait_s, self.clock, self.started = wait_s, clock, None
+
+    def running(self) -> bool:
+        """Still time to wait (starting the clock at the first call)."""
+        if self.wait_s <= 0:
+            return False
+        if self.started is None:
+            self.started = self.clock()
+        return self.left_s() > 0
+
+    def waited_s(self) -> float:
+        return 0.0 if self.started is None else self.clock() - self.started
+
+    def left_s(self) -> float:
+        return self.wait_s - self.waited_s()
 
 
 class PipelineClient:
@@ -119,25 +155,53 @@ class PipelineClient:
         ``on_loss(loss_step)``: called when the last stage has answered, before the stages
         below run their backwards."""
         train_once = self._train_chain if self.routing == "chain" else self._train_once
-        for rerun in range(MAX_RERUNS + 1):
+        runs = counted = 0  # re-runs in all, and those that count against MAX_RERUNS (not waiting out an outage)
+        outage = Outage(self.timeouts.stage_wait_s)
+        while counted <= MAX_RERUNS:
             try:
-                loss, loss_step, swarm_step, complete = await train_once(mb, seed, on_loss)
+                loss, loss_step, swarm_step, complete = await train_once(mb, seed, on_loss, outage)
                 if self.telemetry:
                     self.telemetry.microbatch_done(mb.num_tokens)
                 self._routes.pop(mb.index, None)
-                return TrainResult(loss, loss_step, swarm_step, rerun, complete)
+                return TrainResult(loss, loss_step, swarm_step, runs, complete)
             except StaleMicrobatch as exc:
+                runs += 1
                 if self.telemetry:
                     self.telemetry.microbatch_rerun()
                 if self.log:
-                    self.log.info("microbatch.rerun", microbatch=mb.index, rerun=rerun + 1, reason=str(exc))
+                    self.log.info("microbatch.rerun", microbatch=mb.index, rerun=runs, reason=str(exc))
                 error = exc
+                down = [s for s in exc.stages if not self.balancer.has_usable(s)]
+                if not (down and await self._wait_out(outage, down, mb)):
+                    counted += 1
         self._routes.pop(mb.index, None)
         if self.telemetry:
             self.telemetry.microbatch_failed()
-        raise MicrobatchFailed(mb.index, 0, "/backward", [RemoteError("pipeline", 409, "stale_forward", f"{MAX_RERUNS + 1} runs were all stale or broken: {error}")])
+        raise MicrobatchFailed(mb.index, 0, "/backward", [RemoteError("pipeline", 409, "stale_forward", f"{runs} runs were all stale or broken: {error}")])
 
-    async def _train_once(self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None) -> tuple[float, int, int, bool]:
+    async def _wait_out(self, outage: Outage, stages: list[int], mb: Microbatch) -> bool:
+        """Wait while ``stages`` have no usable replica, within ``outage``'s time; True if
+        the outage is still being waited out (what failed meanwhile does not count)."""
+        if not outage.running():
+            return False
+        if self.log:
+            self.log.warning("stage.outage", microbatch=mb.index, stages=stages, waited_s=round(outage.waited_s(), 1), wait_s=self.timeouts.stage_wait_s)
+        for stage in stages:
+            await self._await_stage(stage, outage)
+        return True
+
+    async def _await_stage(self, stage: int, outage: Outage) -> None:
+        """Until ``stage`` has a usable replica (a ban ran out, the registry lists a new
+        replica) or ``outage`` runs out."""
+        while not self.balancer.has_usable(stage) and outage.running():
+            if self.on_stage_empty:
+                await self.on_stage_empty(stage)
+                if self.balancer.has_usable(stage):
+                    return
+            ban_left = self.balancer.next_usable_in(stage)
+            await asyncio.sleep(max(0.0, min(outage.left_s(), STAGE_POLL_S, STAGE_POLL_S if ban_left is None else ban_left)))
+
+    async def _train_once(self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None, outage: Outage) -> tuple[float, int, int, bool]:
         mb_id = f"{self.run_id}:{self.client_id}:{mb.index}"
         base = {"run_id": self.run_id, "microbatch_id": mb_id, "seed": seed, "codec": self.codec}
         if self.until_step is not None:
@@ -148,34 +212,37 @@ class PipelineClient:
         forward_steps = []
         for stage in range(last):
             msg = {**base, "stage": stage, "inputs": stage_inputs[stage]}
-            outputs, step = await self._call(mb, stage, "/forward", msg, _outputs)
+            outputs, step = await self._call(mb, stage, "/forward", msg, _outputs, outage=outage)
             stage_inputs.append(outputs)
             forward_steps.append(step)
         msg = {**base, "stage": last, "inputs": stage_inputs[last], "targets": targets}
-        loss, grad, loss_step, swarm_step, complete = await self._call(mb, last, "/backward", msg, _loss_and_grad if last else _loss_only)
+        loss, grad, loss_step, swarm_step, complete = await self._call(mb, last, "/backward", msg, _loss_and_grad if last else _loss_only, outage=outage)
         if on_loss:
             on_loss(loss_step)
         for stage in range(last - 1, -1, -1):
             stage_inputs[stage + 1] = None  # no longer needed: free it early
             msg = {**base, "stage": stage, "inputs": stage_inputs[stage], "grad_outputs": grad, "forward_step": forward_steps[stage]}
-            grad, swarm_step, complete = await self._call(mb, stage, "/backward", msg, _grad_inputs if stage else _nothing)
+            grad, swarm_step, complete = await self._call(mb, stage, "/backward", msg, _grad_inputs if stage else _nothing, outage=outage)
         return loss, loss_step, swarm_step, complete
 
-    async def _train_chain(self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None) -> tuple[float, int, int, bool]:
+    async def _train_chain(self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None, outage: Outage) -> tuple[float, int, int, bool]:
         """One run of the microbatch down a chain of stage servers and back (see the module's docstring)."""
         msg = {"run_id": self.run_id, "microbatch_id": f"{self.run_id}:{self.client_id}:{mb.index}", "seed": seed, "codec": self.codec}
         if self.until_step is not None:
             msg["until_step"] = self.until_step
-        reply = await self._chain(mb, msg, _chain_trained)
+        reply = await self._chain(mb, msg, _chain_trained, outage)
         loss, loss_step, swarm_step, complete = reply
         if on_loss:
             on_loss(loss_step)
         return loss, loss_step, swarm_step, complete
 
-    async def _chain(self, mb: Microbatch, msg: dict, read: Callable[[dict], Any]) -> Any:
+    async def _chain(self, mb: Microbatch, msg: dict, read: Callable[[dict], Any], outage: Outage | None = None) -> Any:
         """POST ``msg`` down a chain (stage 0 chosen by :meth:`_call`, the later stages here) and learn from the answer."""
         batch = mb.inputs.shape[0]
         preferred = self._routes.get(mb.index) or []
+        down = [stage for stage in range(1, self.num_stages) if not self.balancer.has_usable(stage)]
+        if down:  # every replica of a later stage failed lately: wait for one (bounded), rather than send a chain that breaks
+            await self._wait_out(outage or Outage(self.timeouts.stage_wait_s), down, mb)
         route = []
         for stage in range(1, self.num_stages):
             keep = preferred[stage - 1] if stage - 1 < len(preferred) else None
@@ -185,7 +252,7 @@ class PipelineClient:
             self._routes[mb.index] = [replicas[0] for replicas in route]
         body = {**msg, "stage": 0, "inputs": encode_tensor(mb.inputs, "raw"), "targets": encode_tensor(mb.targets, "raw"), "route": route,
                 "budget_s": self.timeouts.chain_s(self.num_stages)}  # fmt: skip
-        reply = await self._call(mb, 0, "/chain", body, lambda r: (r, read(r)), measure=False)
+        reply = await self._call(mb, 0, "/chain", body, lambda r: (r, read(r)), measure=False, outage=outage)
         answer, result = reply
         self._learn(answer, batch)
         return result
@@ -202,12 +269,16 @@ class PipelineClient:
                     self.balancer.report_success(hop["stage"], hop["replica"], float(seconds), batch, kind)
         self._ban(reply.get("rerouted"))
 
-    def _ban(self, failed) -> None:
+    def _ban(self, failed) -> tuple[int, ...]:
+        """Ban the replicas a chain's answer names as failed; returns their stages."""
+        stages = []
         for f in failed if isinstance(failed, list) else []:
             if isinstance(f, dict) and type(f.get("stage")) is int and 0 <= f["stage"] < self.num_stages and isinstance(f.get("replica"), str):
                 self.balancer.report_failure(f["stage"], f["replica"])
+                stages.append(f["stage"])
                 if self.log:
                     self.log.warning("chain.rerouted", stage=f["stage"], replica=f["replica"], code=f.get("code"))
+        return tuple(sorted(set(stages)))
 
     async def evaluate(self, mb: Microbatch, seed: int) -> float:
         """Forward only (no gradients, nothing cached on the servers); returns the loss."""
@@ -221,10 +292,11 @@ class PipelineClient:
         loss, *_ = await self._call(mb, self.num_stages - 1, "/forward", msg, _loss_only)
         return loss
 
-    async def _call(self, mb: Microbatch, stage: int, path: str, msg: dict, read: Callable[[dict], Any], measure: bool = True) -> Any:
+    async def _call(self, mb: Microbatch, stage: int, path: str, msg: dict, read: Callable[[dict], Any], measure: bool = True, outage: Outage | None = None) -> Any:
         """One hop, retried on other replicas of the stage; ``read`` checks the reply and picks
         out what the caller needs. Raises :class:`MicrobatchFailed` when every try failed.
-        ``measure``: the call's time is the replica's (not so for a whole chain)."""
+        ``measure``: the call's time is the replica's (not so for a whole chain). ``outage``:
+        the microbatch's time to wait for a stage with no usable replica (default: the hop's own)."""
         kind = {"/forward": "forward", "/backward": "backward", "/chain": "chain"}[path]
         timeout_s = {"forward": self.timeouts.forward_s, "backward": self.timeouts.backward_s}.get(kind) or msg["budget_s"]
         batch = mb.inputs.shape[0]
@@ -237,6 +309,7 @@ class PipelineClient:
         # says when to come back, so a burst of trainers waits instead of losing work.
         failures = overloads = 0
         wait_s = 0.0
+        outage = outage or Outage(self.timeouts.stage_wait_s)
         while failures <= self.retry.max_retries:
             attempt = failures + overloads
             if wait_s:
@@ -247,6 +320,9 @@ class PipelineClient:
                 url = self.balancer.choose(stage, kind=kind, batch_size=batch, exclude=tried)
             except NoReplica:
                 errors.append(RemoteError(f"stage {stage}", None, "no_replica", "no replica of this stage is known"))
+                if await self._wait_out(outage, [stage], mb):
+                    wait_s = 0.0
+                    continue
                 failures += 1
                 wait_s = self.retry.delay_s(failures)
                 continue
@@ -260,12 +336,8 @@ class PipelineClient:
                     self.telemetry.hop(stage, kind, time.monotonic() - started, err.code, msg)
                 errors.append(err)
                 tried.append(url)
-                if err.code == "stale_forward":  # no replica can take this backward: start over
-                    self._ban(err.details.get("failed"))
-                    raise StaleMicrobatch(str(err)) from None
-                if err.code == "chain_broken":  # further down the chain; this replica did its part
-                    self._ban(err.details.get("failed"))
-                    raise StaleMicrobatch(str(err)) from None
+                if err.code in ("stale_forward", "chain_broken"):  # no replica can take this backward, or the chain broke further down: start over
+                    raise StaleMicrobatch(str(err), self._ban(err.details.get("failed"))) from None
                 if err.retryable:  # the replica's fault (down, overloaded, moved): ban it for a while
                     self.balancer.report_failure(stage, url)
                 if self.log:
@@ -275,6 +347,8 @@ class PipelineClient:
                 if err.code == "overloaded" and overloads < MAX_OVERLOAD_WAITS:
                     overloads += 1
                     wait_s = min(MAX_OVERLOAD_WAIT_S, max(err.retry_after_s or 0.0, self.retry.delay_s(1)))
+                elif not self.balancer.has_usable(stage) and await self._wait_out(outage, [stage], mb):
+                    wait_s = 0.0  # the stage's every replica failed: waited for one, the failure not counted
                 else:
                     failures += 1
                     wait_s = self.retry.delay_s(failures)

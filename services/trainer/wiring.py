@@ -166,6 +166,14 @@ class ReplicaBalancer:
     def has_usable(self, stage: int) -> bool:
         return bool(self.usable(stage))
 
+    def next_usable_in(self, stage: int) -> float | None:
+        """Seconds until the stage's first ban runs out (0 if a replica is usable now); None
+        if the stage has no replicas."""
+        replicas = self._replicas(stage)
+        if not replicas:
+            return None
+        return max(0.0, min(r.banned_until for r in replicas.values()) - self.clock())
+
     def estimates(self, stage: int) -> dict[str, float | None]:
         """Seconds per sample of each replica of the stage; None where not measured yet."""
         return {u: r.ema.value for u, r in self._replicas(stage).items()}

@@ -162,9 +162,15 @@ def _spans(rows: int, block: int, width: int) -> list[tuple[int, int, int]]:
     return spans + ([(full, rows, rows - full)] if full < rows else [])
 
 
-def _absmax_into(v: torch.Tensor, scratch: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` = max |v| over dim 1 (kept), at least ``_MIN_ABSMAX``; NaN stays NaN. ``scratch``: like ``v``."""
-    return torch.amax(torch.abs(v, out=scratch), 1, keepdim=True, out=out).clamp_(min=_MIN_ABSMAX)
+def _absmax_into(v: torch.Tensor, scratch: torch.Tensor, out: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """``out`` = max |v| over ``dim`` (kept), at least ``_MIN_ABSMAX``; NaN stays NaN. ``scratch``: like ``v``."""
+    return torch.amax(torch.abs(v, out=scratch), dim, keepdim=True, out=out).clamp_(min=_MIN_ABSMAX)
+
+
+def _blocks_of(t: torch.Tensor, b: int) -> torch.Tensor:
+    """A span of whole blocks of ``b`` rows, ``(n * b, width)``: as it is when it is one block
+    (2-D arithmetic is the fast path), else ``(n, b, width)``."""
+    return t if t.shape[0] == b else t.view(-1, b, t.shape[1])
 
 
 def _quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,11 +181,14 @@ def _quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
     absmax = torch.empty((-(-rows // block), width), device=x.device)
     spans = _spans(rows, block, width)
     scratch = torch.empty(max((stop - start) * width for start, stop, _ in spans) if spans else 0, device=x.device)
+    levels = torch.empty(max((stop - start) // b for start, stop, b in spans) * width if spans else 0, device=x.device)  # 127 / absmax
     for start, stop, b in spans:
-        v = x[start:stop].float().view(-1, b, width)  # (blocks, b, width)
+        v = _blocks_of(x[start:stop].float(), b)  # (b, width) or (blocks, b, width)
         q = scratch[: v.numel()].view(v.shape)
-        a = _absmax_into(v, q, absmax[start // block : start // block + v.shape[0]].unsqueeze(1))
-        codes[start:stop].view(v.shape).copy_(torch.mul(v, 127.0 / a, out=q).round_())
+        scales = absmax[start // block : start // block + (stop - start) // b]  # (blocks, width)
+        a = _absmax_into(v, q, scales if v.dim() == 2 else scales.unsqueeze(1), dim=v.dim() - 2)
+        inv = torch.reciprocal(a, out=levels[: a.numel()].view(a.shape)).mul_(127.0)
+        _blocks_of(codes[start:stop], b).copy_(torch.mul(v, inv, out=q).round_())
     return codes, absmax.to(torch.bfloat16)
 
 
@@ -187,10 +196,11 @@ def _dequantize_int8(codes: torch.Tensor, absmax: torch.Tensor, block: int) -> t
     """Float32 ``(rows, width)`` from linear int8 ``codes`` and float32 ``absmax`` (see ``_quantize_int8``)."""
     rows, width = codes.shape
     out = torch.empty((rows, width), device=codes.device)
-    scale = (absmax / 127.0).unsqueeze(1)  # (blocks, 1, width)
+    scale = absmax / 127.0  # (blocks, width)
     for start, stop, b in _spans(rows, block, width):
-        o = out[start:stop].view(-1, b, width)
-        o.copy_(codes[start:stop].view(o.shape)).mul_(scale[start // block : start // block + o.shape[0]])
+        o = _blocks_of(out[start:stop], b)
+        s = scale[start // block : start // block + (stop - start) // b]
+        torch.mul(_blocks_of(codes[start:stop], b), s if o.dim() == 2 else s.unsqueeze(1), out=o)  # int8 x float32: one pass
     return out
 
 

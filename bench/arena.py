@@ -310,8 +310,11 @@ class MeshSide(SideRun):
         stage = "auto" if self.sc.rebalance_every_s else str(index % self.sc.stages)
         env = {**self.base_env(), "SWARM_HOST": self.arena.peers[peer].address, "SWARM_PORT": str(SERVER_PORT), "SWARM_COORDINATOR": self.coordinator,
                "SWARM_STAGE": stage, "SWARM_WIRE_CODEC": self.codec, "SWARM_GLOBAL_BATCH": str(w.samples_per_step), "SWARM_DRAIN_TIMEOUT_S": "2"}  # fmt: skip
-        args = [f"--bench-{k.replace('_', '-')}={v}" for k, v in w.dims.items()]
-        self.servers[peer] = self.arena.popen(peer, [sys.executable, "-m", "bench.stage_proc", *args], env=env, log=self.logs / f"{self.label}-{peer}.log")
+        self.servers[peer] = self.arena.popen(peer, [sys.executable, "-m", "bench.stage_proc", *self.model_args()], env=env, log=self.logs / f"{self.label}-{peer}.log")
+
+    def model_args(self) -> list[str]:
+        """The model's dimensions for ``bench.stage_proc`` (servers and trainers alike)."""
+        return [f"--bench-{k.replace('_', '-')}={v}" for k, v in self.plan.work.dims.items()]
 
     def start_trainers(self, trainers: int, in_flight: int, *, start_step: int, steps: int, eval_every: int, tag: str) -> list[Path]:
         w, logs = self.plan.work, []
@@ -322,7 +325,7 @@ class MeshSide(SideRun):
                    "SWARM_LOG_FORMAT": "json", "SWARM_LOG_LEVEL": "info", "SWARM_LOG_EVERY": "1", "SWARM_PROGRESS": "off", "SWARM_FINAL_AVERAGE": "false",
                    "SWARM_ROUTING": self.plan.mesh_routing}  # fmt: skip
             logs.append(self.log(f"{tag}-t{t}"))
-            self.arena.popen(f"t{t}", [sys.executable, "-m", "services.trainer"], env=env, log=logs[-1])
+            self.arena.popen(f"t{t}", [sys.executable, "-m", "bench.stage_proc", "trainer", *self.model_args()], env=env, log=logs[-1])
         return logs
 
     def stop_trainers(self, trainers: int) -> None:

@@ -171,8 +171,10 @@ async def train(settings: TrainerSettings) -> int:
     return 1 if summary.microbatches_failed else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    settings = parse_settings(TrainerSettings, argv, "swarm train", "Train a model through stage servers.")
+def main(argv: list[str] | None = None, *, settings_class: type[TrainerSettings] = TrainerSettings) -> int:
+    """Train until done. ``settings_class``: a variant of the settings (the benches' models of
+    other dimensions, ``bench.stage_proc``)."""
+    settings = parse_settings(settings_class, argv, "swarm train", "Train a model through stage servers.")
     configure_logging(settings.log_format, settings.log_level)
     try:
         return asyncio.run(train(settings))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
+
 import pytest
 import torch
 
@@ -117,3 +119,36 @@ async def test_a_chain_past_the_held_memory_limit_is_refused_with_retry_after(st
     assert err.value.status == 503 and err.value.code == "overloaded" and err.value.retry_after_s is not None
     assert "SWARM_CHAIN_HELD_MB" in err.value.message
     assert "loss" in await first
+
+
+SECRET = "a-test-secret-of-the-swarm-0123456789"
+OTHER = "the-secret-of-another-swarm-98765"
+
+
+async def test_chain_hops_are_signed_and_forwarded_work_from_outside_the_swarm_is_refused(start_stages, batcher):
+    from shared.http import swarm_session
+
+    apps, urls = await start_stages([[stage_settings(s, secret=SECRET)] for s in range(NUM_STAGES)])
+    mb = batcher.microbatch(0)
+    async with swarm_session(stage_settings(0, secret=SECRET)) as member:  # a trainer of the swarm signs with its secret
+        client = PipelineClient(member, balancer_for(urls), run_id="test", codec="fp32", routing="chain")
+        await client.train(mb, seed=0)
+    for group in apps:  # every server-to-server hop was signed and accepted
+        assert group[0][RUNTIME].pending_samples == BATCH
+
+    msg = {"run_id": "test", "stage": 0, "microbatch_id": "outside", "seed": 0, "codec": "fp32", "budget_s": 10.0, "route": [[u[0]] for u in urls[1:]],
+           "inputs": encode_tensor(mb.inputs, "raw"), "targets": encode_tensor(mb.targets, "raw")}  # fmt: skip
+    async with aiohttp.ClientSession() as stranger:  # unsigned: refused at the door
+        with pytest.raises(RemoteError) as err:
+            await post_message(stranger, urls[0][0] + "/chain", msg, timeout_s=10)
+    assert err.value.status == 401
+
+    # a stage-0 server of another swarm (another secret) routes work to this swarm's stage 1: refused there
+    before = [group[0][RUNTIME].stats.forwards + group[0][RUNTIME].stats.backwards_run for group in apps]
+    _, outside = await start_stages([[stage_settings(0, secret=OTHER)]])
+    async with swarm_session(stage_settings(0, secret=OTHER)) as theirs:
+        with pytest.raises(RemoteError) as err:
+            await post_message(theirs, outside[0][0] + "/chain", msg, timeout_s=10)
+    assert err.value.status == 401 and err.value.code == "unauthorized", err.value
+    # nothing of it was computed by this swarm's servers
+    assert [group[0][RUNTIME].stats.forwards + group[0][RUNTIME].stats.backwards_run for group in apps] == before

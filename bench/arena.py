@@ -95,6 +95,7 @@ class Plan:
     pipeline_candidates: tuple[int, ...]  # microbatches per global step
     sweep_steps: int = 4
     routing: str = ""  # the mesh trainers' SWARM_ROUTING ("": the trainer's default)
+    codecs: tuple[str, ...] = ("int8", "fp32")  # the mesh sides, one per wire codec: the default one, and fp32 to set the codec apart
     extra: dict = field(default_factory=dict)
 
     @property
@@ -173,7 +174,7 @@ def reference_targets(work: Workload, stages: int, steps: set[int]) -> dict[int,
 
 
 # ------------------------------------------------------------------------------ compute against transfer
-WIRE_BYTES_PER_VALUE = {"fp32": 4.0, "int8": 1.0 + 4 / 4096}  # int8: a code per value, an fp32 absmax per block of 4096
+WIRE_BYTES_PER_VALUE = {"fp32": 4.0, "int8": 1.0 + 2 / 128, "int4": 0.5 + 2 / 64}  # int8: a code a value, a bfloat16 scale per block of 128; int4: half a byte, a scale per 64
 
 
 def stage_compute_s(work: Workload, stages: int, reps: int = 5) -> float:
@@ -527,7 +528,7 @@ def run_scenario(sc: Scenario, plan: Plan, target: float, compute_s: float, logs
         print(f"arena {sc.name}: links {[(l['set_mbit'], l['mbit_s'], l['set_rtt_ms'], l['rtt_ms']) for l in detail['links']]}", flush=True)
         rows = []
         setting = None if sc.sweep_mesh or best_mesh is None else best_mesh
-        for codec in ("int8", "fp32"):
+        for codec in plan.codecs:
             out, setting, sweep = run_mesh(arena, sc, plan, logs / sc.name, codec, setting, target)
             detail[f"mesh_{codec}"] = asdict(out) | {"sweep": sweep}
             rows.append(_row(sc, f"mesh {codec}", f"{setting[0]} trainer(s), {setting[1]} in flight, {plan.mesh_routing}", out, plan))
@@ -575,7 +576,7 @@ def run(ctx) -> BenchResult:
         ratios = "; ".join(f"{h['link_mbit']:g} Mbit/s, {h['cpus']} cores: int8 {h['ratio_int8']}, fp32 {h['ratio_fp32']}" for h in d["hop_ratios"])
         notes.append(f"{d['scenario']['name']}: {d['scenario']['description']}; target {d['target']} (after {d['target_steps']} steps); pipelining ranks {', '.join(d['ranks'])}; links as measured (set -> measured): {links}; "
                      f"compute / transfer per hop: {ratios}")  # fmt: skip
-        for side in ("mesh_int8", "mesh_fp32", "pipelining"):
+        for side in (*(f"mesh_{c}" for c in plan.codecs), "pipelining"):
             if d[side]["kills"]:
                 notes.append(f"{d['scenario']['name']} {side.replace('_', ' ')} churn: {d[side]['kills']}")
     summary = {f"{r['scenario']}_{r['side'].replace(' ', '_')}_time_ratio": r.get("mesh / pipelining time") for r in rows if r["side"] != "pipelining"}
@@ -597,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print the scenarios and exit")
     p.add_argument("--out", default="bench/results", help="directory of the JSON result (arena-SCENARIO.json)")
     p.add_argument("--routing", choices=("relay", "chain"), help="the mesh trainers' routing (default: the trainer's default)")
+    p.add_argument("--codecs", metavar="C,...", help="the mesh sides' wire codecs (default int8,fp32; e.g. int4,int8,fp32)")
     p.add_argument("--mesh", metavar="TxF,...", help="the mesh's settings to sweep, trainers x microbatches in flight (default: the plan's, e.g. 1x4,1x8,2x8)")
     args = p.parse_args(argv)
     if args.list:
@@ -612,6 +614,12 @@ def main(argv: list[str] | None = None) -> int:
     ctx = BenchContext(quick=quick, log_dir=Path(args.out) / "logs")
     ctx.cache["arena_scenarios"] = tuple(s for s in (QUICK if quick else FULL).scenarios if not args.scenarios or s.name in args.scenarios)
     changes: dict = {"routing": args.routing} if args.routing else {}
+    if args.codecs:
+        from shared.codec import FLOAT_CODECS
+
+        changes["codecs"] = tuple(args.codecs.split(","))
+        if not set(changes["codecs"]) <= set(FLOAT_CODECS):
+            p.error(f"--codecs: each one of {', '.join(FLOAT_CODECS)}, got {args.codecs!r}")
     if args.mesh:
         try:
             changes["mesh_settings"] = tuple(tuple(int(n) for n in item.split("x")) for item in args.mesh.split(","))

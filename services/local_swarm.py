@@ -120,8 +120,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--microbatch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--in-flight", type=int, default=4, help="microbatches in flight (default 4)")
-    p.add_argument("--routing", default=os.environ.get("SWARM_ROUTING", "relay"), choices=("relay", "chain"),
-                   help="'relay': the trainers carry every tensor between stages; 'chain': the stage servers pass them to each other (default: SWARM_ROUTING, else relay)")
+    p.add_argument("--routing", default=os.environ.get("SWARM_ROUTING", "chain"), choices=("chain", "relay"),
+                   help="'chain': the stage servers pass activations and gradients to each other, the trainers send token ids; 'relay': the trainers carry every tensor between stages (default: SWARM_ROUTING, else chain)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--corpus", default="", help="text file, JSONL, Parquet or a directory of them to train on (default: bundled Shakespeare)")
     p.add_argument("--run-dir", default="", help="logs and metrics go here (default runs/<time>)")

@@ -196,7 +196,7 @@ class TrainerSettings(ModelSettings, DiscoverySettings):
     start_step: int = Field(0, ge=0, description="resume: the global steps already trained (the run continues at this step)")
     shard_index: int = Field(0, ge=0, description="this trainer's share of the data: microbatches shard_index, shard_index + num_shards, ... of the run's sequence")
     num_shards: int = Field(1, ge=1, le=4096, description="trainers sharing the run's microbatch sequence (see shard_index)")
-    routing: Literal["relay", "chain"] = Field("relay", description="'relay': the trainer carries every tensor between stages (a star, as SWARM's reference code); 'chain': it sends the route with the token ids to stage 0 and the stage servers pass activations and gradients straight to each other")
+    routing: Literal["relay", "chain"] = Field("chain", description="'chain': the trainer sends the route it picked with the token ids to stage 0 and the stage servers pass activations and gradients straight to each other; 'relay': the trainer carries every tensor between stages (a star, as SWARM's reference code)")
     forward_timeout_s: float = Field(30.0, gt=0)
     stage_wait_s: float = Field(120.0, ge=0, description="how long a microbatch waits for a stage none of whose replicas is usable (every one failed: preempted, restarting, being replaced) before its failures count and it may fail; 0: no waiting")
     backward_timeout_s: float = Field(60.0, gt=0)

@@ -79,8 +79,8 @@ class ChainError(SwarmError):
     """The chain could not complete past this server: 502 ``chain_broken`` naming the replicas
     that failed (``failed``), or an error from further down passed up with its own status."""
 
-    def __init__(self, message: str, *, status: int = 502, code: str = "chain_broken", failed: list[dict] | None = None):
-        super().__init__(message)
+    def __init__(self, message: str, *, status: int = 502, code: str = "chain_broken", failed: list[dict] | None = None, retry_after_s: float | None = None):
+        super().__init__(message, retry_after_s=retry_after_s)
         self.status, self.code, self.failed = status, code, failed or []
 
     def to_json(self) -> dict:
@@ -190,6 +190,8 @@ async def _middle_stage(app: web.Application, req: StageRequest, msg: dict, rout
     forward_s = time.monotonic() - started
     onward = {k: msg[k] for k in PASSED_ON if k in msg} | {"stage": settings.stage + 1, "inputs": forward["outputs"], "route": route[1:]}
     down, url, rerouted = await send_on(app, route[0], onward, deadline, settings.stage + 1)
+    app[STAGE_METRICS].count_tensors("out", {"inputs": forward["outputs"]})  # the activation this server sent on
+    app[STAGE_METRICS].count_tensors("in", {"grad_inputs": down.get("grad_inputs")} if "grad_inputs" in down else {})
     hops = [_hop(settings.stage + 1, url, down)] + list(down.get("hops", []))
     rerouted = rerouted + list(down.get("rerouted", []))
     loss = down.get("loss")
@@ -201,7 +203,10 @@ async def _middle_stage(app: web.Application, req: StageRequest, msg: dict, rout
     except SwarmError as exc:
         raise ChainError(f"stage {settings.stage + 1} at {url} answered a bad gradient: {exc.message}", failed=[{"stage": settings.stage + 1, "replica": url, "code": "bad_reply"}]) from None
     started = time.monotonic()
-    reply = await run_backward(app, dataclasses.replace(req, grad_outputs=grad_outputs, forward_step=forward["step"]))
+    try:
+        reply = await run_backward(app, dataclasses.replace(req, grad_outputs=grad_outputs, forward_step=forward["step"]))
+    except SwarmError as exc:  # refused here (a stale forward): the caller still learns which replicas failed on the way
+        raise ChainError(exc.message, status=exc.status, code=exc.code, failed=rerouted, retry_after_s=exc.retry_after_s) from None
     backward_s = time.monotonic() - started - reply["step_wait_s"]
     return {**reply, "loss": loss, "loss_step": down.get("loss_step"), "forward_s": round(forward_s, 6), "backward_s": round(max(backward_s, 0.0), 6),
             "hops": hops, "rerouted": rerouted}  # fmt: skip

@@ -15,7 +15,7 @@ back (``forward_step``). A stage that stepped more than ``SWARM_MAX_STALENESS`` 
 refuses the backward (409 ``stale_forward``): the microbatch runs again from stage 0,
 counted as a re-run, at most ``MAX_RERUNS`` times.
 
-``routing="chain"`` (``SWARM_ROUTING``): the trainer picks a replica for every stage (and up
+``routing="chain"`` (``SWARM_ROUTING``, the trainer's default; this class's is relay): the trainer picks a replica for every stage (and up
 to ``CHAIN_ALTERNATES`` alternates each) with the same wiring, and sends the route with the
 token ids to the stage-0 replica, one ``POST /chain``; the stage servers pass activations
 and gradients to each other (``services/stage_server/chain.py``) and stage 0 answers with

@@ -58,7 +58,7 @@ def test_every_service_exposes_metrics_that_move_while_the_swarm_trains(processe
 
     for stage, url in swarm.servers:
         assert set(STAGE_METRICS) <= names(after[url]), set(STAGE_METRICS) - names(after[url])
-        for metric, labels in [("swarm_stage_samples_total", {}), ("swarm_http_requests_total", {"endpoint": "/backward", "status": "200"}), ("swarm_stage_tensor_bytes_total", {"direction": "out"})]:
+        for metric, labels in [("swarm_stage_samples_total", {}), ("swarm_http_requests_total", {"endpoint": "/chain", "status": "200"}), ("swarm_stage_tensor_bytes_total", {"direction": "out"})]:
             assert total(after[url], metric, **labels) > total(before[url], metric, **labels) > 0, (url, metric)
         assert total(after[url], "swarm_build_info", stage=str(stage)) == 1
     assert set(COORDINATOR_METRICS) <= names(after["coordinator"]), set(COORDINATOR_METRICS) - names(after["coordinator"])
@@ -69,8 +69,10 @@ def test_every_service_exposes_metrics_that_move_while_the_swarm_trains(processe
     assert total(coordinator, "swarm_http_requests_total", **heartbeats) > total(before["coordinator"], "swarm_http_requests_total", **heartbeats)
     assert total(coordinator, "swarm_http_requests_total", endpoint="/progress", status="200") > total(before["coordinator"], "swarm_http_requests_total", endpoint="/progress", status="200")
     assert set(TRAINER_METRICS) <= names(after["trainer"]), set(TRAINER_METRICS) - names(after["trainer"])
-    for metric, labels in [("swarm_trainer_tokens_total", {}), ("swarm_trainer_hops_total", {"outcome": "ok"}), ("swarm_trainer_step", {}), ("swarm_trainer_tensor_bytes_total", {"direction": "received"})]:
+    for metric, labels in [("swarm_trainer_tokens_total", {}), ("swarm_trainer_hops_total", {"outcome": "ok"}), ("swarm_trainer_step", {}), ("swarm_trainer_tensor_bytes_total", {"direction": "sent"})]:
         assert total(after["trainer"], metric, **labels) > total(before["trainer"], metric, **labels) > 0, metric
+    # chain routing (the default): the trainer sends token ids and receives no activation or gradient
+    assert total(after["trainer"], "swarm_trainer_tensor_bytes_total", direction="received") == 0
     assert 0 < total(after["trainer"], "swarm_trainer_loss") < 10
     print(f"metrics: trainer step {step} -> {int(total(after['trainer'], 'swarm_trainer_step'))}, "
           f"{int(total(after['trainer'], 'swarm_trainer_tokens_total'))} tokens, coordinator weakest-stage capacity "

@@ -77,5 +77,5 @@ def test_training_goes_on_when_a_replica_of_every_stage_is_killed(tmp_path):
         after_kill = losses[15:]
         assert sum(after_kill[-10:]) / 10 < sum(after_kill[:10]) / 10 - 0.05, "the loss stopped falling after the kills"
         assert summary["eval_loss_after"] < summary["eval_loss_before"] - 1.0
-    assert any("hop.failed" in l for l in output), "no hop hit a killed replica: the test did not test anything"
+    assert any("hop.failed" in l or "chain.rerouted" in l for l in output), "no hop hit a killed replica: the test did not test anything"
     assert processes_of_run(run_dir.name) == []

@@ -210,13 +210,13 @@ async def test_a_stale_backward_is_refused_and_its_microbatch_run_again_once(sta
     real_call = client._call
     meddled = False
 
-    async def call(mb_, stage, path, msg, read):
+    async def call(mb_, stage, path, msg, read, **kwargs):
         nonlocal meddled
         if stage == 0 and path == "/backward" and not meddled:  # other trainers' microbatches step stage 0 twice meanwhile
             meddled = True
             for other in (1, 2):
                 await client.train(batcher.microbatch(other), seed=other)
-        return await real_call(mb_, stage, path, msg, read)
+        return await real_call(mb_, stage, path, msg, read, **kwargs)
 
     client._call = call
     result = await client.train(mb, seed=0)

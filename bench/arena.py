@@ -95,6 +95,7 @@ class Plan:
     pipeline_candidates: tuple[int, ...]  # microbatches per global step
     sweep_steps: int = 4
     routing: str = ""  # the mesh trainers' SWARM_ROUTING ("": the trainer's default)
+    max_staleness: int = 0  # the mesh servers' SWARM_MAX_STALENESS (0: the server's default)
     codecs: tuple[str, ...] = ("int8", "fp32")  # the mesh sides, one per wire codec: the default one, and fp32 to set the codec apart
     extra: dict = field(default_factory=dict)
 
@@ -311,6 +312,8 @@ class MeshSide(SideRun):
         stage = "auto" if self.sc.rebalance_every_s else str(index % self.sc.stages)
         env = {**self.base_env(), "SWARM_HOST": self.arena.peers[peer].address, "SWARM_PORT": str(SERVER_PORT), "SWARM_COORDINATOR": self.coordinator,
                "SWARM_STAGE": stage, "SWARM_WIRE_CODEC": self.codec, "SWARM_GLOBAL_BATCH": str(w.samples_per_step), "SWARM_DRAIN_TIMEOUT_S": "2"}  # fmt: skip
+        if self.plan.max_staleness:
+            env["SWARM_MAX_STALENESS"] = str(self.plan.max_staleness)
         self.servers[peer] = self.arena.popen(peer, [sys.executable, "-m", "bench.stage_proc", *self.model_args()], env=env, log=self.logs / f"{self.label}-{peer}.log")
 
     def model_args(self) -> list[str]:
@@ -580,7 +583,7 @@ def run(ctx) -> BenchResult:
             if d[side]["kills"]:
                 notes.append(f"{d['scenario']['name']} {side.replace('_', ' ')} churn: {d[side]['kills']}")
     summary = {f"{r['scenario']}_{r['side'].replace(' ', '_')}_time_ratio": r.get("mesh / pipelining time") for r in rows if r["side"] != "pipelining"}
-    params = {"work": asdict(w), "target": target, "stage_compute_s": round(compute_s, 4), "target_steps": plan.target_steps, "eval_every": plan.eval_every, "mesh_settings": plan.mesh_settings, "mesh_routing": plan.mesh_routing,
+    params = {"work": asdict(w), "target": target, "stage_compute_s": round(compute_s, 4), "target_steps": plan.target_steps, "eval_every": plan.eval_every, "mesh_settings": plan.mesh_settings, "mesh_routing": plan.mesh_routing, "max_staleness": plan.max_staleness or "default",
               "pipeline_candidates": plan.pipeline_candidates, "scenarios": details}  # fmt: skip
     return BenchResult("arena", "time to a target loss on shaped links: mesh int8 / fp32 against torch.distributed.pipelining", COLUMNS, rows,
                        params=params, notes=notes, summary=summary)  # fmt: skip
@@ -598,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print the scenarios and exit")
     p.add_argument("--out", default="bench/results", help="directory of the JSON result (arena-SCENARIO.json)")
     p.add_argument("--routing", choices=("relay", "chain"), help="the mesh trainers' routing (default: the trainer's default)")
+    p.add_argument("--max-staleness", type=int, default=0, help="the mesh servers' SWARM_MAX_STALENESS (default: the servers' own)")
     p.add_argument("--codecs", metavar="C,...", help="the mesh sides' wire codecs (default int8,fp32; e.g. int4,int8,fp32)")
     p.add_argument("--mesh", metavar="TxF,...", help="the mesh's settings to sweep, trainers x microbatches in flight (default: the plan's, e.g. 1x4,1x8,2x8)")
     args = p.parse_args(argv)
@@ -614,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = BenchContext(quick=quick, log_dir=Path(args.out) / "logs")
     ctx.cache["arena_scenarios"] = tuple(s for s in (QUICK if quick else FULL).scenarios if not args.scenarios or s.name in args.scenarios)
     changes: dict = {"routing": args.routing} if args.routing else {}
+    if args.max_staleness:
+        changes["max_staleness"] = args.max_staleness
     if args.codecs:
         from shared.codec import FLOAT_CODECS
 

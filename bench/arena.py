@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -70,6 +71,7 @@ class Scenario:
     churn: tuple[float, float] | None = None  # (kill a stage server every S, restart it S later)
     target_steps: int | None = None  # the target: the loss one process reaches after this many steps (None: the plan's)
     rebalance_every_s: float = 0.0  # the coordinator's rebalancing (0: off; one server per stage)
+    checkpoint_every_s: float = 0.0  # the mesh's checkpoints (0: none): a restarted server whose stage has no live replica resumes from the latest
     sweep_mesh: bool = False  # sweep the mesh's trainers x in-flight here (else the last sweep's best)
     description: str = ""
 
@@ -113,12 +115,12 @@ def _homogeneous(rate: float, budget_s: float, sweep: bool = False) -> Scenario:
 
 # caps in the ratio 1:1:2:2:2:4:4:4, links 10-100 Mbit/s mixed (strong peers on slow links too)
 HETERO_SERVERS = tuple((rate, units * HETERO_UNIT) for rate, units in ((100, 1), (20, 1), (10, 2), (50, 2), (100, 2), (20, 4), (50, 4), (100, 4)))
-HETERO = Scenario("heterogeneous", HETERO_SERVERS, 10.0, 100, 240.0, rebalance_every_s=10.0, sweep_mesh=True,
+HETERO = Scenario("heterogeneous", HETERO_SERVERS, 10.0, 100, 150.0, rebalance_every_s=10.0, sweep_mesh=True,
                   description="8 servers, CPU caps 1:1:2:2:2:4:4:4 (1.6 cores in all), links 10-100 Mbit/s mixed, 10 ms each; mesh: stages assigned and rebalanced by the coordinator")  # fmt: skip
 FULL = Plan(
     work=Workload(d_model=256, n_layer=8, seq_len=64),  # microbatches of 8, 32 samples per global step
     scenarios=(_homogeneous(10, 200.0, sweep=True), _homogeneous(50, 150.0), _homogeneous(200, 150.0), HETERO,
-               Scenario("churn", HETERO_SERVERS, 10.0, 100, 300.0, churn=(60.0, 30.0), rebalance_every_s=10.0, target_steps=24,
+               Scenario("churn", HETERO_SERVERS, 10.0, 100, 240.0, churn=(60.0, 30.0), rebalance_every_s=10.0, target_steps=24, checkpoint_every_s=20.0,
                         description="heterogeneous, with a random stage server SIGKILLed every 60 s and restarted 30 s later; a later target, so that the runs see several kills")),  # fmt: skip
     target_steps=8,
     eval_every=2,
@@ -296,11 +298,15 @@ class MeshSide(SideRun):
         self.codec = codec
         self.servers: dict[str, object] = {}
         self.coordinator = self.url("coord", COORD_PORT)
+        self.checkpoints = self.logs / f"{self.label}-checkpoints"
 
     def start_swarm(self) -> None:
         env = {**self.base_env(), "SWARM_HOST": self.arena.peers["coord"].address, "SWARM_PORT": str(COORD_PORT), "SWARM_STATE_DB": str(self.logs / f"{self.label}-coordinator.sqlite"),
                "SWARM_REBALANCE_EVERY_S": str(self.sc.rebalance_every_s)}  # fmt: skip
         (self.logs / f"{self.label}-coordinator.sqlite").unlink(missing_ok=True)
+        if self.sc.checkpoint_every_s:  # one directory the coordinator writes and restarted servers read (a shared volume in a deployment)
+            shutil.rmtree(self.checkpoints, ignore_errors=True)
+            env.update(SWARM_CHECKPOINT_DIR=str(self.checkpoints), SWARM_CHECKPOINT_EVERY_S=str(self.sc.checkpoint_every_s))
         self.arena.popen("coord", [sys.executable, "-m", "services.coordinator"], env=env, log=self.log("coordinator"))
         for i in range(len(self.sc.servers)):
             self.start_server(f"s{i}", i)
@@ -314,6 +320,8 @@ class MeshSide(SideRun):
                "SWARM_STAGE": stage, "SWARM_WIRE_CODEC": self.codec, "SWARM_GLOBAL_BATCH": str(w.samples_per_step), "SWARM_DRAIN_TIMEOUT_S": "2"}  # fmt: skip
         if self.plan.max_staleness:
             env["SWARM_MAX_STALENESS"] = str(self.plan.max_staleness)
+        if self.sc.checkpoint_every_s:
+            env["SWARM_CHECKPOINT_DIR"] = str(self.checkpoints)
         self.servers[peer] = self.arena.popen(peer, [sys.executable, "-m", "bench.stage_proc", *self.model_args()], env=env, log=self.logs / f"{self.label}-{peer}.log")
 
     def model_args(self) -> list[str]:

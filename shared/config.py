@@ -133,7 +133,7 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     local_steps: int = Field(10, ge=1, le=100_000, description="sync=local: global steps between outer steps (DiLoCo's H)")
     outer_lr: float = Field(0.7, gt=0, le=10, description="sync=local: learning rate of the outer step (1 with outer_momentum 0: plain averaging of the replicas' weights)")
     outer_momentum: float = Field(0.5, ge=0, lt=1, description="sync=local: Nesterov momentum of the outer step (DiLoCo's 0.9 is tuned for hundreds of local steps; at 10, 0.5 measured best, see docs/architecture.md)")
-    max_staleness: int = Field(2, ge=0, le=1000, description="a backward whose forward ran here more than this many global steps ago is refused (409 stale_forward) and the trainer runs the microbatch again")
+    max_staleness: int = Field(1, ge=0, le=1000, description="a backward whose forward ran here more than this many global steps ago is refused (409 stale_forward) and the trainer runs the microbatch again")
     max_body_mb: float = Field(128.0, gt=0, description="largest request body accepted (413 past it)")
     max_queue: int = Field(64, ge=1, description="requests queued for compute before 503")
     backward_cache: int = Field(16, ge=0, description="forward graphs kept to skip the backward recompute")

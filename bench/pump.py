@@ -21,7 +21,7 @@ from shared.retry import RetryPolicy
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import HopTimeouts, MicrobatchFailed, PipelineClient
 from services.trainer.swarm_view import SwarmView
-from services.trainer.wiring import ReplicaBalancer
+from shared.wiring import ReplicaBalancer
 
 
 @dataclass

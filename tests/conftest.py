@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestServer
 
 from shared.config import StageServerSettings
 from services.stage_server.app import create_app
-from services.trainer.wiring import ReplicaBalancer
+from shared.wiring import ReplicaBalancer
 
 
 def balancer_for(urls: list[list[str]], seed: int = 0) -> ReplicaBalancer:

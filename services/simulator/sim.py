@@ -7,7 +7,7 @@ What is simulated, and with which code:
   requests one at a time in arrival order (the stage server's compute worker) and sends
   over one uplink at a time;
 - **trainers**: each keeps microbatches in flight and picks the replica of every hop
-  with its own :class:`services.trainer.wiring.ReplicaBalancer`, the trainer's real
+  with its own :class:`shared.wiring.ReplicaBalancer`, the trainer's real
   stochastic wiring (its clock is the simulation's), reporting successes and failures
   to it, retrying a failed hop on another replica; activations go from the server of
   one stage to the server of the next, gradients back (the hand-off of SWARM and DT-FM);
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.trainer.wiring import NoReplica, ReplicaBalancer
+from shared.wiring import NoReplica, ReplicaBalancer
 from shared.topology.cost import Workload, butterfly_time
 from shared.topology.network import Network, Peer, world_network
 from shared.topology.planner import place_joiners

@@ -26,7 +26,7 @@ from services.trainer.progress import ProgressDisplay, choose_display
 from services.trainer.swarm_view import SwarmView
 from services.trainer.telemetry import TrainerTelemetry
 from services.trainer.trainer import Trainer, summary_json
-from services.trainer.wiring import ReplicaBalancer
+from shared.wiring import ReplicaBalancer
 
 READY_WAIT_S = 60.0
 

@@ -49,7 +49,7 @@ from shared.errors import RemoteError
 from shared.http import MICROBATCH_HEADER, post_message
 from shared.retry import RetryPolicy
 from services.trainer.data import Microbatch
-from services.trainer.wiring import NoReplica, ReplicaBalancer
+from shared.wiring import NoReplica, ReplicaBalancer
 
 
 MAX_RERUNS = 8  # times a microbatch runs again from the start after a stale backward or a broken chain

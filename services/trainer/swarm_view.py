@@ -15,7 +15,7 @@ import aiohttp
 
 from shared.errors import RemoteError
 from shared.http import get_json, post_json
-from services.trainer.wiring import ReplicaBalancer
+from shared.wiring import ReplicaBalancer
 
 REFRESH_TIMEOUT_S = 5.0
 

@@ -9,7 +9,7 @@ from aiohttp.test_utils import TestServer
 from shared.config import CoordinatorSettings
 from services.coordinator.app import create_app
 from services.trainer.swarm_view import SwarmView
-from services.trainer.wiring import ReplicaBalancer
+from shared.wiring import ReplicaBalancer
 
 
 def coordinator_settings() -> CoordinatorSettings:

@@ -12,7 +12,7 @@ import pytest
 
 from services.simulator import SimConfig, Simulation, simulate
 from services.simulator.__main__ import main, render
-from services.trainer.wiring import ReplicaBalancer
+from shared.wiring import ReplicaBalancer
 
 # 200 peers across the 10 regions, a peer's mean lifetime 10 minutes, 5 simulated minutes.
 PREEMPTED = SimConfig(num_peers=200, num_stages=8, microbatches_in_flight=400, trainers=16, duration_s=300.0,

@@ -1,4 +1,4 @@
-"""Unit tests of the trainer's stochastic wiring (services/trainer/wiring.py), without HTTP.
+"""Unit tests of the trainer's stochastic wiring (shared/wiring.py), without HTTP.
 
 Time is a fake clock set by hand, randomness a seeded ``random.Random``: nothing sleeps.
 """
@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from services.trainer.wiring import NoReplica, ReplicaBalancer, ThroughputEMA
+from shared.wiring import NoReplica, ReplicaBalancer, ThroughputEMA
 
 FAST, SLOW = "http://fast", "http://slow"
 

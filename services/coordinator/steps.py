@@ -17,6 +17,12 @@ round starts with what was accumulated and the rest is counted as dropped.
 
 A replica at an older step than its stage's is told to take a live replica's state
 (``resync``); a newer one (this coordinator restarted) moves the stage's count forward.
+When no live replica of the stage holds its step any more (every one that did was killed,
+and a server rejoined from an older checkpoint, or the survivor of a round its peer
+completed alone), nobody can give that state: the replica is told to catch up
+(``catch_up``): it takes the stage's step number with its own weights, the updates of the
+steps in between are lost (``step.caught_up``, counted in ``steps_lost``), and every
+stage's step count stays the run's, rather than waiting forever for a state that is gone.
 A replica that could not reach the coordinator accumulates into its current step and
 reports it afterwards (``reserved: 0``): that step may then hold more than the global batch.
 
@@ -63,6 +69,7 @@ class StageCount:
     outstanding: dict[int, dict[str, int]] = field(default_factory=dict)  # step -> replica URL -> samples reserved, not reported yet
     not_before: float = 0.0  # a failed round is not retried before this time
     samples_dropped: int = 0  # reserved samples never accumulated, and accumulated ones of replicas that did not step
+    steps_lost: list[tuple[int, int]] = field(default_factory=list)  # (from, to) of each catch-up: the updates of those steps were lost with the replicas that held them
     last_effective_batch: int = 0
 
     def closed(self, step: int) -> bool:
@@ -71,13 +78,14 @@ class StageCount:
 
 @dataclass(frozen=True)
 class Reservation:
-    bucket: int | None  # the step the microbatch's gradient goes to; None: resync, or wait
+    bucket: int | None  # the step the microbatch's gradient goes to; None: resync, catch up, or wait
     closes: bool = False
     resync: bool = False
     complete: bool = False
+    catch_up: bool = False  # behind, and no live replica holds the stage's step: take its number, lose its updates
 
     def as_json(self, stage_step: int) -> dict:
-        return {"bucket": self.bucket, "closes": self.closes, "resync": self.resync, "complete": self.complete, "step": stage_step}
+        return {"bucket": self.bucket, "closes": self.closes, "resync": self.resync, "complete": self.complete, "catch_up": self.catch_up, "step": stage_step}
 
 
 class StepCounter:
@@ -100,13 +108,21 @@ class StepCounter:
             self._advance(st, replica_step)
         return st
 
-    def reserve(self, stage: int, url: str, replica_step: int, samples: int, global_batch: int, until_step: int | None = None) -> Reservation:
+    def reserve(self, stage: int, url: str, replica_step: int, samples: int, global_batch: int, until_step: int | None = None,
+                live: Iterable[str] | None = None, reported: Mapping[str, int] | None = None) -> Reservation:  # fmt: skip
         """The step a microbatch of ``samples`` gets, or None: the replica must resync
         (``resync``), the trainer's run ends before that step (``complete``: its ``until_step``
-        steps are all reserved), or the stage is a whole step ahead already (wait for it to step)."""
+        steps are all reserved), or the stage is a whole step ahead already (wait for it to step).
+        ``live`` (the stage's registered replicas) and ``reported`` (URL -> the step of their
+        registration or heartbeat): a replica behind its stage when none of them, nor any that
+        reported within the lease, holds the stage's step is told to catch up instead."""
         st = self._check(stage, url, replica_step, global_batch)
         if replica_step < st.step:
-            return Reservation(None, resync=True)
+            if live is None or st.round_id is not None or self._holds_the_step(st, url, live, reported or {}):
+                return Reservation(None, resync=True)
+            st.steps_lost.append((replica_step, st.step))
+            st.replica_steps[url] = st.step
+            return Reservation(None, catch_up=True)
         open_steps = ([] if st.round_id is not None else [st.step]) + [st.step + 1]  # the round running took its step's buckets
         k = next((k for k in open_steps if st.reserved.get(k, 0) < st.global_batch), None)
         if k is None:
@@ -193,6 +209,13 @@ class StepCounter:
         self._advance(st, reached)
         return effective, dropped
 
+    def _holds_the_step(self, st: StageCount, url: str, live: Iterable[str], reported: Mapping[str, int]) -> bool:
+        """Is a replica alive and at the stage's step (it can give its state)? ``url`` itself
+        counts when it said so before: its report was sent before a step and came after it."""
+        now = self.clock()
+        alive = set(live) | {u for u, at in st.last_seen.items() if now - at < self.lease_s} | {url}
+        return any(max(st.replica_steps.get(u, -1), reported.get(u, -1)) >= st.step for u in alive)
+
     def _advance(self, st: StageCount, step: int) -> None:
         for k in [k for k in st.reserved if k < step]:
             st.reserved.pop(k, None)
@@ -205,7 +228,7 @@ class StepCounter:
         """Per stage: step, samples reserved and accumulated for it, dropped samples."""
         return [
             {"stage": i, "step": st.step, "reserved": st.reserved.get(st.step, 0), "accumulated": st.done.get(st.step, 0), "global_batch": st.global_batch,
-             "round": st.round_id, "samples_dropped": st.samples_dropped, "last_effective_batch": st.last_effective_batch}
+             "round": st.round_id, "samples_dropped": st.samples_dropped, "last_effective_batch": st.last_effective_batch, "steps_lost": st.steps_lost[-4:]}
             for i, st in enumerate(self.stages)
         ]  # fmt: skip
 
@@ -248,10 +271,14 @@ class StepScheduler:
         deadline = loop.time() + self.timeout_s
         async with self._changed:
             while True:
-                r = self.counter.reserve(stage, url, replica_step, samples, global_batch, until_step)
+                reported = {s.url: step for s in self.live_servers() if s.stage == stage and (step := self.reported_step(s)) is not None}
+                r = self.counter.reserve(stage, url, replica_step, samples, global_batch, until_step, live=self._live(stage), reported=reported)
+                if r.catch_up:
+                    self.log.warning("step.caught_up", stage=stage, replica=url, replica_step=replica_step, step=self.counter.stages[stage].step,
+                                     reason="no live replica of the stage holds its step: the updates of the steps in between are lost")  # fmt: skip
                 self.log.debug("step.reserve", stage=stage, replica=url, replica_step=replica_step, samples=samples, bucket=r.bucket, closes=r.closes, resync=r.resync, complete=r.complete,
                                stage_step=self.counter.stages[stage].step, reserved=dict(self.counter.stages[stage].reserved), done=dict(self.counter.stages[stage].done))  # fmt: skip
-                if r.bucket is not None or r.resync or r.complete:
+                if r.bucket is not None or r.resync or r.complete or r.catch_up:
                     return {**r.as_json(self.counter.stages[stage].step), "replicas": len(self._live(stage))}
                 if loop.time() >= deadline:
                     raise Overloaded(f"stage {stage} is a whole global step ahead of its step {self.counter.stages[stage].step}", retry_after_s=1.0)

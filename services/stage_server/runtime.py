@@ -410,6 +410,13 @@ class StageRuntime:
         self.version += 1
         self._cache.clear()
 
+    def catch_up(self, step: int) -> None:
+        """Take global step ``step`` with the weights as they are: the replicas that held the
+        updates in between are gone (the coordinator says so). What was accumulated is dropped."""
+        if step > self.step:
+            self.reset_accumulation()
+            self.stats.optimizer_steps = step
+
     def reset_accumulation(self) -> None:
         """Drop the accumulated gradients too (a state replaced the stage's training); they are counted as dropped."""
         for step in list(self._buckets):

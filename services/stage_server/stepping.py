@@ -92,6 +92,9 @@ class StepClient:
             self.coordinator_away = False
             if type(answer.get("replicas")) is int and answer["replicas"] > 0:
                 self.replicas = answer["replicas"]
+            if answer.get("catch_up") and isinstance(answer.get("step"), int):
+                self._catch_up(answer["step"])
+                continue
             if not answer.get("resync"):
                 break
             if isinstance(answer.get("step"), int) and self.runtime.step < answer["step"]:
@@ -183,6 +186,13 @@ class StepClient:
         self.failures += 1
         if self.failures == 1 or self.failures % 100 == 0:
             self.log.warning("step.report.failed", error=str(exc), failures=self.failures)
+
+    def _catch_up(self, stage_step: int) -> None:
+        """No live replica holds the stage's step: take its number with these weights."""
+        lost = stage_step - self.runtime.step
+        if lost > 0:
+            self.log.warning("step.caught_up", step=self.runtime.step, stage_step=stage_step, steps_lost=lost, dropping=self.runtime.pending_samples)
+            self.runtime.catch_up(stage_step)
 
     async def _resync_now(self, stage_step: int) -> None:
         """Take a live replica's state (one resync at a time; not while a round runs here,

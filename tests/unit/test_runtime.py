@@ -231,3 +231,17 @@ def test_cosine_schedule_warms_up_then_decays_to_its_floor():
     assert cfg.lr_at(2) == pytest.approx(1.0) and cfg.lr_at(7) == pytest.approx(0.55)
     assert cfg.lr_at(12) == pytest.approx(0.1) and cfg.lr_at(50) == pytest.approx(0.1)
     assert OptimizerConfig(lr=1.0, warmup_steps=2).lr_at(50) == 1.0
+
+
+def test_catching_up_takes_the_step_number_keeps_the_weights_and_drops_what_was_accumulated():
+    rt = runtime(solo=False)
+    x = hidden()
+    rt.forward("a", 0, x, None)
+    rt.backward("a", 0, x, None, torch.randn_like(x), bucket=0)
+    before, version = weights(rt), rt.version
+    assert rt.pending_samples == 2
+    rt.catch_up(5)
+    assert rt.step == 5 and rt.pending_samples == 0 and rt.version == version + 1
+    assert all(torch.equal(v, rt.model.state_dict()[k]) for k, v in before.items())
+    rt.catch_up(3)  # never backwards
+    assert rt.step == 5

@@ -171,3 +171,29 @@ async def test_a_reservation_given_back_wakes_the_held_ones_and_its_report_does_
     assert report["step"] == 0
     woken = await asyncio.wait_for(held, 5.0)  # far below the scheduler's 30 s
     assert (woken["bucket"], woken["closes"]) == (0, True)
+
+
+def test_a_replica_behind_a_step_nobody_holds_any_more_catches_up_and_the_count_stays():
+    """Measured in the arena's churn: the only replicas of a stage at its step were killed, one
+    came back from an older checkpoint and asked forever for a state that was gone (training
+    stalled). Now it takes the stage's step number with its own weights (the updates in
+    between are lost, and said so), and every stage keeps counting the run's steps."""
+    c = StepCounter(2, timeout_s=10.0, lease_s=3.0, clock=(clock := Clock()))
+    for k in range(2):  # A trains the stage to step 2
+        c.done(0, A, k, c.reserve(0, A, k, 8, G).bucket, 8, 8, G)
+        c.round_started(0, f"r{k}")
+        c.round_ended(0, {A: k + 1}, {A: 8})
+    assert c.stages[0].step == 2
+    assert c.reserve(0, B, 1, 4, G, live=[A, B]).resync  # B rejoined from a checkpoint of step 1: A is alive, B takes its state
+    assert c.reserve(0, B, 1, 4, G, live=[B]).resync  # A left the registry, but reported within the lease: maybe only slow
+    clock.now += 3.5
+    r = c.reserve(0, B, 1, 4, G, live=[B])  # A is gone: nobody holds step 2 any more
+    assert r.catch_up and r.bucket is None and not r.resync and r.as_json(2)["catch_up"]
+    assert c.stages[0].step == 2 and c.stages[0].steps_lost == [(1, 2)] and c.view()[0]["steps_lost"] == [(1, 2)]
+    r = c.reserve(0, B, 2, 8, G, live=[B])  # B took step 2's number: it fills step 2 and the stage steps on
+    assert r.bucket == 2 and r.closes
+    c.done(0, B, 2, 2, 8, 8, G)
+    assert c.ready(0, [B])
+    assert c.reserve(1, A, 0, 4, G, live=[]).bucket == 0  # another stage is not touched
+    c.reserve(1, A, 1, 4, G, live=[A])  # A said it is at step 1 of stage 1 (the stage moves with it)
+    assert c.reserve(1, A, 0, 4, G, live=[A]).resync  # a report of A's sent before that step: A holds the step, no catch-up

@@ -86,7 +86,10 @@ async def register(request: web.Request) -> web.Response:
     _check_run(request, msg)
     registry = request.app[REGISTRY]
     fields = ("server_id", "stage", "url", "version", "throughput", "queue_length")
-    server = registry.register(*(msg.get(f) for f in fields), report=check_report(msg))
+    report = check_report(msg)
+    server = registry.register(*(msg.get(f) for f in fields), report=report)
+    if STEPS in request.app:  # a new incarnation at this URL: what its predecessor said of its step is void
+        request.app[STEPS].counter.registered(server.stage, server.url, report.step if report else None)
     request.app[LOG].info(
         "registry.registered", server_id=server.server_id, stage=server.stage, url=server.url, version=server.version, throughput=server.throughput
     )

@@ -182,9 +182,13 @@ class StepCounter:
         st, reported = self.stages[stage], reported or {}
         return [url for url in live if max(st.replica_steps.get(url, -1), reported.get(url, -1)) >= st.step]
 
-    def forget(self, url: str) -> None:
+    def registered(self, stage: int, url: str, step: int | None) -> None:
+        """A server (re)registered at ``url``: a new process, maybe restarted from an older
+        checkpoint, so the step the URL reported before is no longer its step."""
         for st in self.stages:
             st.replica_steps.pop(url, None)
+        if step is not None and 0 <= stage < len(self.stages):
+            self.stages[stage].replica_steps[url] = step
 
     def round_started(self, stage: int, round_id: str) -> None:
         self.stages[stage].round_id = round_id

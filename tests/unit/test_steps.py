@@ -197,3 +197,5 @@ def test_a_replica_behind_a_step_nobody_holds_any_more_catches_up_and_the_count_
     assert c.reserve(1, A, 0, 4, G, live=[]).bucket == 0  # another stage is not touched
     c.reserve(1, A, 1, 4, G, live=[A])  # A said it is at step 1 of stage 1 (the stage moves with it)
     assert c.reserve(1, A, 0, 4, G, live=[A]).resync  # a report of A's sent before that step: A holds the step, no catch-up
+    c.registered(1, A, 0)  # A restarted (same URL) from a checkpoint of step 0: its old step is void
+    assert c.reserve(1, A, 0, 4, G, live=[A]).catch_up  # measured in the arena: both replicas of a stage back at step 2 of 15

@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 up: $(STAMP)
-	$(BIN)/swarm up --stages 4 --steps 200
+	$(BIN)/swarm up --stages 4 --steps 200 --generate "ROMEO:"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

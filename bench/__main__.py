@@ -32,6 +32,7 @@ BENCHES = {
     "churn": "tokens/s with a replica killed and restarted every 20 s, against no faults",
     "rebalancing": "throughput before and after rebalancing 1:2:4 replicas, against the exhaustive optimum",
     "convergence": "loss after the same samples: fp32/fp16/int8 wires, 1 vs 2 replicas, global vs local (DiLoCo) sync",
+    "generation": "time per new token through the swarm at 32 and 512 tokens of context: sessions with KV caches vs the whole prefix",
     "arena": "time to a target loss on shaped links, uneven peers and churn: mesh int8/fp32 vs torch pipelining (root)",
 }
 ALIASES = {"square-cube": "square_cube"}

@@ -6,6 +6,7 @@
     swarm status       the live swarm as a table         (python -m services.status)
     swarm up ...       a whole swarm on this machine     (python -m services.local_swarm)
     swarm export ...   the model from a checkpoint       (python -m services.export)
+    swarm generate ... text through the live swarm       (python -m services.generate)
     swarm tokenizer train ...  a BPE tokenizer on a corpus (python -m services.tokenizer_train)
 
 Each sub-command takes ``--help``; every setting is also an environment variable SWARM_*.
@@ -23,6 +24,7 @@ COMMANDS = {
     "status": ("services.status", "show the live swarm: stages, replicas, throughput, lease age"),
     "up": ("services.local_swarm", "run a coordinator, stage servers and trainers on loopback and train"),
     "export": ("services.export", "write the whole model from a checkpoint: one safetensors file, or a Hugging Face directory (--format hf)"),
+    "generate": ("services.generate", "generate text through the live swarm: inference sessions on the stage servers, streamed to the terminal"),
     "tokenizer": ("services.tokenizer_train", "train a byte-level BPE tokenizer on a corpus (swarm tokenizer train)"),
     "plot": ("services.plot", "draw loss and tokens/s against step from a run's metrics as a PNG"),
     "simulate": ("services.simulator.__main__", "simulate a swarm across regions with preemption (SWARM vs fixed pipelines)"),

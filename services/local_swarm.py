@@ -16,6 +16,7 @@ the trainers' logs on this terminal and a plain progress line every 10 steps. At
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -131,6 +132,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--average-every-s", type=float, default=5.0, help="seconds between averaging rounds of a stage's replicas (default 5)")
     p.add_argument("--rebalance-every-s", type=float, default=10.0, help="seconds between rebalancing checks; 0: never (default 10)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    p.add_argument("--generate", default="", metavar="PROMPT", help="after training, continue PROMPT through the live swarm (greedy, --generate-tokens tokens) and print the text")
+    p.add_argument("--generate-tokens", type=int, default=64, help="tokens --generate generates (default 64)")
+    p.add_argument("--serve", action="store_true", help="after training, keep the coordinator and the stage servers up until Ctrl-C: swarm generate, the dashboard's prompt box and /v1/completions use the trained model")
     p.add_argument("--progress", default=os.environ.get("SWARM_PROGRESS", "auto"), help="'bar' (live, even into a pipe), 'off', or 'auto': a bar on a terminal, else a plain line every 10 steps (default: SWARM_PROGRESS, else auto)")
     args = p.parse_args(argv)
     if args.local_steps < 1:
@@ -192,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
             report_trainers(trainers, run_dir)
         save_checkpoint(coordinator)
         write_plot(run_dir)
+        if args.generate and status == 0:
+            status = generate_text(coordinator, args)
+        if args.serve:
+            serve(coordinator, procs)
         return status
     except KeyboardInterrupt:
         print("\nswarm up: interrupted, stopping every process", file=sys.stderr, flush=True)
@@ -222,9 +230,26 @@ def check_model_and_data(args: argparse.Namespace) -> None:
     make_batcher(settings, cfg)
 
 
+def generate_text(coordinator: str, args: argparse.Namespace) -> int:
+    """``swarm generate`` through the swarm just trained: the prompt, then its continuation."""
+    from services.generate import parse_args as generate_args, run as generate
+
+    print(f"swarm up: generating {args.generate_tokens} tokens through the swarm (greedy):", flush=True)
+    argv = ["--coordinator", coordinator, "--max-tokens", str(args.generate_tokens), *(["--tokenizer", args.tokenizer] if args.tokenizer else []), args.generate]
+    sys.stdout.write(args.generate)
+    return asyncio.run(generate(generate_args(argv)))
+
+
+def serve(coordinator: str, procs: LocalProcesses) -> None:
+    """Keep the swarm up until Ctrl-C (or until the coordinator exits)."""
+    print(f"swarm up: serving the trained model until Ctrl-C: swarm generate --coordinator {coordinator} \"ROMEO:\"; "
+          f"the prompt box of {coordinator}/ ; POST {coordinator}/v1/completions", flush=True)  # fmt: skip
+    procs.procs["coordinator"].wait()
+
+
 def start_coordinator(procs: LocalProcesses, args: argparse.Namespace, run_dir: Path, common: dict) -> str:
     port = free_port(args.host)
-    env = {**common, "SWARM_HOST": args.host, "SWARM_PORT": str(port), "SWARM_STATE_DB": str(run_dir / "coordinator.sqlite"), "SWARM_CHECKPOINT_EVERY_S": str(args.checkpoint_every_s),
+    env = {**common, "SWARM_TOKENIZER": str(Path(args.tokenizer).resolve()) if args.tokenizer else "", "SWARM_HOST": args.host, "SWARM_PORT": str(port), "SWARM_STATE_DB": str(run_dir / "coordinator.sqlite"), "SWARM_CHECKPOINT_EVERY_S": str(args.checkpoint_every_s),
            "SWARM_AVERAGE_EVERY_S": str(args.average_every_s), "SWARM_REBALANCE_EVERY_S": str(args.rebalance_every_s)}
     proc = procs.start("coordinator", ["services.coordinator"], env)
     url = f"{_scheme()}://{args.host}:{port}"

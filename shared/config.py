@@ -138,6 +138,9 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     max_queue: int = Field(64, ge=1, description="requests queued for compute before 503")
     backward_cache: int = Field(16, ge=0, description="forward graphs kept to skip the backward recompute")
     chain_held_mb: float = Field(1024.0, gt=0, description="chain routing: megabytes that chains in progress may hold here (each its input and output until its backward); past it a new chain gets 503 overloaded")
+    session_memory_mb: float = Field(512.0, gt=0, description="inference sessions: megabytes of attention (KV) cache that all sessions on this server may hold; past it a new session gets 503 overloaded")
+    session_max_mb: float = Field(128.0, gt=0, description="inference sessions: megabytes of KV cache one session may hold (its batch x max_length); a larger one is refused with 400")
+    session_ttl_s: float = Field(300.0, gt=0, description="inference sessions: a session idle this long is closed and its cache freed")
     inject_delay_s: float = Field(0.0, ge=0, description="fault injection: extra seconds per request and forward pass of work (a backward counts 2, the last stage's 3)")
     inject_garbage: float = Field(0.0, ge=0, le=1, description="fault injection: probability that a /forward or /backward reply body is replaced by random bytes (tests of a replica that returns garbage)")
     inject_byzantine: Literal["", "sign_flip", "scale", "random"] = Field("", description="fault injection: send these values into averaging rounds instead of the parameters (tests of robust averaging)")
@@ -182,6 +185,8 @@ class CoordinatorSettings(DiscoverySettings):
     checkpoint_dir: str = Field("", description="directory for checkpoints; empty: no checkpoints")
     checkpoint_every_s: float = Field(60.0, gt=0, description="seconds between checkpoints")
     keep_checkpoints: int = Field(3, ge=1, description="checkpoints kept on disk")
+    tokenizer: str = Field("", description="a Hugging Face tokenizer.json or a directory holding one, for the completions endpoint (/v1/completions); empty: the servers' model directory's if it exists here, else bytes when the model's vocabulary is 256 (the byte presets)")
+    max_generations: int = Field(4, ge=1, le=1024, description="generations the completions endpoint runs at once; past it a request gets 429")
 
 
 class TrainerSettings(ModelSettings, DiscoverySettings):

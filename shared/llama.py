@@ -32,6 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from shared.kv_cache import KVCache, LayerCache, causal_attention
+
 if TYPE_CHECKING:
     from shared.model import StageSpec
 
@@ -118,15 +120,17 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv is not None:
+            k, v = kv.extend(k, v)  # every position so far
         groups = self.n_head // self.n_kv_head  # query heads per key/value head
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, nh, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, nh, S, hd)
+        y = causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
@@ -153,8 +157,8 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -164,6 +168,7 @@ class LlamaStage(nn.Module):
     Output: hidden (B, T, C); on the last stage the mean cross-entropy loss when targets
     are given, else logits (B, T, vocab). ``checkpoint_blocks``: recompute each block's
     activations in the backward instead of keeping them (less memory, ~1/3 more compute).
+    ``cache``: the positions of ``x`` follow those already in the cache (``shared.kv_cache``).
     """
 
     def __init__(self, cfg: LlamaConfig, spec: StageSpec):
@@ -179,17 +184,22 @@ class LlamaStage(nn.Module):
             if spec.is_first and cfg.tie_embeddings:
                 self.lm_head.weight = self.wte.weight
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
         if self.spec.is_first:
             x = self.wte(x)  # (B, T, C)
-        T = x.shape[1]
-        assert T <= self.cfg.block_size, f"sequence length {T} exceeds block_size {self.cfg.block_size}"
-        cos, sin = rotary_tables(self.cfg, T, x.device)
-        for block in self.blocks.values():
-            if self.checkpoint_blocks and torch.is_grad_enabled():
+        start, T = (cache.length if cache is not None else 0), x.shape[1]
+        assert start + T <= self.cfg.block_size, f"sequence length {start + T} exceeds block_size {self.cfg.block_size}"
+        cos, sin = rotary_tables(self.cfg, start + T, x.device)
+        cos, sin = cos[start:], sin[start:]  # the new positions' angles
+        for name, block in self.blocks.items():
+            if cache is not None:
+                x = block(x, cos, sin, cache.layer(name))
+            elif self.checkpoint_blocks and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
+        if cache is not None:
+            cache.advance(T)
         if not self.spec.is_last:
             return x
         logits = self.lm_head(self.norm(x))  # (B, T, vocab)

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from shared.kv_cache import KVCache, LayerCache, causal_attention
 from shared.llama import Llama, LlamaConfig, LlamaStage, count_llama_parameters, init_llama_parameters
 
 
@@ -104,12 +105,14 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        if kv is not None:
+            k, v = kv.extend(k, v)  # every position so far
+        y = causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.c_proj(y))
 
@@ -136,8 +139,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, kv: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -182,7 +185,8 @@ class StageModel(nn.Module):
     Output: hidden (B, T, C); on the last stage the mean cross-entropy loss when targets
     are given, else logits (B, T, vocab). ``checkpoint_blocks``: recompute each block's
     activations in the backward instead of keeping them. A tied LM head is the embedding
-    only when one stage holds both (see ``shared.llama``).
+    only when one stage holds both (see ``shared.llama``). ``cache``: the positions of
+    ``x`` follow those already in the cache (incremental decoding, ``shared.kv_cache``).
     """
 
     def __init__(self, cfg: GPTConfig, spec: StageSpec):
@@ -200,14 +204,22 @@ class StageModel(nn.Module):
             if spec.is_first and cfg.tie_embeddings:
                 self.lm_head.weight = self.wte.weight
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        start = cache.length if cache is not None else 0
         if self.spec.is_first:
             T = x.shape[1]
-            assert T <= self.cfg.block_size, f"sequence length {T} exceeds block_size {self.cfg.block_size}"
-            pos = torch.arange(T, device=x.device)
+            assert start + T <= self.cfg.block_size, f"sequence length {start + T} exceeds block_size {self.cfg.block_size}"
+            pos = torch.arange(start, start + T, device=x.device)
             x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C)
-        for block in self.blocks.values():
-            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks and torch.is_grad_enabled() else block(x)
+        for name, block in self.blocks.items():
+            if cache is not None:
+                x = block(x, cache.layer(name))
+            elif self.checkpoint_blocks and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        if cache is not None:
+            cache.advance(x.shape[1])
         if not self.spec.is_last:
             return x
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)

@@ -19,6 +19,7 @@ from shared.metrics import Metrics, add_metrics_route, metrics_middleware
 from services.coordinator.assignment import Rebalancer
 from services.coordinator.averaging import AveragingScheduler
 from services.coordinator.checkpointer import Checkpointer
+from services.coordinator.completions import add_completion_routes, openai_middleware, outside_api
 from services.coordinator.dashboard import EventRecorder, RecentEvents
 from services.coordinator.dashboard_routes import EVENTS, PROGRESS, add_dashboard_routes, DASHBOARD_PATHS
 from services.coordinator.metrics import CoordinatorMetrics
@@ -68,13 +69,16 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     """The coordinator app; a ``registry`` passed in stays the caller's to close."""
     log = EventRecorder(get_logger(service="coordinator", run=settings.run_id), RecentEvents())  # its events feed the dashboard
     metrics = Metrics("coordinator", run_id=settings.run_id, version=package_version())
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[metrics_middleware(metrics), request_log_middleware(log), error_middleware(log), *auth_middlewares(settings, log, open_paths=OPEN_PATHS | DASHBOARD_PATHS)])
+    # /v1/ (the OpenAI-compatible API) answers in OpenAI's error shape and takes a bearer token instead of the swarm's signature
+    signed = outside_api(auth_middlewares(settings, log, open_paths=OPEN_PATHS | DASHBOARD_PATHS))
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[metrics_middleware(metrics), request_log_middleware(log), error_middleware(log), openai_middleware(settings, log), *signed])
     app[SETTINGS] = settings
     app[REGISTRY] = registry if registry is not None else build_registry(settings)
     app[LOG] = log
     app[TRAFFIC] = {}
     add_routes(app)
     add_dashboard_routes(app, log.events)
+    add_completion_routes(app)
     add_metrics_route(app, metrics)
     CoordinatorMetrics(metrics, app[REGISTRY], app[EVENTS], app[PROGRESS], app[TRAFFIC])
 

@@ -1,7 +1,8 @@
 """The coordinator's dashboard over HTTP (the data is ``dashboard.py``)::
 
     GET  /                 the live dashboard: one self-contained HTML page (no CDN) that
-                           polls /dashboard.json and redraws
+                           polls /dashboard.json and redraws; its prompt box streams text
+                           from POST /v1/completions (completions.py)
     GET  /dashboard.json   (both open without a signature, like /health and /metrics)
                            {run_id, now, num_stages, heartbeat_s, lease_s, weakest_stage,
                             stages: [{stage, capacity, queue_length, replicas: [{server_id,

@@ -20,6 +20,8 @@ unknown fields are ignored, so old and new servers interoperate::
                      accumulated; the step round starts once a step is complete (app.py, steps.py)
     GET  /health     -> {status: "ok", servers}
     GET  /metrics, GET /, GET /dashboard.json, POST /progress: metrics.py, dashboard_routes.py
+    GET  /v1/models, POST /v1/completions, POST /v1/chat/completions: the OpenAI-compatible
+                     API, generation through the swarm (completions.py)
     POST /average    -> {rounds: [{stage, round_id, members, accepted, ended}]}  (app.py)
                      an averaging pass of every stage with 2+ replicas, answered when it ended
 

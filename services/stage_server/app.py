@@ -21,6 +21,7 @@ from services.stage_server.membership import Membership
 from services.stage_server.memory import check_stage_memory
 from services.stage_server.metrics import STAGE_METRICS, StageMetrics
 from services.stage_server.chain import add_chain_routes
+from services.stage_server.sessions import add_session_routes
 from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, STEPPER, WORKER, MoveOrder, add_routes
 from services.stage_server.runtime import OptimizerConfig, StageRuntime
 from services.stage_server.state import load_stage_state
@@ -74,6 +75,7 @@ def create_app(settings: StageServerSettings, runtime: StageRuntime | None = Non
     app[MOVE] = MoveOrder()
     add_routes(app)
     add_chain_routes(app, settings)
+    add_session_routes(app, settings)
     add_averaging_routes(app)
     add_state_routes(app)
     add_metrics_route(app, metrics)

@@ -65,6 +65,7 @@ STEPPER = web.AppKey("stepper", StepClient)  # absent without a coordinator (the
 RUNTIME = web.AppKey("runtime", StageRuntime)
 WORKER = web.AppKey("worker", ComputeWorker)
 MOVE = web.AppKey("move", MoveOrder)
+SESSIONS = web.AppKey("sessions")  # services.stage_server.sessions.SessionStore
 
 MAX_ID_LEN = 128
 OFF_LOOP_BYTES = 256 * 1024
@@ -244,6 +245,7 @@ async def health(request: web.Request) -> web.Response:
             "weights_version": runtime.version,
             "step": runtime.step,
             "stats": asdict(runtime.stats),
+            "sessions": request.app[SESSIONS].summary() if SESSIONS in request.app else None,
         },
         status=503 if worker.draining else 200,
     )

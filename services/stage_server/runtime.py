@@ -443,10 +443,13 @@ class StageRuntime:
             grad_outputs = grad_outputs.to(self.param_dtype)
         return inputs, targets, grad_outputs
 
+    def precision(self):
+        """The context the stage computes in: bf16 autocast (``precision="bf16"`` on CUDA), or none."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+
     def _run(self, seed: int, inputs: torch.Tensor, targets: torch.Tensor | None, *, grad: bool):
         leaf = inputs if self.spec.is_first else inputs.detach().requires_grad_(grad)
-        precision = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
-        with torch.set_grad_enabled(grad), self._seeded(seed), precision:
+        with torch.set_grad_enabled(grad), self._seeded(seed), self.precision():
             output = self.model(leaf, targets if self.spec.is_last else None)
         return leaf, output
 

@@ -15,7 +15,7 @@ from tests.e2e.conftest import SWARM, live_processes_where
 
 pytestmark = pytest.mark.e2e
 
-BENCHES = ("codec", "hop", "square_cube", "pipelining", "churn", "rebalancing", "convergence", "arena")
+BENCHES = ("codec", "hop", "square_cube", "pipelining", "churn", "rebalancing", "convergence", "generation", "arena")
 
 
 def processes_of_invocation(pid: int) -> list[int]:
@@ -119,6 +119,16 @@ def test_convergence(results):
     assert all(r["samples"] >= table[0]["samples"] for r in table)  # two trainers may compute a few microbatches past the last step
     for r in table:
         assert positive(r["loss after"]) and r["loss after"] < r["loss before"]
+
+
+def test_generation(results):
+    table = rows(results, "generation")
+    assert {(r["context"], r["way"]) for r in table} == {(c, w) for c in (8, 64) for w in ("session (KV cache)", "no cache (whole prefix)")}
+    for r in table:
+        assert positive(r["ms/token"]) and positive(r["tokens/s"]) and r["steps"] == 3
+    at_64 = {r["way"]: r for r in table if r["context"] == 64}
+    assert at_64["no cache (whole prefix)"]["x session"] > 1  # 64 positions recomputed per token cost more than one
+    assert isinstance(at_64["no cache (whole prefix)"]["same tokens"], bool)
 
 
 def test_arena(results):

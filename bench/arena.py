@@ -37,6 +37,7 @@ import argparse
 import json
 import random
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -622,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown scenario {unknown[0]!r}; choose from {', '.join(names)}")
     torch.set_num_threads(1)
     configure_logging("console", "error")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SIGTERM and Ctrl-C take the arena down (finally blocks), as in `swarm bench`
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also where SIGINT was ignored (a background job)
     quick = bool(args.scenarios) and all(n in [s.name for s in QUICK.scenarios] for n in args.scenarios)
     ctx = BenchContext(quick=quick, log_dir=Path(args.out) / "logs")
     ctx.cache["arena_scenarios"] = tuple(s for s in (QUICK if quick else FULL).scenarios if not args.scenarios or s.name in args.scenarios)

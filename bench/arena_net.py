@@ -89,11 +89,13 @@ def namespaces(prefix: str = PREFIX) -> list[str]:
 
 def cleanup_stale(prefix: str = PREFIX) -> list[str]:
     """Remove the namespaces and cgroups of arenas whose process is gone (a run killed with
-    SIGKILL); returns the namespaces removed."""
+    SIGKILL), and SIGKILL the processes still running in them (peers, the delay switch);
+    returns the namespaces removed."""
     removed = []
     for ns in namespaces(prefix):
         owner = ns[len(prefix):].split("-", 1)[0]
         if owner.isdigit() and not _alive(int(owner)):
+            _kill_all(_run("ip", "netns", "pids", ns, check=False).stdout.split())
             _run("ip", "netns", "del", ns, check=False)
             removed.append(ns)
     for root in (CGROUP_V1, CGROUP_V2):
@@ -101,8 +103,17 @@ def cleanup_stale(prefix: str = PREFIX) -> list[str]:
             owner = path.name[len(prefix):].split("-", 1)[0]
             if owner.isdigit() and not _alive(int(owner)):
                 with contextlib.suppress(OSError):
+                    _kill_all((path / "cgroup.procs").read_text().split())
+                with contextlib.suppress(OSError):
                     path.rmdir()
     return removed
+
+
+def _kill_all(pids: list[str]) -> None:
+    for pid in pids:
+        if pid.isdigit():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(pid), signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:

@@ -27,6 +27,12 @@ up: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# One layer of the suite at a time: pure logic (seconds), in-process services (a minute),
+# real processes on loopback, the chaos suite, and the benches' smoke runs and arena.
+.PHONY: test-unit test-service test-e2e test-chaos test-bench
+test-unit test-service test-e2e test-chaos test-bench: test-%: $(STAMP)
+	$(BIN)/python -m pytest tests/$* $(PYTEST_ARGS)
+
 # Every bench side by side with its alternative, tables on stdout, JSON in bench/results/
 # (10-15 minutes on a 2-core machine; see docs/benchmarks.md).
 .PHONY: bench

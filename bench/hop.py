@@ -104,7 +104,6 @@ def run(ctx) -> BenchResult:
         f"a hop = POST /forward + POST /backward of one stage holding one block ({DIMS['d_model']} wide) in its own process; activation (B, T, {DIMS['d_model']}) of KiB fp32 bytes",
         "medians over the hops; compute ms: the server's own forward+backward compute in that hop (its /health stats); other = hop - compute: server codec, msgpack, HTTP on loopback, event loops, client",
         f"hops/s: one after another; hops/s x{CONCURRENT}: {CONCURRENT} hops in flight at once (the server computes one at a time, decoding and encoding the others meanwhile)",
-        "hivemind RemoteExpert anchor (TARGETS.md, 1 MiB activation on this kind of machine): 99 ms forward+backward",
     ]
     summary = {"int8_hop_ms_1MiB": at_1mib["hop ms"], "int8_other_ms_1MiB": at_1mib["other ms"], "hivemind": hivemind}
     return BenchResult("hop", "one forward+backward hop over loopback vs the stage's compute", COLUMNS, rows, params={"dims": DIMS, "min_time_s": min_s, "server_threads": 1}, notes=notes, summary=summary)

@@ -1,7 +1,7 @@
 """Zero-configuration discovery on a LAN with mDNS (zeroconf's asyncio API).
 
-The coordinator announces ``_swarm-coord._tcp`` (DESIGN.md says ``_swarm-coordinator``,
-but RFC 6763 limits service names to 15 bytes) and stage servers announce
+The coordinator announces ``_swarm-coord._tcp`` (not ``_swarm-coordinator``:
+RFC 6763 limits service names to 15 bytes) and stage servers announce
 ``_swarm-stage._tcp``, each with TXT properties (``run_id``, ``stage``, ``version``, and
 always ``url``). A service started without a coordinator URL finds one with
 :func:`find_coordinator`; a trainer may :func:`browse` stage servers while the

@@ -3,7 +3,7 @@
 Pure logic, no I/O. A swarm runs at the speed of its weakest stage, whose capacity is
 the sum of its replicas' throughputs. ``replicas`` maps ``server_id -> (stage,
 throughput)``; a replica's throughput is taken to be the same on every stage (the
-partition balances the stages' work). See DESIGN.md, "Rebalancing".
+partition balances the stages' work). See docs/architecture.md, "Rebalancing".
 """
 
 from __future__ import annotations

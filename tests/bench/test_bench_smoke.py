@@ -96,7 +96,7 @@ def test_churn(results):
     calm, faulty = rows(results, "churn")
     assert positive(calm["tokens/s"]) and positive(faulty["tokens/s"]) and positive(faulty["vs no faults"])
     assert faulty["kills"] >= 1
-    assert calm["lost microbatches"] == 0 and isinstance(faulty["lost microbatches"], int) and faulty["lost microbatches"] >= 0
+    assert calm["lost microbatches"] == faulty["lost microbatches"] == 0  # a killed replica's microbatches are re-run, never lost
     assert results["churn"]["summary"]["lost_microbatches"] == faulty["lost microbatches"]
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 
 import aiohttp
 import pytest
@@ -25,6 +27,16 @@ def stage_settings(stage: int, num_stages: int = 4, **overrides) -> StageServerS
     """Settings built from keywords only, so the caller's SWARM_* environment does not leak in."""
     base = dict(model="tiny", num_stages=num_stages, stage=stage, wire_codec="fp32", global_batch=10**6, seed=0, run_id="test", mdns=False, coordinator="")
     return StageServerSettings(**{**base, **overrides})
+
+
+async def until(condition, timeout_s: float, what: str, poll_s: float = 0.02):
+    """Poll ``condition()`` on the event loop until truthy (returned); fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        await asyncio.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from pathlib import Path
 from aiohttp import web
 
 from services.coordinator.dashboard import RecentEvents, TrainingProgress, dashboard_view
-from services.coordinator.routes import REGISTRY, SETTINGS, _check_run, read_json, swarm_view
+from services.coordinator.routes import SETTINGS, _check_run, read_json, swarm_view
 
 EVENTS = web.AppKey("events", RecentEvents)
 PROGRESS = web.AppKey("progress", TrainingProgress)

@@ -6,7 +6,6 @@ root, ``ip`` and ``tc``; skipped without them, except in CI (``CI`` set), where 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest

@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import shutil
-import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -33,7 +32,7 @@ from shared.http import swarm_session
 from shared.inference import LocalSession, SamplingParams, TextStream, generate
 from shared.model import build_model, config_from_preset
 from shared.tokenizer import ByteTokenizer, train_bpe
-from tests.conftest import stage_settings
+from tests.conftest import stage_settings, until
 
 RUN_ID = "test"
 SECRET = "a-test-secret-of-32-characters!!"
@@ -104,12 +103,7 @@ async def greedy(prompt: str, max_tokens: int, stop: tuple[str, ...] = (), *, pr
 
 
 async def wait_for(condition, what: str, timeout_s: float = WAIT_S):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    return await until(condition, timeout_s, what)
 
 
 def client_of(swarm: Swarm, api_key: str = "unused") -> openai.AsyncOpenAI:

@@ -5,8 +5,6 @@ with ``--stage auto`` measures before it asks for a stage."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 
 import torch
 from aiohttp.test_utils import TestServer
@@ -19,7 +17,7 @@ from services.stage_server.app import create_app
 from services.stage_server.latency import probe_swarm, spread_over_stages
 from services.stage_server.metrics import STAGE_METRICS
 from services.stage_server.routes import RUNTIME
-from tests.conftest import stage_settings
+from tests.conftest import stage_settings, until
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 B, T, D_MODEL = 4, 8, 128
@@ -29,16 +27,6 @@ async def start(app) -> tuple[TestServer, str]:
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     return server, str(server.make_url("")).rstrip("/")
-
-
-async def until(condition, timeout_s: float, what: str):
-    """Poll ``condition()`` on the event loop until truthy; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 async def test_heartbeats_carry_region_parameters_and_measured_activation_size(http_session):

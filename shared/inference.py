@@ -86,8 +86,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
         ordered, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(ordered, dim=-1).cumsum(-1)
-        drop = cumulative - torch.softmax(ordered, dim=-1) >= params.top_p  # tokens after the nucleus is full
+        probs = torch.softmax(ordered, dim=-1)
+        drop = probs.cumsum(-1) - probs >= params.top_p  # tokens after the nucleus is full
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
 
@@ -102,12 +102,12 @@ async def generate(step: Step, prompt: Sequence[int], params: SamplingParams, *,
         raise ValueError("the prompt is empty: give at least one token")
     gen = params.generator()
     logits = await step(list(prompt))
-    for _ in range(params.max_tokens):
+    for n in range(1, params.max_tokens + 1):
         token = sample(logits, params, gen)
         if eos_id is not None and token == eos_id:
             return
         yield token
-        if _ + 1 < params.max_tokens:
+        if n < params.max_tokens:
             logits = await step([token])
 
 

@@ -90,10 +90,8 @@ async def _parse(request: web.Request, *, backward: bool) -> StageRequest:
     return await parse_message(request, msg, names=["inputs", "targets"] + (["grad_outputs"] if backward else []))
 
 
-async def parse_message(request: web.Request, msg: dict, *, names: list[str]) -> StageRequest:
-    """Check a /forward, /backward or /chain message against this server and decode its
-    tensors ``names`` (``inputs`` first); raises :class:`BadPayload` or :class:`WrongStage`."""
-    settings = request.app[SETTINGS]
+def check_stage_and_run(settings: StageServerSettings, msg: dict) -> None:
+    """:class:`BadPayload` or :class:`WrongStage` unless ``msg`` is for this server's stage and run."""
     stage = msg.get("stage")
     if type(stage) is not int:
         raise BadPayload("'stage' must be an int")
@@ -102,6 +100,13 @@ async def parse_message(request: web.Request, msg: dict, *, names: list[str]) ->
     run_id = msg.get("run_id", settings.run_id)
     if run_id != settings.run_id:
         raise WrongStage(f"this server belongs to run {settings.run_id!r}, not {run_id!r}")
+
+
+async def parse_message(request: web.Request, msg: dict, *, names: list[str]) -> StageRequest:
+    """Check a /forward, /backward or /chain message against this server and decode its
+    tensors ``names`` (``inputs`` first); raises :class:`BadPayload` or :class:`WrongStage`."""
+    settings = request.app[SETTINGS]
+    check_stage_and_run(settings, msg)
     mb_id, seed = msg.get("microbatch_id"), msg.get("seed", 0)
     if not isinstance(mb_id, str) or not 0 < len(mb_id) <= MAX_ID_LEN:
         raise BadPayload(f"'microbatch_id' must be a string of 1..{MAX_ID_LEN} characters")

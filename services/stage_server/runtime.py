@@ -185,15 +185,7 @@ class StageRuntime:
     def validate(self, inputs: torch.Tensor, targets: torch.Tensor | None, grad_outputs: torch.Tensor | None, *, backward: bool) -> None:
         """Raise :class:`BadPayload` unless the tensors fit this stage exactly."""
         cfg = self.cfg
-        if self.spec.is_first:
-            _check(not inputs.is_floating_point() and inputs.dtype != torch.bool, f"stage 0 takes integer token ids, got {inputs.dtype}")
-            _check(inputs.dim() == 2, f"token ids must be (batch, seq), got shape {list(inputs.shape)}")
-            if inputs.numel():
-                _check(int(inputs.min()) >= 0 and int(inputs.max()) < cfg.vocab_size, f"token ids must lie in [0, {cfg.vocab_size})")
-        else:
-            _check(inputs.is_floating_point(), f"stage {self.spec.index} takes float hidden states, got {inputs.dtype}")
-            _check(inputs.dim() == 3 and inputs.shape[2] == cfg.d_model, f"hidden states must be (batch, seq, {cfg.d_model}), got {list(inputs.shape)}")
-            _check(bool(torch.isfinite(inputs).all()), "hidden states contain non-finite values")
+        self.validate_inputs(inputs)
         B, T = inputs.shape[0], inputs.shape[1]
         _check(B >= 1 and 1 <= T <= cfg.block_size, f"need batch >= 1 and 1 <= seq <= {cfg.block_size}, got ({B}, {T})")
         if self.spec.is_last:
@@ -207,6 +199,19 @@ class StageRuntime:
             _check(grad_outputs.is_floating_point(), "grad_outputs must be floats")
             _check(tuple(grad_outputs.shape) == (B, T, cfg.d_model), f"grad_outputs must have shape {[B, T, cfg.d_model]}, got {list(grad_outputs.shape)}")
             _check(bool(torch.isfinite(grad_outputs).all()), "grad_outputs contain non-finite values")
+
+    def validate_inputs(self, inputs: torch.Tensor) -> None:
+        """Raise :class:`BadPayload` unless ``inputs`` are this stage's kind: token ids on stage 0, hidden states after."""
+        cfg = self.cfg
+        if self.spec.is_first:
+            _check(not inputs.is_floating_point() and inputs.dtype != torch.bool, f"stage 0 takes integer token ids, got {inputs.dtype}")
+            _check(inputs.dim() == 2, f"token ids must be (batch, seq), got shape {list(inputs.shape)}")
+            if inputs.numel():
+                _check(int(inputs.min()) >= 0 and int(inputs.max()) < cfg.vocab_size, f"token ids must lie in [0, {cfg.vocab_size})")
+        else:
+            _check(inputs.is_floating_point(), f"stage {self.spec.index} takes float hidden states, got {inputs.dtype}")
+            _check(inputs.dim() == 3 and inputs.shape[2] == cfg.d_model, f"hidden states must be (batch, seq, {cfg.d_model}), got {list(inputs.shape)}")
+            _check(bool(torch.isfinite(inputs).all()), "hidden states contain non-finite values")
 
     # ---------------------------------------------------------------- compute
     def forward(self, microbatch_id: str, seed: int, inputs: torch.Tensor, targets: torch.Tensor | None, *, keep_graph: bool = True) -> torch.Tensor:

@@ -52,10 +52,10 @@ from aiohttp import web
 
 from shared.codec import FLOAT_CODECS, decode_tensor, encode_tensor
 from shared.config import StageServerSettings
-from shared.errors import BadPayload, Overloaded, SwarmError, WrongStage
+from shared.errors import BadPayload, Overloaded, SwarmError
 from shared.http import msgpack_response, read_message
 from shared.kv_cache import KVCache, kv_cache_bytes
-from services.stage_server.routes import RUNTIME, SESSIONS, SETTINGS, WORKER
+from services.stage_server.routes import RUNTIME, SESSIONS, SETTINGS, WORKER, check_stage_and_run
 from services.stage_server.runtime import StageRuntime
 
 MAX_SESSION_ID_LEN = 128
@@ -155,10 +155,7 @@ class SessionStore:
 
 
 def _check_header(settings: StageServerSettings, msg: dict) -> str:
-    if msg.get("stage") != settings.stage:
-        raise WrongStage(f"this server holds stage {settings.stage}, not {msg.get('stage')!r}")
-    if msg.get("run_id", settings.run_id) != settings.run_id:
-        raise WrongStage(f"this server belongs to run {settings.run_id!r}, not {msg.get('run_id')!r}")
+    check_stage_and_run(settings, msg)
     session_id = msg.get("session_id")
     if not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID_LEN:
         raise BadPayload(f"'session_id' must be a string of 1..{MAX_SESSION_ID_LEN} characters")
@@ -222,17 +219,7 @@ def _chunks(chunks, inputs: torch.Tensor) -> list[int]:
 
 
 def _validate(runtime: StageRuntime, session: Session, inputs: torch.Tensor, position: int) -> None:
-    cfg = runtime.cfg
-    if runtime.spec.is_first:
-        if inputs.is_floating_point() or inputs.dim() != 2:
-            raise BadPayload(f"stage 0 takes integer token ids (batch, seq), got {inputs.dtype} {list(inputs.shape)}")
-        if inputs.numel() and (int(inputs.min()) < 0 or int(inputs.max()) >= cfg.vocab_size):
-            raise BadPayload(f"token ids must lie in [0, {cfg.vocab_size})")
-    else:
-        if not inputs.is_floating_point() or inputs.dim() != 3 or inputs.shape[2] != cfg.d_model:
-            raise BadPayload(f"stage {runtime.spec.index} takes float hidden states (batch, seq, {cfg.d_model}), got {inputs.dtype} {list(inputs.shape)}")
-        if not bool(torch.isfinite(inputs).all()):
-            raise BadPayload("hidden states contain non-finite values")
+    runtime.validate_inputs(inputs)
     if inputs.shape[0] != session.batch or inputs.shape[1] < 1:
         raise BadPayload(f"the session was opened for batch {session.batch}; got inputs of shape {list(inputs.shape)}")
     if position + inputs.shape[1] > session.max_length:

@@ -54,10 +54,16 @@ class BenchContext:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="swarm bench", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="benches:\n" + "\n".join(f"  {n.replace('_', '-'):<12} {h}" for n, h in BENCHES.items()))
+    p = argparse.ArgumentParser(
+        prog="swarm bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="benches:\n" + "\n".join(f"  {n.replace('_', '-'):<12} {h}" for n, h in BENCHES.items()),
+    )
     p.add_argument("names", nargs="+", metavar="NAME", help="bench names, or 'all'")
-    p.add_argument("--quick", action="store_true", help="tiny sizes: checks that every bench runs, measures nothing worth quoting")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny sizes: checks that every bench runs, measures nothing worth quoting"
+    )
     p.add_argument("--out", default="bench/results", help="directory of the JSON results (default bench/results)")
     p.add_argument("--markdown", default="", help="also write the tables as markdown to this file")
     args = p.parse_args(argv)
@@ -81,7 +87,13 @@ def run_bench(name: str, ctx: BenchContext) -> BenchResult:
         result = module.run(ctx)
     except Exception as exc:  # a bench that could not run says why in its table; the others still run
         traceback.print_exc()
-        result = BenchResult(name, BENCHES[name], ["error"], [{"error": f"{type(exc).__name__}: {exc}"}], notes=["the bench failed; see the error and the logs"])
+        result = BenchResult(
+            name,
+            BENCHES[name],
+            ["error"],
+            [{"error": f"{type(exc).__name__}: {exc}"}],
+            notes=["the bench failed; see the error and the logs"],
+        )
     result.elapsed_s = time.monotonic() - started
     return result
 
@@ -97,15 +109,26 @@ def main(argv: list[str] | None = None) -> int:
     ctx = BenchContext(quick=args.quick, log_dir=out / "logs")
     command = "swarm bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop children on SIGTERM as on Ctrl-C
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C works even where SIGINT was ignored (a background job)
+    signal.signal(
+        signal.SIGINT, signal.default_int_handler
+    )  # Ctrl-C works even where SIGINT was ignored (a background job)
     info = machine()
-    print(f"swarm bench: {', '.join(args.names)} on {info['cores']} cores ({info['cpu']}), load {info['load_avg_1m']}; results in {out}/", flush=True)
+    print(
+        f"swarm bench: {', '.join(args.names)} on {info['cores']} cores ({info['cpu']}), load {info['load_avg_1m']}; results in {out}/",
+        flush=True,
+    )
     started, failed, markdown = time.monotonic(), [], []
     try:
         for name in args.names:
             result = run_bench(name, ctx)
             print(format_table(result) + "\n", flush=True)
-            write_json(result, out / f"{name}.json", command=command, machine_info={**info, "load_avg_1m_after": machine()["load_avg_1m"]}, quick=args.quick)
+            write_json(
+                result,
+                out / f"{name}.json",
+                command=command,
+                machine_info={**info, "load_avg_1m_after": machine()["load_avg_1m"]},
+                quick=args.quick,
+            )
             markdown.append(format_markdown(result))
             if result.columns == ["error"]:
                 failed.append(name)
@@ -116,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         header = f"Command: `{command}`. Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, load {info['load_avg_1m']} at start. Date: {info['date_utc']} UTC. Total {total:.0f} s.\n\n"
         Path(args.markdown).write_text(header + "\n".join(markdown))
-    print(f"swarm bench: {len(args.names)} benches in {total:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+    print(
+        f"swarm bench: {len(args.names)} benches in {total:.0f} s"
+        + (f"; failed: {', '.join(failed)}" if failed else ""),
+        flush=True,
+    )
     return 1 if failed else 0
 
 

@@ -58,7 +58,17 @@ TRAINERS = ("t0", "t1", "t2", "t3")  # the peers trainers run in (stopped before
 HOMOGENEOUS_CPUS = 0.4  # per stage peer: 4 x 0.4 leaves the machine's rest to trainers, coordinator and the switch
 HETERO_UNIT = 1.6 / 24  # caps 1:1:2:2:2:4:4:4 of this many cores: 1.6 cores in all
 
-COLUMNS = ["scenario", "side", "best setting", "time to target s", "steps to target", "tokens/s", "bytes/token", "mesh / pipelining time", "mesh / pipelining tok/s"]
+COLUMNS = [
+    "scenario",
+    "side",
+    "best setting",
+    "time to target s",
+    "steps to target",
+    "tokens/s",
+    "bytes/token",
+    "mesh / pipelining time",
+    "mesh / pipelining tok/s",
+]
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,10 @@ class Plan:
     sweep_steps: int = 4
     routing: str = ""  # the mesh trainers' SWARM_ROUTING ("": the trainer's default)
     max_staleness: int = 0  # the mesh servers' SWARM_MAX_STALENESS (0: the server's default)
-    codecs: tuple[str, ...] = ("int8", "fp32")  # the mesh sides, one per wire codec: the default one, and fp32 to set the codec apart
+    codecs: tuple[str, ...] = (
+        "int8",
+        "fp32",
+    )  # the mesh sides, one per wire codec: the default one, and fp32 to set the codec apart
     extra: dict = field(default_factory=dict)
 
     @property
@@ -110,19 +123,52 @@ class Plan:
 
 
 def _homogeneous(rate: float, budget_s: float, sweep: bool = False) -> Scenario:
-    return Scenario(f"homogeneous-{rate:g}", ((rate, HOMOGENEOUS_CPUS),) * 4, 10.0, rate, budget_s, sweep_mesh=sweep,
-                    description=f"4 stages x 1 peer, every link {rate:g} Mbit/s and 10 ms (20 ms one way peer to peer), stage peers capped at {HOMOGENEOUS_CPUS} cores")  # fmt: skip
+    return Scenario(
+        f"homogeneous-{rate:g}",
+        ((rate, HOMOGENEOUS_CPUS),) * 4,
+        10.0,
+        rate,
+        budget_s,
+        sweep_mesh=sweep,
+        description=f"4 stages x 1 peer, every link {rate:g} Mbit/s and 10 ms (20 ms one way peer to peer), stage peers capped at {HOMOGENEOUS_CPUS} cores",
+    )
 
 
 # caps in the ratio 1:1:2:2:2:4:4:4, links 10-100 Mbit/s mixed (strong peers on slow links too)
-HETERO_SERVERS = tuple((rate, units * HETERO_UNIT) for rate, units in ((100, 1), (20, 1), (10, 2), (50, 2), (100, 2), (20, 4), (50, 4), (100, 4)))
-HETERO = Scenario("heterogeneous", HETERO_SERVERS, 10.0, 100, 150.0, rebalance_every_s=10.0, sweep_mesh=True,
-                  description="8 servers, CPU caps 1:1:2:2:2:4:4:4 (1.6 cores in all), links 10-100 Mbit/s mixed, 10 ms each; mesh: stages assigned and rebalanced by the coordinator")  # fmt: skip
+HETERO_SERVERS = tuple(
+    (rate, units * HETERO_UNIT)
+    for rate, units in ((100, 1), (20, 1), (10, 2), (50, 2), (100, 2), (20, 4), (50, 4), (100, 4))
+)
+HETERO = Scenario(
+    "heterogeneous",
+    HETERO_SERVERS,
+    10.0,
+    100,
+    150.0,
+    rebalance_every_s=10.0,
+    sweep_mesh=True,
+    description="8 servers, CPU caps 1:1:2:2:2:4:4:4 (1.6 cores in all), links 10-100 Mbit/s mixed, 10 ms each; mesh: stages assigned and rebalanced by the coordinator",
+)
 FULL = Plan(
     work=Workload(d_model=256, n_layer=8, seq_len=64),  # microbatches of 8, 32 samples per global step
-    scenarios=(_homogeneous(10, 200.0, sweep=True), _homogeneous(50, 150.0), _homogeneous(200, 150.0), HETERO,
-               Scenario("churn", HETERO_SERVERS, 10.0, 100, 240.0, churn=(60.0, 30.0), rebalance_every_s=10.0, target_steps=24, checkpoint_every_s=20.0,
-                        description="heterogeneous, with a random stage server SIGKILLed every 60 s and restarted 30 s later; a later target, so that the runs see several kills")),  # fmt: skip
+    scenarios=(
+        _homogeneous(10, 200.0, sweep=True),
+        _homogeneous(50, 150.0),
+        _homogeneous(200, 150.0),
+        HETERO,
+        Scenario(
+            "churn",
+            HETERO_SERVERS,
+            10.0,
+            100,
+            240.0,
+            churn=(60.0, 30.0),
+            rebalance_every_s=10.0,
+            target_steps=24,
+            checkpoint_every_s=20.0,
+            description="heterogeneous, with a random stage server SIGKILLed every 60 s and restarted 30 s later; a later target, so that the runs see several kills",
+        ),
+    ),
     target_steps=8,
     eval_every=2,
     mesh_settings=((1, 4), (1, 8), (2, 8)),
@@ -130,7 +176,17 @@ FULL = Plan(
 )
 QUICK = Plan(
     work=Workload(d_model=64, n_layer=2, seq_len=32, microbatch_size=4, samples_per_step=8),
-    scenarios=(Scenario("quick", ((50, 0.5), (50, 0.5)), 5.0, 50, 20.0, stages=2, description="2 stages x 1 peer capped at 0.5 cores, links 50 Mbit/s and 5 ms"),),
+    scenarios=(
+        Scenario(
+            "quick",
+            ((50, 0.5), (50, 0.5)),
+            5.0,
+            50,
+            20.0,
+            stages=2,
+            description="2 stages x 1 peer capped at 0.5 cores, links 50 Mbit/s and 5 ms",
+        ),
+    ),
     target_steps=2,
     eval_every=1,
     mesh_settings=((1, 2),),
@@ -158,7 +214,10 @@ def reference_targets(work: Workload, stages: int, steps: set[int]) -> dict[int,
 
     def held_out() -> float:
         with torch.no_grad():
-            losses = [float(loss_fn(forward(mb.inputs), mb.targets)) for mb in (batcher.microbatch(i, split="eval") for i in range(EVAL_MICROBATCHES))]
+            losses = [
+                float(loss_fn(forward(mb.inputs), mb.targets))
+                for mb in (batcher.microbatch(i, split="eval") for i in range(EVAL_MICROBATCHES))
+            ]
         return round(sum(losses) / len(losses), 4)
 
     targets = {}
@@ -178,7 +237,11 @@ def reference_targets(work: Workload, stages: int, steps: set[int]) -> dict[int,
 
 
 # ------------------------------------------------------------------------------ compute against transfer
-WIRE_BYTES_PER_VALUE = {"fp32": 4.0, "int8": 1.0 + 2 / 128, "int4": 0.5 + 2 / 64}  # int8: a code a value, a bfloat16 scale per block of 128; int4: half a byte, a scale per 64
+WIRE_BYTES_PER_VALUE = {
+    "fp32": 4.0,
+    "int8": 1.0 + 2 / 128,
+    "int4": 0.5 + 2 / 64,
+}  # int8: a code a value, a bfloat16 scale per block of 128; int4: half a byte, a scale per 64
 
 
 def stage_compute_s(work: Workload, stages: int, reps: int = 5) -> float:
@@ -288,8 +351,14 @@ class SideRun:
         return f"http://{self.arena.peers[peer].address}:{port}"
 
     def base_env(self) -> dict[str, str]:
-        return {"SWARM_RUN_ID": self.run_id, "SWARM_MDNS": "false", "SWARM_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "SWARM_LOG_LEVEL": "warning",
-                "SWARM_NUM_STAGES": str(self.sc.stages)}  # fmt: skip
+        return {
+            "SWARM_RUN_ID": self.run_id,
+            "SWARM_MDNS": "false",
+            "SWARM_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1",
+            "SWARM_LOG_LEVEL": "warning",
+            "SWARM_NUM_STAGES": str(self.sc.stages),
+        }
 
 
 # ------------------------------------------------------------------------------ the mesh
@@ -302,43 +371,102 @@ class MeshSide(SideRun):
         self.checkpoints = self.logs / f"{self.label}-checkpoints"
 
     def start_swarm(self) -> None:
-        env = {**self.base_env(), "SWARM_HOST": self.arena.peers["coord"].address, "SWARM_PORT": str(COORD_PORT), "SWARM_STATE_DB": str(self.logs / f"{self.label}-coordinator.sqlite"),
-               "SWARM_REBALANCE_EVERY_S": str(self.sc.rebalance_every_s)}  # fmt: skip
+        env = {
+            **self.base_env(),
+            "SWARM_HOST": self.arena.peers["coord"].address,
+            "SWARM_PORT": str(COORD_PORT),
+            "SWARM_STATE_DB": str(self.logs / f"{self.label}-coordinator.sqlite"),
+            "SWARM_REBALANCE_EVERY_S": str(self.sc.rebalance_every_s),
+        }
         (self.logs / f"{self.label}-coordinator.sqlite").unlink(missing_ok=True)
-        if self.sc.checkpoint_every_s:  # one directory the coordinator writes and restarted servers read (a shared volume in a deployment)
+        if (
+            self.sc.checkpoint_every_s
+        ):  # one directory the coordinator writes and restarted servers read (a shared volume in a deployment)
             shutil.rmtree(self.checkpoints, ignore_errors=True)
-            env.update(SWARM_CHECKPOINT_DIR=str(self.checkpoints), SWARM_CHECKPOINT_EVERY_S=str(self.sc.checkpoint_every_s))
+            env.update(
+                SWARM_CHECKPOINT_DIR=str(self.checkpoints), SWARM_CHECKPOINT_EVERY_S=str(self.sc.checkpoint_every_s)
+            )
         self.arena.popen("coord", [sys.executable, "-m", "services.coordinator"], env=env, log=self.log("coordinator"))
         for i in range(len(self.sc.servers)):
             self.start_server(f"s{i}", i)
-        self.arena.run("coord", [sys.executable, "-m", "bench.arena_probe", "wait-http", "--url", f"{self.coordinator}/health", "--key", "servers",
-                                 "--at-least", str(len(self.sc.servers)), "--timeout", str(START_TIMEOUT_S)], timeout_s=START_TIMEOUT_S)  # fmt: skip
+        self.arena.run(
+            "coord",
+            [
+                sys.executable,
+                "-m",
+                "bench.arena_probe",
+                "wait-http",
+                "--url",
+                f"{self.coordinator}/health",
+                "--key",
+                "servers",
+                "--at-least",
+                str(len(self.sc.servers)),
+                "--timeout",
+                str(START_TIMEOUT_S),
+            ],
+            timeout_s=START_TIMEOUT_S,
+        )
 
     def start_server(self, peer: str, index: int) -> None:
         w = self.plan.work
         stage = "auto" if self.sc.rebalance_every_s else str(index % self.sc.stages)
-        env = {**self.base_env(), "SWARM_HOST": self.arena.peers[peer].address, "SWARM_PORT": str(SERVER_PORT), "SWARM_COORDINATOR": self.coordinator,
-               "SWARM_STAGE": stage, "SWARM_WIRE_CODEC": self.codec, "SWARM_GLOBAL_BATCH": str(w.samples_per_step), "SWARM_DRAIN_TIMEOUT_S": "2"}  # fmt: skip
+        env = {
+            **self.base_env(),
+            "SWARM_HOST": self.arena.peers[peer].address,
+            "SWARM_PORT": str(SERVER_PORT),
+            "SWARM_COORDINATOR": self.coordinator,
+            "SWARM_STAGE": stage,
+            "SWARM_WIRE_CODEC": self.codec,
+            "SWARM_GLOBAL_BATCH": str(w.samples_per_step),
+            "SWARM_DRAIN_TIMEOUT_S": "2",
+        }
         if self.plan.max_staleness:
             env["SWARM_MAX_STALENESS"] = str(self.plan.max_staleness)
         if self.sc.checkpoint_every_s:
             env["SWARM_CHECKPOINT_DIR"] = str(self.checkpoints)
-        self.servers[peer] = self.arena.popen(peer, [sys.executable, "-m", "bench.stage_proc", *self.model_args()], env=env, log=self.logs / f"{self.label}-{peer}.log")
+        self.servers[peer] = self.arena.popen(
+            peer,
+            [sys.executable, "-m", "bench.stage_proc", *self.model_args()],
+            env=env,
+            log=self.logs / f"{self.label}-{peer}.log",
+        )
 
     def model_args(self) -> list[str]:
         """The model's dimensions for ``bench.stage_proc`` (servers and trainers alike)."""
         return [f"--bench-{k.replace('_', '-')}={v}" for k, v in self.plan.work.dims.items()]
 
-    def start_trainers(self, trainers: int, in_flight: int, *, start_step: int, steps: int, eval_every: int, tag: str) -> list[Path]:
+    def start_trainers(
+        self, trainers: int, in_flight: int, *, start_step: int, steps: int, eval_every: int, tag: str
+    ) -> list[Path]:
         w, logs = self.plan.work, []
         for t in range(trainers):
-            env = {**self.base_env(), "SWARM_COORDINATOR": self.coordinator, "SWARM_SEQ_LEN": str(w.seq_len), "SWARM_MICROBATCH_SIZE": str(w.microbatch_size),
-                   "SWARM_WIRE_CODEC": self.codec, "SWARM_IN_FLIGHT": str(max(1, in_flight // trainers)), "SWARM_STEPS": str(steps), "SWARM_START_STEP": str(start_step),
-                   "SWARM_SHARD_INDEX": str(t), "SWARM_NUM_SHARDS": str(trainers), "SWARM_EVAL_EVERY": str(eval_every if t == 0 else 0),
-                   "SWARM_LOG_FORMAT": "json", "SWARM_LOG_LEVEL": "info", "SWARM_LOG_EVERY": "1", "SWARM_PROGRESS": "off", "SWARM_FINAL_AVERAGE": "false",
-                   "SWARM_ROUTING": self.plan.mesh_routing}  # fmt: skip
+            env = {
+                **self.base_env(),
+                "SWARM_COORDINATOR": self.coordinator,
+                "SWARM_SEQ_LEN": str(w.seq_len),
+                "SWARM_MICROBATCH_SIZE": str(w.microbatch_size),
+                "SWARM_WIRE_CODEC": self.codec,
+                "SWARM_IN_FLIGHT": str(max(1, in_flight // trainers)),
+                "SWARM_STEPS": str(steps),
+                "SWARM_START_STEP": str(start_step),
+                "SWARM_SHARD_INDEX": str(t),
+                "SWARM_NUM_SHARDS": str(trainers),
+                "SWARM_EVAL_EVERY": str(eval_every if t == 0 else 0),
+                "SWARM_LOG_FORMAT": "json",
+                "SWARM_LOG_LEVEL": "info",
+                "SWARM_LOG_EVERY": "1",
+                "SWARM_PROGRESS": "off",
+                "SWARM_FINAL_AVERAGE": "false",
+                "SWARM_ROUTING": self.plan.mesh_routing,
+            }
             logs.append(self.log(f"{tag}-t{t}"))
-            self.arena.popen(f"t{t}", [sys.executable, "-m", "bench.stage_proc", "trainer", *self.model_args()], env=env, log=logs[-1])
+            self.arena.popen(
+                f"t{t}",
+                [sys.executable, "-m", "bench.stage_proc", "trainer", *self.model_args()],
+                env=env,
+                log=logs[-1],
+            )
         return logs
 
     def stop_trainers(self, trainers: int) -> None:
@@ -351,11 +479,28 @@ class MeshSide(SideRun):
         steps, done, rows = self.plan.sweep_steps, 0, []
         tokens_per_step = self.plan.work.samples_per_step * self.plan.work.seq_len
         for trainers, in_flight in settings:
-            watch = Watch(self.start_trainers(trainers, in_flight, start_step=done, steps=done + steps, eval_every=0, tag=f"sweep{trainers}x{in_flight}")[0])
-            seen = self._follow(watch, lambda ev: ev.get("event") == "train.step" and ev.get("step", 0) >= done + steps, START_TIMEOUT_S + 60 * steps)
+            watch = Watch(
+                self.start_trainers(
+                    trainers,
+                    in_flight,
+                    start_step=done,
+                    steps=done + steps,
+                    eval_every=0,
+                    tag=f"sweep{trainers}x{in_flight}",
+                )[0]
+            )
+            seen = self._follow(
+                watch,
+                lambda ev: ev.get("event") == "train.step" and ev.get("step", 0) >= done + steps,
+                START_TIMEOUT_S + 60 * steps,
+            )
             times = {ev["step"]: ev["elapsed_s"] for ev in seen if ev.get("event") == "train.step"}
             first, last = min(times), max(times)
-            rate = (last - first) * tokens_per_step / (times[last] - times[first]) if last > first and times[last] > times[first] else 0.0
+            rate = (
+                (last - first) * tokens_per_step / (times[last] - times[first])
+                if last > first and times[last] > times[first]
+                else 0.0
+            )
             rows.append({"trainers": trainers, "in_flight": in_flight, "tokens_per_s": round(rate, 1)})
             self.stop_trainers(trainers)
             done = last
@@ -366,7 +511,11 @@ class MeshSide(SideRun):
         out, sc = Outcome(), self.sc
         peers = [p for p in self.arena.peers if p.startswith("s")] + [f"t{t}" for t in range(trainers)] + ["coord"]
         sent0 = self.sent(peers)
-        watch = Watch(self.start_trainers(trainers, in_flight, start_step=0, steps=100_000, eval_every=self.plan.eval_every, tag="run")[0])
+        watch = Watch(
+            self.start_trainers(
+                trainers, in_flight, start_step=0, steps=100_000, eval_every=self.plan.eval_every, tag="run"
+            )[0]
+        )
         rng, started_at, killed = random.Random(0), None, {}  # the churn's victims: the same in every run
         next_kill = sc.churn[0] if sc.churn else None
         deadline = time.monotonic() + START_TIMEOUT_S + sc.budget_s + 60
@@ -385,13 +534,17 @@ class MeshSide(SideRun):
                     out.point(ev["step"], _timestamp(ev) - t0, ev["loss"], target, step_done_s=ev["elapsed_s"])
             now = time.monotonic() - started_at if started_at else 0.0
             if out.reached_s is not None or out.elapsed_s >= sc.budget_s or now >= sc.budget_s + STALL_GRACE_S:
-                out.stopped = "target" if out.reached_s is not None else "budget" if out.elapsed_s >= sc.budget_s else "stalled"
+                out.stopped = (
+                    "target" if out.reached_s is not None else "budget" if out.elapsed_s >= sc.budget_s else "stalled"
+                )
                 break
             if next_kill is not None and started_at and now >= next_kill:
                 victim = rng.choice(sorted(p for p in self.servers if p not in killed))
                 self.arena.kill(victim, self.servers.pop(victim))
                 killed[victim] = now + sc.churn[1]
-                out.kills.append({"server": victim, "killed_at_s": round(now, 1), "restarted_at_s": round(killed[victim], 1)})
+                out.kills.append(
+                    {"server": victim, "killed_at_s": round(now, 1), "restarted_at_s": round(killed[victim], 1)}
+                )
                 next_kill += sc.churn[0]
             for victim, when in list(killed.items()):
                 if now >= when:
@@ -418,7 +571,9 @@ class MeshSide(SideRun):
         raise RuntimeError(f"the trainer did not get there in {timeout_s:.0f} s; see {watch.path}")
 
 
-def run_mesh(arena: Arena, sc: Scenario, plan: Plan, logs: Path, codec: str, setting: tuple[int, int] | None, target: float) -> tuple[Outcome, tuple[int, int], list[dict]]:
+def run_mesh(
+    arena: Arena, sc: Scenario, plan: Plan, logs: Path, codec: str, setting: tuple[int, int] | None, target: float
+) -> tuple[Outcome, tuple[int, int], list[dict]]:
     """One mesh side: a fresh swarm for the sweep (when ``setting`` is None), a fresh one for the run."""
     sweep_rows: list[dict] = []
     if setting is None:
@@ -441,7 +596,9 @@ def run_mesh(arena: Arena, sc: Scenario, plan: Plan, logs: Path, codec: str, set
 _GLOO_RUNS = 0
 
 
-def run_pipelining(arena: Arena, sc: Scenario, plan: Plan, logs: Path, target: float) -> tuple[Outcome, int, list[dict]]:
+def run_pipelining(
+    arena: Arena, sc: Scenario, plan: Plan, logs: Path, target: float
+) -> tuple[Outcome, int, list[dict]]:
     global _GLOO_RUNS
     _GLOO_RUNS += 1
     side = SideRun(arena, sc, plan, logs, "pipelining")
@@ -450,11 +607,25 @@ def run_pipelining(arena: Arena, sc: Scenario, plan: Plan, logs: Path, target: f
     watch = None
     try:
         for r, peer in enumerate(ranks):
-            cfg = {"rank": r, "world": len(ranks), "master_addr": arena.peers[ranks[0]].address, "master_port": GLOO_PORT + _GLOO_RUNS,
-                   "ifname": arena.peers[peer].veth_peer, "work": asdict(plan.work), "candidates": list(plan.pipeline_candidates),
-                   "eval_every": plan.eval_every, "target": target, "budget_s": sc.budget_s}  # fmt: skip
+            cfg = {
+                "rank": r,
+                "world": len(ranks),
+                "master_addr": arena.peers[ranks[0]].address,
+                "master_port": GLOO_PORT + _GLOO_RUNS,
+                "ifname": arena.peers[peer].veth_peer,
+                "work": asdict(plan.work),
+                "candidates": list(plan.pipeline_candidates),
+                "eval_every": plan.eval_every,
+                "target": target,
+                "budget_s": sc.budget_s,
+            }
             log = side.log(f"rank{r}")
-            arena.popen(peer, [sys.executable, "-m", "bench.arena_pipelining", json.dumps(cfg)], env={"OMP_NUM_THREADS": "1"}, log=log)
+            arena.popen(
+                peer,
+                [sys.executable, "-m", "bench.arena_pipelining", json.dumps(cfg)],
+                env={"OMP_NUM_THREADS": "1"},
+                log=log,
+            )
             if r == len(ranks) - 1:
                 watch = Watch(log)
         sent0, started_at = None, None
@@ -503,7 +674,10 @@ def run_pipelining(arena: Arena, sc: Scenario, plan: Plan, logs: Path, target: f
 def _links(arena: Arena, sc: Scenario, quick: bool) -> list[dict]:
     """The trainer's path to one server of each link rate, as built (bandwidth and RTT)."""
     firsts = {rate: i for i, (rate, _) in reversed(list(enumerate(sc.servers)))}
-    return [measure_link(arena, "t0", f"s{i}", seconds=1.0 if quick else 2.0, pings=5 if quick else 10) for _, i in sorted(firsts.items())]
+    return [
+        measure_link(arena, "t0", f"s{i}", seconds=1.0 if quick else 2.0, pings=5 if quick else 10)
+        for _, i in sorted(firsts.items())
+    ]
 
 
 def _row(sc: Scenario, side: str, setting: str, out: Outcome, plan: Plan) -> dict:
@@ -513,8 +687,15 @@ def _row(sc: Scenario, side: str, setting: str, out: Outcome, plan: Plan) -> dic
     else:
         best = min((p["loss"] for p in out.curve), default=None)
         ttt = f"not reached ({out.stopped}; best {best} in {out.elapsed_s:.1f} s)"
-    return {"scenario": sc.name, "side": side, "best setting": setting, "time to target s": ttt, "steps to target": out.reached_step,
-            "tokens/s": round(tokens / out.elapsed_s, 1) if out.elapsed_s else 0.0, "bytes/token": round(out.bytes_sent / tokens) if tokens else None}  # fmt: skip
+    return {
+        "scenario": sc.name,
+        "side": side,
+        "best setting": setting,
+        "time to target s": ttt,
+        "steps to target": out.reached_step,
+        "tokens/s": round(tokens / out.elapsed_s, 1) if out.elapsed_s else 0.0,
+        "bytes/token": round(out.bytes_sent / tokens) if tokens else None,
+    }
 
 
 def _ratios(rows: list[dict]) -> None:
@@ -531,23 +712,54 @@ def _ratios(rows: list[dict]) -> None:
             r["mesh / pipelining tok/s"] = round(r["tokens/s"] / pipe["tokens/s"], 2)
 
 
-def run_scenario(sc: Scenario, plan: Plan, target: float, compute_s: float, logs: Path, quick: bool, best_mesh: tuple[int, int] | None) -> tuple[list[dict], dict, tuple[int, int]]:
+def run_scenario(
+    sc: Scenario,
+    plan: Plan,
+    target: float,
+    compute_s: float,
+    logs: Path,
+    quick: bool,
+    best_mesh: tuple[int, int] | None,
+) -> tuple[list[dict], dict, tuple[int, int]]:
     trainers = max(t for t, _ in plan.mesh_settings)
-    detail: dict = {"scenario": asdict(sc), "ranks": sc.pipeline_ranks(), "hop_ratios": hop_ratios(plan.work, compute_s, sc.servers)}
+    detail: dict = {
+        "scenario": asdict(sc),
+        "ranks": sc.pipeline_ranks(),
+        "hop_ratios": hop_ratios(plan.work, compute_s, sc.servers),
+    }
     with Arena(sc.peer_specs(trainers)) as arena:
         detail["links"] = _links(arena, sc, quick)
         detail["qdiscs"] = arena.qdiscs()
-        print(f"arena {sc.name}: links {[(l['set_mbit'], l['mbit_s'], l['set_rtt_ms'], l['rtt_ms']) for l in detail['links']]}", flush=True)
+        print(
+            f"arena {sc.name}: links {[(l['set_mbit'], l['mbit_s'], l['set_rtt_ms'], l['rtt_ms']) for l in detail['links']]}",
+            flush=True,
+        )
         rows = []
         setting = None if sc.sweep_mesh or best_mesh is None else best_mesh
         for codec in plan.codecs:
             out, setting, sweep = run_mesh(arena, sc, plan, logs / sc.name, codec, setting, target)
             detail[f"mesh_{codec}"] = asdict(out) | {"sweep": sweep}
-            rows.append(_row(sc, f"mesh {codec}", f"{setting[0]} trainer(s), {setting[1]} in flight, {plan.mesh_routing}", out, plan))
+            rows.append(
+                _row(
+                    sc,
+                    f"mesh {codec}",
+                    f"{setting[0]} trainer(s), {setting[1]} in flight, {plan.mesh_routing}",
+                    out,
+                    plan,
+                )
+            )
             print(f"arena {sc.name}: {rows[-1]}", flush=True)
         out, microbatches, sweep = run_pipelining(arena, sc, plan, logs / sc.name, target)
         detail["pipelining"] = asdict(out) | {"sweep": sweep}
-        rows.append(_row(sc, "pipelining", f"{microbatches} microbatches of {plan.work.samples_per_step // microbatches}", out, plan))
+        rows.append(
+            _row(
+                sc,
+                "pipelining",
+                f"{microbatches} microbatches of {plan.work.samples_per_step // microbatches}",
+                out,
+                plan,
+            )
+        )
         print(f"arena {sc.name}: {rows[-1]}", flush=True)
         detail["torn_down"] = {"namespaces": [arena.hub, *(p.netns for p in arena.peers.values())]}
     _ratios(rows)
@@ -557,19 +769,33 @@ def run_scenario(sc: Scenario, plan: Plan, target: float, compute_s: float, logs
 def run(ctx) -> BenchResult:
     why = unavailable()
     if why:
-        return BenchResult("arena", "the WAN arena", ["skipped"], [{"skipped": why}], notes=[f"arena: skipped: {why}"], summary={"skipped": why})
+        return BenchResult(
+            "arena",
+            "the WAN arena",
+            ["skipped"],
+            [{"skipped": why}],
+            notes=[f"arena: skipped: {why}"],
+            summary={"skipped": why},
+        )
     plan = replace(QUICK if ctx.quick else FULL, **ctx.cache.get("arena_plan", {}))
     scenarios = ctx.cache.get("arena_scenarios") or plan.scenarios
     stages = scenarios[0].stages
     started = time.monotonic()
-    targets = reference_targets(plan.work, stages, {plan.target_steps} | {sc.target_steps for sc in scenarios if sc.target_steps})
+    targets = reference_targets(
+        plan.work, stages, {plan.target_steps} | {sc.target_steps for sc in scenarios if sc.target_steps}
+    )
     target = targets[plan.target_steps]
-    print(f"arena: target held-out losses {targets} (one process, after that many global steps, {time.monotonic() - started:.0f} s)", flush=True)
+    print(
+        f"arena: target held-out losses {targets} (one process, after that many global steps, {time.monotonic() - started:.0f} s)",
+        flush=True,
+    )
     compute_s = stage_compute_s(plan.work, stages)
     rows, details, best_mesh = [], [], (plan.mesh_settings[0] if len(plan.mesh_settings) == 1 else None)
     for sc in scenarios:
         steps = sc.target_steps or plan.target_steps
-        sc_rows, detail, best_mesh = run_scenario(sc, plan, targets[steps], compute_s, ctx.log_dir / "arena", ctx.quick, best_mesh)
+        sc_rows, detail, best_mesh = run_scenario(
+            sc, plan, targets[steps], compute_s, ctx.log_dir / "arena", ctx.quick, best_mesh
+        )
         detail.update(target=targets[steps], target_steps=steps)
         rows += sc_rows
         details.append(detail)
@@ -584,18 +810,47 @@ def run(ctx) -> BenchResult:
         "mesh / pipelining time: pipelining's time to the target over the mesh's (above 1: the mesh got there sooner); tok/s likewise",
     ]
     for d in details:
-        links = "; ".join(f"{l['set_mbit']:g} Mbit/s -> {l['mbit_s']}, RTT {l['set_rtt_ms']:g} -> {l['rtt_ms']} ms" for l in d["links"])
-        ratios = "; ".join(f"{h['link_mbit']:g} Mbit/s, {h['cpus']} cores: int8 {h['ratio_int8']}, fp32 {h['ratio_fp32']}" for h in d["hop_ratios"])
-        notes.append(f"{d['scenario']['name']}: {d['scenario']['description']}; target {d['target']} (after {d['target_steps']} steps); pipelining ranks {', '.join(d['ranks'])}; links as measured (set -> measured): {links}; "
-                     f"compute / transfer per hop: {ratios}")  # fmt: skip
+        links = "; ".join(
+            f"{l['set_mbit']:g} Mbit/s -> {l['mbit_s']}, RTT {l['set_rtt_ms']:g} -> {l['rtt_ms']} ms"
+            for l in d["links"]
+        )
+        ratios = "; ".join(
+            f"{h['link_mbit']:g} Mbit/s, {h['cpus']} cores: int8 {h['ratio_int8']}, fp32 {h['ratio_fp32']}"
+            for h in d["hop_ratios"]
+        )
+        notes.append(
+            f"{d['scenario']['name']}: {d['scenario']['description']}; target {d['target']} (after {d['target_steps']} steps); pipelining ranks {', '.join(d['ranks'])}; links as measured (set -> measured): {links}; "
+            f"compute / transfer per hop: {ratios}"
+        )
         for side in (*(f"mesh_{c}" for c in plan.codecs), "pipelining"):
             if d[side]["kills"]:
                 notes.append(f"{d['scenario']['name']} {side.replace('_', ' ')} churn: {d[side]['kills']}")
-    summary = {f"{r['scenario']}_{r['side'].replace(' ', '_')}_time_ratio": r.get("mesh / pipelining time") for r in rows if r["side"] != "pipelining"}
-    params = {"work": asdict(w), "target": target, "stage_compute_s": round(compute_s, 4), "target_steps": plan.target_steps, "eval_every": plan.eval_every, "mesh_settings": plan.mesh_settings, "mesh_routing": plan.mesh_routing, "max_staleness": plan.max_staleness or "default",
-              "pipeline_candidates": plan.pipeline_candidates, "scenarios": details}  # fmt: skip
-    return BenchResult("arena", "time to a target loss on shaped links: mesh int8 / fp32 against torch.distributed.pipelining", COLUMNS, rows,
-                       params=params, notes=notes, summary=summary)  # fmt: skip
+    summary = {
+        f"{r['scenario']}_{r['side'].replace(' ', '_')}_time_ratio": r.get("mesh / pipelining time")
+        for r in rows
+        if r["side"] != "pipelining"
+    }
+    params = {
+        "work": asdict(w),
+        "target": target,
+        "stage_compute_s": round(compute_s, 4),
+        "target_steps": plan.target_steps,
+        "eval_every": plan.eval_every,
+        "mesh_settings": plan.mesh_settings,
+        "mesh_routing": plan.mesh_routing,
+        "max_staleness": plan.max_staleness or "default",
+        "pipeline_candidates": plan.pipeline_candidates,
+        "scenarios": details,
+    }
+    return BenchResult(
+        "arena",
+        "time to a target loss on shaped links: mesh int8 / fp32 against torch.distributed.pipelining",
+        COLUMNS,
+        rows,
+        params=params,
+        notes=notes,
+        summary=summary,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -606,13 +861,25 @@ def main(argv: list[str] | None = None) -> int:
 
     names = [s.name for s in FULL.scenarios + QUICK.scenarios]
     p = argparse.ArgumentParser(prog="python -m bench.arena", description=main.__doc__.split(":")[0])
-    p.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=f"one of {', '.join(names)} (default: all of the full bench)")
+    p.add_argument(
+        "scenarios", nargs="*", metavar="SCENARIO", help=f"one of {', '.join(names)} (default: all of the full bench)"
+    )
     p.add_argument("--list", action="store_true", help="print the scenarios and exit")
     p.add_argument("--out", default="bench/results", help="directory of the JSON result (arena-SCENARIO.json)")
-    p.add_argument("--routing", choices=("relay", "chain"), help="the mesh trainers' routing (default: the trainer's default)")
-    p.add_argument("--max-staleness", type=int, default=0, help="the mesh servers' SWARM_MAX_STALENESS (default: the servers' own)")
-    p.add_argument("--codecs", metavar="C,...", help="the mesh sides' wire codecs (default int8,fp32; e.g. int4,int8,fp32)")
-    p.add_argument("--mesh", metavar="TxF,...", help="the mesh's settings to sweep, trainers x microbatches in flight (default: the plan's, e.g. 1x4,1x8,2x8)")
+    p.add_argument(
+        "--routing", choices=("relay", "chain"), help="the mesh trainers' routing (default: the trainer's default)"
+    )
+    p.add_argument(
+        "--max-staleness", type=int, default=0, help="the mesh servers' SWARM_MAX_STALENESS (default: the servers' own)"
+    )
+    p.add_argument(
+        "--codecs", metavar="C,...", help="the mesh sides' wire codecs (default int8,fp32; e.g. int4,int8,fp32)"
+    )
+    p.add_argument(
+        "--mesh",
+        metavar="TxF,...",
+        help="the mesh's settings to sweep, trainers x microbatches in flight (default: the plan's, e.g. 1x4,1x8,2x8)",
+    )
     args = p.parse_args(argv)
     if args.list:
         for sc in FULL.scenarios + QUICK.scenarios:
@@ -623,11 +890,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown scenario {unknown[0]!r}; choose from {', '.join(names)}")
     torch.set_num_threads(1)
     configure_logging("console", "error")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SIGTERM and Ctrl-C take the arena down (finally blocks), as in `swarm bench`
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(143)
+    )  # SIGTERM and Ctrl-C take the arena down (finally blocks), as in `swarm bench`
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also where SIGINT was ignored (a background job)
     quick = bool(args.scenarios) and all(n in [s.name for s in QUICK.scenarios] for n in args.scenarios)
     ctx = BenchContext(quick=quick, log_dir=Path(args.out) / "logs")
-    ctx.cache["arena_scenarios"] = tuple(s for s in (QUICK if quick else FULL).scenarios if not args.scenarios or s.name in args.scenarios)
+    ctx.cache["arena_scenarios"] = tuple(
+        s for s in (QUICK if quick else FULL).scenarios if not args.scenarios or s.name in args.scenarios
+    )
     changes: dict = {"routing": args.routing} if args.routing else {}
     if args.max_staleness:
         changes["max_staleness"] = args.max_staleness
@@ -647,7 +918,13 @@ def main(argv: list[str] | None = None) -> int:
     ctx.cache["arena_plan"] = changes
     result = run(ctx)
     print(format_table(result))
-    write_json(result, Path(args.out) / f"arena-{'-'.join(args.scenarios) or 'all'}.json", command="python -m bench.arena " + " ".join(argv or sys.argv[1:]), machine_info=machine(), quick=quick)
+    write_json(
+        result,
+        Path(args.out) / f"arena-{'-'.join(args.scenarios) or 'all'}.json",
+        command="python -m bench.arena " + " ".join(argv or sys.argv[1:]),
+        machine_info=machine(),
+        quick=quick,
+    )
     return 0 if result.columns != ["error"] else 1
 
 

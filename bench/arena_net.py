@@ -73,11 +73,17 @@ def unavailable() -> str | None:
     return None
 
 
-def _run(*argv: str, netns: str | None = None, check: bool = True, env: dict[str, str] | None = None, timeout_s: float = 30.0) -> subprocess.CompletedProcess:
+def _run(
+    *argv: str, netns: str | None = None, check: bool = True, env: dict[str, str] | None = None, timeout_s: float = 30.0
+) -> subprocess.CompletedProcess:
     cmd = (["ip", "netns", "exec", netns] if netns else []) + list(argv)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **env} if env else None)
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **env} if env else None
+    )
     if check and result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}): {result.stderr.strip() or result.stdout.strip()}")
+        raise RuntimeError(
+            f"{' '.join(cmd)} failed ({result.returncode}): {result.stderr.strip() or result.stdout.strip()}"
+        )
     return result
 
 
@@ -93,14 +99,14 @@ def cleanup_stale(prefix: str = PREFIX) -> list[str]:
     returns the namespaces removed."""
     removed = []
     for ns in namespaces(prefix):
-        owner = ns[len(prefix):].split("-", 1)[0]
+        owner = ns[len(prefix) :].split("-", 1)[0]
         if owner.isdigit() and not _alive(int(owner)):
             _kill_all(_run("ip", "netns", "pids", ns, check=False).stdout.split())
             _run("ip", "netns", "del", ns, check=False)
             removed.append(ns)
     for root in (CGROUP_V1, CGROUP_V2):
         for path in root.glob(f"{prefix}*") if root.is_dir() else ():
-            owner = path.name[len(prefix):].split("-", 1)[0]
+            owner = path.name[len(prefix) :].split("-", 1)[0]
             if owner.isdigit() and not _alive(int(owner)):
                 with contextlib.suppress(OSError):
                     _kill_all((path / "cgroup.procs").read_text().split())
@@ -178,15 +184,26 @@ class Arena:
             _run("ip", "link", "set", peer.veth_hub, "mtu", str(MTU), "up", netns=self.hub)
             _run("ip", "addr", "add", f"{peer.address}/24", "dev", peer.veth_peer, netns=peer.netns)
             _run("ip", "link", "set", peer.veth_peer, "mtu", str(MTU), "up", netns=peer.netns)
-            _run(sys.executable, "-c", f"from bench.delay_switch import transmit_checksum_off; transmit_checksum_off({peer.veth_peer!r})",
-                 netns=peer.netns, env={"PYTHONPATH": str(REPO)})  # fmt: skip
+            _run(
+                sys.executable,
+                "-c",
+                f"from bench.delay_switch import transmit_checksum_off; transmit_checksum_off({peer.veth_peer!r})",
+                netns=peer.netns,
+                env={"PYTHONPATH": str(REPO)},
+            )
             for netns, dev in ((peer.netns, peer.veth_peer), (self.hub, peer.veth_hub)):  # upload, download
                 _run("tc", "qdisc", "add", "dev", dev, "root", *tbf_args(peer.spec.rate_mbit), netns=netns)
             if peer.spec.cpus is not None:
                 peer.cgroup = _make_cgroup(f"{self.id}-{peer.index}", peer.spec.cpus)
         ports = [f"{p.veth_hub}:{p.spec.one_way_ms}" for p in self.peers.values()]
-        self._switch = subprocess.Popen(["ip", "netns", "exec", self.hub, sys.executable, "-m", "bench.delay_switch", *ports], stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True, text=True)  # fmt: skip
+        self._switch = subprocess.Popen(
+            ["ip", "netns", "exec", self.hub, sys.executable, "-m", "bench.delay_switch", *ports],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            start_new_session=True,
+            text=True,
+        )
         ready = self._switch.stdout.readline()  # it prints its ports once its sockets are open
         if not ready.startswith('{"switch"'):
             raise RuntimeError(f"the arena's switch did not start: {ready.strip() or self._switch.wait(5)}")
@@ -217,15 +234,24 @@ class Arena:
         self._built = False
 
     # ---------------------------------------------------------------- use
-    def popen(self, peer: str, argv: list[str], *, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
+    def popen(
+        self, peer: str, argv: list[str], *, env: dict[str, str] | None = None, log: Path | None = None
+    ) -> subprocess.Popen:
         """Start ``argv`` inside ``peer``'s namespace (and CPU cap), with this process's
         environment less its ``SWARM_*`` settings, plus ``env``; stopped by :meth:`close`."""
         p = self.peers[peer]
         out = open(log, "ab") if log else subprocess.DEVNULL
         try:
-            base = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}  # the caller's swarm settings stay out
-            proc = subprocess.Popen(["ip", "netns", "exec", p.netns, *argv], env={**base, "PYTHONPATH": str(REPO), **(env or {})}, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            base = {
+                k: v for k, v in os.environ.items() if not k.startswith("SWARM_")
+            }  # the caller's swarm settings stay out
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", p.netns, *argv],
+                env={**base, "PYTHONPATH": str(REPO), **(env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         finally:
             if log:
                 out.close()
@@ -252,8 +278,11 @@ class Arena:
 
         links = json.loads(_run("ip", "-j", "-s", "link", "show", netns=self.hub).stdout)
         by_name = {link["ifname"]: link["stats64"] for link in links if "stats64" in link}
-        return {name: {"sent": by_name[p.veth_hub]["rx"]["bytes"], "received": by_name[p.veth_hub]["tx"]["bytes"]}
-                for name, p in self.peers.items() if p.veth_hub in by_name}  # fmt: skip
+        return {
+            name: {"sent": by_name[p.veth_hub]["rx"]["bytes"], "received": by_name[p.veth_hub]["tx"]["bytes"]}
+            for name, p in self.peers.items()
+            if p.veth_hub in by_name
+        }
 
     def qdiscs(self) -> dict[str, str]:
         """The tbf lines of every shaped interface, as ``tc`` shows them (peer -> upload | download)."""
@@ -338,18 +367,54 @@ def measure_link(arena: Arena, src: str, dst: str, *, port: int = 7000, seconds:
 
     a, b = arena.peers[src], arena.peers[dst]
     rate = min(a.spec.rate_mbit, b.spec.rate_mbit)
-    server = arena.popen(dst, [sys.executable, "-m", "bench.arena_probe", "serve", "--host", b.address, "--port", str(port)])
+    server = arena.popen(
+        dst, [sys.executable, "-m", "bench.arena_probe", "serve", "--host", b.address, "--port", str(port)]
+    )
     try:
         wait_listening(arena, src, b.address, port)
         to, env = f"{b.address}:{port}", {"PYTHONPATH": str(REPO)}
         nbytes = max(2**20, int(rate * 1e6 / 8 * seconds))
-        sent = json.loads(_run(sys.executable, "-m", "bench.arena_probe", "send", "--to", to, "--bytes", str(nbytes), netns=a.netns, env=env).stdout)
-        rtt = json.loads(_run(sys.executable, "-m", "bench.arena_probe", "ping", "--to", to, "--count", str(pings), netns=a.netns, env=env).stdout)
+        sent = json.loads(
+            _run(
+                sys.executable,
+                "-m",
+                "bench.arena_probe",
+                "send",
+                "--to",
+                to,
+                "--bytes",
+                str(nbytes),
+                netns=a.netns,
+                env=env,
+            ).stdout
+        )
+        rtt = json.loads(
+            _run(
+                sys.executable,
+                "-m",
+                "bench.arena_probe",
+                "ping",
+                "--to",
+                to,
+                "--count",
+                str(pings),
+                netns=a.netns,
+                env=env,
+            ).stdout
+        )
     finally:
         _stop(server)
         b.processes.remove(server)
-    return {"from": src, "to": dst, "set_mbit": rate, "mbit_s": round(sent["mbit_s"], 2), "bytes": sent["bytes"],
-            "set_rtt_ms": 2 * (a.spec.one_way_ms + b.spec.one_way_ms), "rtt_ms": round(rtt["rtt_ms_median"], 2), "rtt_ms_max": round(rtt["rtt_ms_max"], 2)}  # fmt: skip
+    return {
+        "from": src,
+        "to": dst,
+        "set_mbit": rate,
+        "mbit_s": round(sent["mbit_s"], 2),
+        "bytes": sent["bytes"],
+        "set_rtt_ms": 2 * (a.spec.one_way_ms + b.spec.one_way_ms),
+        "rtt_ms": round(rtt["rtt_ms_median"], 2),
+        "rtt_ms_max": round(rtt["rtt_ms_max"], 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,7 +427,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     links = sub.add_parser("links", help="measure two-peer links as the arena builds them")
     links.add_argument("--rates", default="10,50,200", help="Mbit/s, comma-separated (default 10,50,200)")
-    links.add_argument("--one-way-ms", type=float, default=10.0, help="one-way latency of each peer's link: 2 x 10 ms = 20 ms one way peer to peer (default 10)")
+    links.add_argument(
+        "--one-way-ms",
+        type=float,
+        default=10.0,
+        help="one-way latency of each peer's link: 2 x 10 ms = 20 ms one way peer to peer (default 10)",
+    )
     sub.add_parser("cleanup", help="remove the namespaces and cgroups of arenas whose process is gone")
     args = p.parse_args(argv)
     why = unavailable()

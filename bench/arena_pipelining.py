@@ -54,14 +54,22 @@ def stock_adamw(model: torch.nn.Module, optim: OptimizerConfig) -> torch.optim.A
     """AdamW as a stage server builds it: weight decay on matrices only."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=optim.lr, betas=optim.betas)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=optim.lr,
+        betas=optim.betas,
+    )
 
 
 def stock_optimizer_config() -> OptimizerConfig:
     """The stage servers' defaults (``SWARM_LR``, ``SWARM_WEIGHT_DECAY``, ...)."""
     field = StageServerSettings.model_fields
-    return OptimizerConfig(lr=field["lr"].default, weight_decay=field["weight_decay"].default, warmup_steps=field["warmup_steps"].default,
-                           max_grad_norm=field["max_grad_norm"].default)  # fmt: skip
+    return OptimizerConfig(
+        lr=field["lr"].default,
+        weight_decay=field["weight_decay"].default,
+        warmup_steps=field["warmup_steps"].default,
+        max_grad_norm=field["max_grad_norm"].default,
+    )
 
 
 class Rank:
@@ -80,7 +88,11 @@ class Rank:
 
         model = build_stage(self.work.gpt_config(), self.rank, self.world, seed=0)
         optimizer = stock_adamw(model, self.optim)
-        schedule = Schedule1F1B(PipelineStage(model, self.rank, self.world, torch.device("cpu")), n_microbatches=microbatches, loss_fn=loss_fn)
+        schedule = Schedule1F1B(
+            PipelineStage(model, self.rank, self.world, torch.device("cpu")),
+            n_microbatches=microbatches,
+            loss_fn=loss_fn,
+        )
         return model, optimizer, schedule
 
     def step_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +108,9 @@ class Rank:
             schedule.step(target=y, losses=[])
         else:
             schedule.step()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()), self.optim.max_grad_norm if self.optim.max_grad_norm > 0 else math.inf)
+        torch.nn.utils.clip_grad_norm_(
+            list(model.parameters()), self.optim.max_grad_norm if self.optim.max_grad_norm > 0 else math.inf
+        )
         for group in optimizer.param_groups:
             group["lr"] = self.optim.lr_at(step)
         optimizer.step()
@@ -138,7 +152,12 @@ class Rank:
             self.dist.barrier()
             timings[n] = time.perf_counter() - started
             if self.rank == self.world - 1:
-                emit("sweep", microbatches=n, microbatch_size=self.work.samples_per_step // n, step_s=round(timings[n], 3))
+                emit(
+                    "sweep",
+                    microbatches=n,
+                    microbatch_size=self.work.samples_per_step // n,
+                    step_s=round(timings[n], 3),
+                )
         best = min(timings, key=timings.get)
         return int(self.decide(best))
 
@@ -159,19 +178,29 @@ class Rank:
                 loss = self.evaluate(model)
                 eval_s += time.perf_counter() - eval_started
                 if last:
-                    emit("eval", step=step, samples=step * self.work.samples_per_step, elapsed_s=round(elapsed, 3), loss=round(loss, 4))
+                    emit(
+                        "eval",
+                        step=step,
+                        samples=step * self.work.samples_per_step,
+                        elapsed_s=round(elapsed, 3),
+                        loss=round(loss, 4),
+                    )
                     stop = stop or round(loss, 4) <= target  # as the bench reads it
             if self.decide(1.0 if stop else 0.0):
                 break
         if last:
-            emit("done", steps=step, elapsed_s=round(time.perf_counter() - started - eval_s, 3), eval_s=round(eval_s, 3))
+            emit(
+                "done", steps=step, elapsed_s=round(time.perf_counter() - started - eval_s, 3), eval_s=round(eval_s, 3)
+            )
 
 
 def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     cfg = json.loads(argv[0])
-    os.environ.update(MASTER_ADDR=cfg["master_addr"], MASTER_PORT=str(cfg["master_port"]), GLOO_SOCKET_IFNAME=cfg["ifname"])
+    os.environ.update(
+        MASTER_ADDR=cfg["master_addr"], MASTER_PORT=str(cfg["master_port"]), GLOO_SOCKET_IFNAME=cfg["ifname"]
+    )
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dist.init_process_group("gloo", rank=cfg["rank"], world_size=cfg["world"], timeout=timedelta(seconds=TIMEOUT_S))

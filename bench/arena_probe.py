@@ -68,7 +68,12 @@ async def send(host: str, port: int, nbytes: int) -> dict:
     writer.write_eof()
     received, seconds = struct.unpack("!Qd", await reader.readexactly(16))
     writer.close()
-    return {"bytes": received, "receive_s": seconds, "mbit_s": received * 8 / seconds / 1e6 if seconds else None, "total_s": time.monotonic() - started}
+    return {
+        "bytes": received,
+        "receive_s": seconds,
+        "mbit_s": received * 8 / seconds / 1e6 if seconds else None,
+        "total_s": time.monotonic() - started,
+    }
 
 
 async def ping(host: str, port: int, count: int) -> dict:
@@ -83,7 +88,12 @@ async def ping(host: str, port: int, count: int) -> dict:
         rtts.append(time.monotonic() - t)
     writer.close()
     rtts.sort()
-    return {"count": count, "rtt_ms_median": rtts[len(rtts) // 2] * 1000, "rtt_ms_min": rtts[0] * 1000, "rtt_ms_max": rtts[-1] * 1000}
+    return {
+        "count": count,
+        "rtt_ms_median": rtts[len(rtts) // 2] * 1000,
+        "rtt_ms_min": rtts[0] * 1000,
+        "rtt_ms_max": rtts[-1] * 1000,
+    }
 
 
 def wait_http(url: str, key: str, at_least: float, timeout_s: float) -> dict:

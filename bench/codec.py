@@ -25,7 +25,15 @@ from pathlib import Path
 
 import torch
 
-from shared.codec import FLOAT_CODECS, decode_tensor, encode_int8_dynamic, encode_tensor, pack_message, unpack_message, warm_up
+from shared.codec import (
+    FLOAT_CODECS,
+    decode_tensor,
+    encode_int8_dynamic,
+    encode_tensor,
+    pack_message,
+    unpack_message,
+    warm_up,
+)
 from bench.report import NOT_INSTALLED, BenchResult
 
 WIDTH = 1024
@@ -99,14 +107,49 @@ def measure(quick: bool) -> list[dict]:
         out = torch.empty_like(x)
         copy_s, clone_s = timed(lambda: out.copy_(x), min_s), timed(lambda: x.clone(), min_s)
         base = {"MiB": round(nbytes / 2**20, 2)}
-        rows.append({**base, "codec": "memcpy", "MB/s": nbytes / copy_s / 1e6, "x memcpy": 1.0, "rel. error": 0.0, "error if Gaussian": 0.0, "wire bytes": nbytes, "fp32/wire": 1.0})
-        rows.append({**base, "codec": "memcpy, new buffer", "MB/s": nbytes / clone_s / 1e6, "x memcpy": copy_s / clone_s, "rel. error": 0.0, "error if Gaussian": 0.0, "wire bytes": nbytes, "fp32/wire": 1.0})
-        trips = [(codec, lambda x, c=codec: round_trip(x, c)) for codec in FLOAT_CODECS] + [(DYNAMIC_INT8, dynamic_int8_round_trip)]
+        rows.append(
+            {
+                **base,
+                "codec": "memcpy",
+                "MB/s": nbytes / copy_s / 1e6,
+                "x memcpy": 1.0,
+                "rel. error": 0.0,
+                "error if Gaussian": 0.0,
+                "wire bytes": nbytes,
+                "fp32/wire": 1.0,
+            }
+        )
+        rows.append(
+            {
+                **base,
+                "codec": "memcpy, new buffer",
+                "MB/s": nbytes / clone_s / 1e6,
+                "x memcpy": copy_s / clone_s,
+                "rel. error": 0.0,
+                "error if Gaussian": 0.0,
+                "wire bytes": nbytes,
+                "fp32/wire": 1.0,
+            }
+        )
+        trips = [(codec, lambda x, c=codec: round_trip(x, c)) for codec in FLOAT_CODECS] + [
+            (DYNAMIC_INT8, dynamic_int8_round_trip)
+        ]
         trips += [("hivemind 8-bit", hivemind)] if hivemind else []
         for codec, trip in trips:
             seconds = timed(lambda: trip(x), min_s)
             y, wire = trip(x)
-            rows.append({**base, "codec": codec, "MB/s": nbytes / seconds / 1e6, "x memcpy": copy_s / seconds, "rel. error": rel_error(x, y), "error if Gaussian": rel_error(gaussian, trip(gaussian)[0]), "wire bytes": wire, "fp32/wire": nbytes / wire})
+            rows.append(
+                {
+                    **base,
+                    "codec": codec,
+                    "MB/s": nbytes / seconds / 1e6,
+                    "x memcpy": copy_s / seconds,
+                    "rel. error": rel_error(x, y),
+                    "error if Gaussian": rel_error(gaussian, trip(gaussian)[0]),
+                    "wire bytes": wire,
+                    "fp32/wire": nbytes / wire,
+                }
+            )
     if hivemind is None:
         rows.append({"MiB": "all", "codec": "hivemind 8-bit", **{c: NOT_INSTALLED for c in COLUMNS[2:]}})
     return rows
@@ -118,8 +161,16 @@ def _measure_in_child(ctx, env: dict[str, str], name: str) -> list[dict]:
     out = ctx.logs("codec") / f"{name}.json"
     clean = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     args = [sys.executable, "-m", "bench.codec", "--measure", str(out)] + (["--quick"] if ctx.quick else [])
-    pythonpath = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")) if p)
-    result = subprocess.run(args, env={**clean, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True, timeout=600)
+    pythonpath = os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")) if p
+    )
+    result = subprocess.run(
+        args,
+        env={**clean, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if result.returncode != 0:
         raise RuntimeError(f"codec measurement ({name}) failed: {result.stderr.strip().splitlines()[-1:]}")
     return json.loads(out.read_text())
@@ -127,15 +178,25 @@ def _measure_in_child(ctx, env: dict[str, str], name: str) -> list[dict]:
 
 def run(ctx) -> BenchResult:
     rows = _measure_in_child(ctx, {}, "default")
-    recycled = {(r["MiB"], r["codec"]): r["MB/s"] for r in _measure_in_child(ctx, {"GLIBC_TUNABLES": RECYCLE_TUNABLES}, "recycled")}
+    recycled = {
+        (r["MiB"], r["codec"]): r["MB/s"]
+        for r in _measure_in_child(ctx, {"GLIBC_TUNABLES": RECYCLE_TUNABLES}, "recycled")
+    }
     for row in rows:
         row["MB/s, buffers recycled"] = recycled.get((row["MiB"], row["codec"]))
     int8, int4, dynamic = ([r for r in rows if r["codec"] == codec] for codec in ("int8", "int4", DYNAMIC_INT8))
-    summary = {"int8_MBps_largest": int8[-1]["MB/s"], "int8_MBps_largest_recycled": int8[-1]["MB/s, buffers recycled"], "int8_rel_error_max": max(r["rel. error"] for r in int8),
-               "int8_fp32_over_wire_min": min(r["fp32/wire"] for r in int8),
-               "int8_dynamic_MBps_largest": dynamic[-1]["MB/s"], "int8_dynamic_rel_error_max": max(r["rel. error"] for r in dynamic),
-               "int4_MBps_largest": int4[-1]["MB/s"], "int4_rel_error_max": max(r["rel. error"] for r in int4), "int4_fp32_over_wire_min": min(r["fp32/wire"] for r in int4),
-               "hivemind": NOT_INSTALLED if any(r["MB/s"] == NOT_INSTALLED for r in rows) else "measured"}
+    summary = {
+        "int8_MBps_largest": int8[-1]["MB/s"],
+        "int8_MBps_largest_recycled": int8[-1]["MB/s, buffers recycled"],
+        "int8_rel_error_max": max(r["rel. error"] for r in int8),
+        "int8_fp32_over_wire_min": min(r["fp32/wire"] for r in int8),
+        "int8_dynamic_MBps_largest": dynamic[-1]["MB/s"],
+        "int8_dynamic_rel_error_max": max(r["rel. error"] for r in dynamic),
+        "int4_MBps_largest": int4[-1]["MB/s"],
+        "int4_rel_error_max": max(r["rel. error"] for r in int4),
+        "int4_fp32_over_wire_min": min(r["fp32/wire"] for r in int4),
+        "hivemind": NOT_INSTALLED if any(r["MB/s"] == NOT_INSTALLED for r in rows) else "measured",
+    }
     notes = [
         "MB/s: fp32 megabytes (1e6 B) of activation per second of encode+pack+unpack+decode, 1 thread, as the services run (glibc's default malloc); x memcpy: that speed over "
         "a plain tensor copy's into a buffer allocated beforehand; memcpy, new buffer: the copy into freshly allocated memory (Tensor.clone)",
@@ -147,11 +208,22 @@ def run(ctx) -> BenchResult:
         "absmax quantization with one bfloat16 absmax per block",
         f"{DYNAMIC_INT8}: the int8 older peers send, still decoded: bitsandbytes blockwise dynamic quantization (block {DYNAMIC_BLOCK}, one fp32 absmax per block)",
     ]
-    return BenchResult("codec", "wire codecs: encode+decode speed, error, bytes", COLUMNS + ["MB/s, buffers recycled"], rows, params={"width": WIDTH, "threads": 1, "recycle_tunables": RECYCLE_TUNABLES}, notes=notes, summary=summary)
+    return BenchResult(
+        "codec",
+        "wire codecs: encode+decode speed, error, bytes",
+        COLUMNS + ["MB/s, buffers recycled"],
+        rows,
+        params={"width": WIDTH, "threads": 1, "recycle_tunables": RECYCLE_TUNABLES},
+        notes=notes,
+        summary=summary,
+    )
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.codec", description="measure the codec table in this process (what 'swarm bench codec' runs in a child)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.codec",
+        description="measure the codec table in this process (what 'swarm bench codec' runs in a child)",
+    )
     p.add_argument("--measure", required=True, metavar="OUT", help="write the rows here as JSON")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)

@@ -33,7 +33,20 @@ from services.trainer.trainer import Trainer
 from bench.pump import MeshClient
 from bench.report import BenchResult
 
-COLUMNS = ["wire", "replicas/stage", "trainers", "sync", "global steps", "samples", "loss before", "loss after", "vs fp32 x1", "seconds", "re-runs", "sync bytes/sample"]
+COLUMNS = [
+    "wire",
+    "replicas/stage",
+    "trainers",
+    "sync",
+    "global steps",
+    "samples",
+    "loss before",
+    "loss after",
+    "vs fp32 x1",
+    "seconds",
+    "re-runs",
+    "sync bytes/sample",
+]
 
 
 @dataclass(frozen=True)
@@ -50,8 +63,16 @@ class Plan:
 FULL = Plan(stages=4, samples=1280, global_batch=32, seq_len=128, microbatch_size=8, in_flight=4, local_steps=10)
 QUICK = Plan(stages=2, samples=64, global_batch=16, seq_len=32, microbatch_size=4, in_flight=4, local_steps=2)
 # (wire, replicas per stage, trainers, sync); fp32 x1 twice: the run-to-run spread
-CONFIGS = (("fp32", 1, 1, "global"), ("fp32", 1, 1, "global"), ("fp32", 2, 2, "global"), ("fp32", 2, 2, "local"), ("fp16", 1, 1, "global"), ("int8", 1, 1, "global"), ("int8", 2, 2, "global"),
-           ("int4", 1, 1, "global"))
+CONFIGS = (
+    ("fp32", 1, 1, "global"),
+    ("fp32", 1, 1, "global"),
+    ("fp32", 2, 2, "global"),
+    ("fp32", 2, 2, "local"),
+    ("fp16", 1, 1, "global"),
+    ("int8", 1, 1, "global"),
+    ("int8", 2, 2, "global"),
+    ("int4", 1, 1, "global"),
+)
 
 
 @contextlib.asynccontextmanager
@@ -69,12 +90,30 @@ async def local_swarm(run_id: str, plan: Plan, codec: str, replicas: int, sync: 
     port = free_port()
     coordinator = f"http://127.0.0.1:{port}"
     try:
-        await serve(create_coordinator(CoordinatorSettings(**common, port=port, state_db=":memory:", average_every_s=0.0, rebalance_every_s=0.0)), port)
+        await serve(
+            create_coordinator(
+                CoordinatorSettings(
+                    **common, port=port, state_db=":memory:", average_every_s=0.0, rebalance_every_s=0.0
+                )
+            ),
+            port,
+        )
         for stage in range(plan.stages):
             for _ in range(replicas):
                 port = free_port()
-                settings = StageServerSettings(**common, model="tiny", stage=stage, port=port, coordinator=coordinator, wire_codec=codec, seed=0,
-                                               global_batch=plan.global_batch, drain_timeout_s=5.0, sync=sync, local_steps=plan.local_steps)
+                settings = StageServerSettings(
+                    **common,
+                    model="tiny",
+                    stage=stage,
+                    port=port,
+                    coordinator=coordinator,
+                    wire_codec=codec,
+                    seed=0,
+                    global_batch=plan.global_batch,
+                    drain_timeout_s=5.0,
+                    sync=sync,
+                    local_steps=plan.local_steps,
+                )
                 await serve(create_stage(settings), port)
         yield coordinator
     finally:
@@ -88,13 +127,33 @@ async def train_one(plan: Plan, codec: str, replicas: int, trainers: int, sync: 
     async with local_swarm(run_id, plan, codec, replicas, sync) as coordinator, contextlib.AsyncExitStack() as stack:
         runs = []
         for t in range(trainers):
-            mesh = await stack.enter_async_context(MeshClient(run_id=run_id, num_stages=plan.stages, codec=codec, seq_len=plan.seq_len, microbatch_size=plan.microbatch_size, seed=0))
+            mesh = await stack.enter_async_context(
+                MeshClient(
+                    run_id=run_id,
+                    num_stages=plan.stages,
+                    codec=codec,
+                    seq_len=plan.seq_len,
+                    microbatch_size=plan.microbatch_size,
+                    seed=0,
+                )
+            )
             await mesh.use_coordinator(coordinator, refresh_s=0.5)
             await _wait_replicas(mesh, plan.stages * replicas)
             mesh.client.until_step = steps
             mesh.client.client_id = f"t{t}"
-            runs.append(Trainer(mesh.client, mesh.batcher, steps=steps, global_batch=plan.global_batch, in_flight=plan.in_flight // trainers, seed=0,
-                                shard_index=t, num_shards=trainers, before_final_eval=lambda view=mesh.view: view.average(60.0)))  # evaluate once the last step is applied
+            runs.append(
+                Trainer(
+                    mesh.client,
+                    mesh.batcher,
+                    steps=steps,
+                    global_batch=plan.global_batch,
+                    in_flight=plan.in_flight // trainers,
+                    seed=0,
+                    shard_index=t,
+                    num_shards=trainers,
+                    before_final_eval=lambda view=mesh.view: view.average(60.0),
+                )
+            )  # evaluate once the last step is applied
         summaries = await asyncio.gather(*(r.run() for r in runs))
         stage_steps, sync_bytes = [], 0  # every replica's global step, as it says; bytes of its rounds
         for url in (u for replicas_of in mesh.view.replicas() for u in replicas_of):
@@ -104,13 +163,25 @@ async def train_one(plan: Plan, codec: str, replicas: int, trainers: int, sync: 
                 sync_bytes += (await resp.json())["bytes_sent"]
     failed = sum(x.microbatches_failed for x in summaries)
     if failed:
-        raise RuntimeError(f"{failed} microbatches failed with {codec} x{replicas}: {[x.failures[-1] for x in summaries if x.failures]}")
+        raise RuntimeError(
+            f"{failed} microbatches failed with {codec} x{replicas}: {[x.failures[-1] for x in summaries if x.failures]}"
+        )
     first = summaries[0]
-    curve = [{"step": i + 1, "samples": (i + 1) * plan.global_batch, "loss": loss, "seconds": round(at, 3)} for i, (loss, at) in enumerate(zip(first.step_losses, first.step_elapsed_s))]
+    curve = [
+        {"step": i + 1, "samples": (i + 1) * plan.global_batch, "loss": loss, "seconds": round(at, 3)}
+        for i, (loss, at) in enumerate(zip(first.step_losses, first.step_elapsed_s))
+    ]
     samples = sum(x.tokens for x in summaries) // plan.seq_len
-    return {"global steps": min(stage_steps), "loss before": first.eval_loss_before, "loss after": first.eval_loss_after, "samples": samples,
-            "seconds": max(x.elapsed_s for x in summaries), "re-runs": sum(x.microbatch_reruns for x in summaries), "sync bytes/sample": round(sync_bytes / max(samples, 1)),
-            "curve": curve}
+    return {
+        "global steps": min(stage_steps),
+        "loss before": first.eval_loss_before,
+        "loss after": first.eval_loss_after,
+        "samples": samples,
+        "seconds": max(x.elapsed_s for x in summaries),
+        "re-runs": sum(x.microbatch_reruns for x in summaries),
+        "sync bytes/sample": round(sync_bytes / max(samples, 1)),
+        "curve": curve,
+    }
 
 
 async def _wait_replicas(mesh: MeshClient, count: int, timeout_s: float = 30.0) -> None:
@@ -147,6 +218,19 @@ def run(ctx) -> BenchResult:
         "one run per configuration, fp32 x1 twice: the order in which asynchronous microbatches finish varies from run to run, so the two show the noise a difference must exceed",
         "training loss against samples and against wall time: the 'curve' of each row in the JSON (the first trainer's mean loss per global step, and when it saw the step done)",
     ]
-    summary = {f"{r['wire'].split()[0]}{'_again' if 'again' in r['wire'] else ''}_x{r['replicas/stage']}{'_local' if r['sync'] == 'local' else ''}_vs_fp32": r["vs fp32 x1"] for r in rows}
+    summary = {
+        f"{r['wire'].split()[0]}{'_again' if 'again' in r['wire'] else ''}_x{r['replicas/stage']}{'_local' if r['sync'] == 'local' else ''}_vs_fp32": r[
+            "vs fp32 x1"
+        ]
+        for r in rows
+    }
     table = [{k: v for k, v in r.items() if k != "curve"} for r in rows]
-    return BenchResult("convergence", "loss after the same samples: wire codecs, one model on 2 replicas x 2 trainers", COLUMNS, table, params={**vars(plan), "curves": [r["curve"] for r in rows]}, notes=notes, summary=summary)
+    return BenchResult(
+        "convergence",
+        "loss after the same samples: wire codecs, one model on 2 replicas x 2 trainers",
+        COLUMNS,
+        table,
+        params={**vars(plan), "curves": [r["curve"] for r in rows]},
+        notes=notes,
+        summary=summary,
+    )

@@ -78,10 +78,28 @@ async def measure(urls: list[str], rid: str, contexts: tuple[int, ...], tokens: 
             cached, cached_tokens = await with_session(http, balancer, rid, prompt, tokens)
             whole, whole_tokens = await without_cache(http, balancer, rid, prompt, tokens)
             per_token = statistics.median(cached)
-            rows.append({"context": context, "way": "session (KV cache)", "ms/token": per_token * 1e3, "tokens/s": 1 / per_token, "x session": 1.0, "steps": len(cached)})
+            rows.append(
+                {
+                    "context": context,
+                    "way": "session (KV cache)",
+                    "ms/token": per_token * 1e3,
+                    "tokens/s": 1 / per_token,
+                    "x session": 1.0,
+                    "steps": len(cached),
+                }
+            )
             slow = statistics.median(whole)
-            rows.append({"context": context, "way": "no cache (whole prefix)", "ms/token": slow * 1e3, "tokens/s": 1 / slow, "x session": slow / per_token, "steps": len(whole),
-                         "same tokens": cached_tokens == whole_tokens})  # fmt: skip
+            rows.append(
+                {
+                    "context": context,
+                    "way": "no cache (whole prefix)",
+                    "ms/token": slow * 1e3,
+                    "tokens/s": 1 / slow,
+                    "x session": slow / per_token,
+                    "steps": len(whole),
+                    "same tokens": cached_tokens == whole_tokens,
+                }
+            )
     return rows
 
 
@@ -95,13 +113,25 @@ def run(ctx) -> BenchResult:
         rows = asyncio.run(measure(list(servers.values()), rid, contexts, tokens))
     by = {(r["context"], r["way"]): r for r in rows}
     first, last = contexts[0], contexts[-1]
-    growth = {way: by[(last, way)]["ms/token"] / by[(first, way)]["ms/token"] for way in ("session (KV cache)", "no cache (whole prefix)")}
+    growth = {
+        way: by[(last, way)]["ms/token"] / by[(first, way)]["ms/token"]
+        for way in ("session (KV cache)", "no cache (whole prefix)")
+    }
     notes = [
         f"a GPT of d_model {DIMS['d_model']}, {DIMS['n_layer']} layers, {DIMS['n_head']} heads, byte vocabulary, cut into {NUM_STAGES} stage servers (own processes, 1 thread each) on loopback, fp32 wire",
         f"per context: a prompt of that many tokens, then {tokens} new tokens greedily, one step each; ms/token: the median step (all four stages, HTTP included)",
         "session: the servers keep each layer's keys and values; no cache: every step sends the whole prefix and every position is computed again",
         f"from {first} to {last} tokens of context the time per token grows {growth['session (KV cache)']:.2f}x with sessions and {growth['no cache (whole prefix)']:.2f}x without",
     ]
-    summary = {f"growth {way}": g for way, g in growth.items()} | {f"x session at {last}": by[(last, 'no cache (whole prefix)')]["x session"]}
-    return BenchResult("generation", "time per new token: sessions with KV caches vs the whole prefix every token", COLUMNS, rows,
-                       params={"dims": DIMS, "model": MODEL, "contexts": list(contexts), "tokens": tokens, "num_stages": NUM_STAGES}, notes=notes, summary=summary)  # fmt: skip
+    summary = {f"growth {way}": g for way, g in growth.items()} | {
+        f"x session at {last}": by[(last, "no cache (whole prefix)")]["x session"]
+    }
+    return BenchResult(
+        "generation",
+        "time per new token: sessions with KV caches vs the whole prefix every token",
+        COLUMNS,
+        rows,
+        params={"dims": DIMS, "model": MODEL, "contexts": list(contexts), "tokens": tokens, "num_stages": NUM_STAGES},
+        notes=notes,
+        summary=summary,
+    )

@@ -31,7 +31,17 @@ NUM_STAGES, STAGE = 3, 1
 FULL_KIB = (64, 256, 1024, 4096, 16384)
 QUICK_KIB = (64, 256)
 CONCURRENT = 4
-COLUMNS = ["KiB", "codec", "hop ms", "compute ms", "other ms", "other share", "hops/s", f"hops/s x{CONCURRENT}", "hivemind"]
+COLUMNS = [
+    "KiB",
+    "codec",
+    "hop ms",
+    "compute ms",
+    "other ms",
+    "other share",
+    "hops/s",
+    f"hops/s x{CONCURRENT}",
+    "hivemind",
+]
 
 
 def shape_of(kib: int) -> tuple[int, int, int]:
@@ -74,8 +84,17 @@ async def measure_size(session: aiohttp.ClientSession, url: str, kib: int, codec
     await asyncio.gather(*(worker(w) for w in range(CONCURRENT)))
     concurrent = CONCURRENT * per_worker / (time.perf_counter() - t)
     latency, compute, other = (statistics.median(v) for v in (times, computes, others))
-    return {"KiB": kib, "codec": codec, "hop ms": latency * 1e3, "compute ms": compute * 1e3, "other ms": other * 1e3,
-            "other share": statistics.median(o / t for o, t in zip(others, times)), "hops/s": 1 / latency, f"hops/s x{CONCURRENT}": concurrent, "reps": len(times)}
+    return {
+        "KiB": kib,
+        "codec": codec,
+        "hop ms": latency * 1e3,
+        "compute ms": compute * 1e3,
+        "other ms": other * 1e3,
+        "other share": statistics.median(o / t for o, t in zip(others, times)),
+        "hops/s": 1 / latency,
+        f"hops/s x{CONCURRENT}": concurrent,
+        "reps": len(times),
+    }
 
 
 async def measure(url: str, sizes, codecs, min_s: float) -> list[dict]:
@@ -106,4 +125,12 @@ def run(ctx) -> BenchResult:
         f"hops/s: one after another; hops/s x{CONCURRENT}: {CONCURRENT} hops in flight at once (the server computes one at a time, decoding and encoding the others meanwhile)",
     ]
     summary = {"int8_hop_ms_1MiB": at_1mib["hop ms"], "int8_other_ms_1MiB": at_1mib["other ms"], "hivemind": hivemind}
-    return BenchResult("hop", "one forward+backward hop over loopback vs the stage's compute", COLUMNS, rows, params={"dims": DIMS, "min_time_s": min_s, "server_threads": 1}, notes=notes, summary=summary)
+    return BenchResult(
+        "hop",
+        "one forward+backward hop over loopback vs the stage's compute",
+        COLUMNS,
+        rows,
+        params={"dims": DIMS, "min_time_s": min_s, "server_threads": 1},
+        notes=notes,
+        summary=summary,
+    )

@@ -33,7 +33,16 @@ from bench.square_cube import mesh_figures, plan
 from bench.workload import Workload
 
 TIMEOUT_S = 900.0
-COLUMNS = ["d_model", "pipelining tok/s", "mesh tok/s", "mesh / pipelining", "pipelining CPU s/token", "mesh CPU s/token", "mesh / pipelining per CPU s", "loss check"]
+COLUMNS = [
+    "d_model",
+    "pipelining tok/s",
+    "mesh tok/s",
+    "mesh / pipelining",
+    "pipelining CPU s/token",
+    "mesh CPU s/token",
+    "mesh / pipelining per CPU s",
+    "loss check",
+]
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -60,7 +69,11 @@ def worker(rank: int, world: int, port: int, plan_items: list[dict], out: Path) 
             work = Workload(**item["work"])
             model = build_stage(work.gpt_config(), rank, world, seed=0)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95))
-            schedule = Schedule1F1B(PipelineStage(model, rank, world, torch.device("cpu")), n_microbatches=work.microbatches_per_step, loss_fn=loss_fn)
+            schedule = Schedule1F1B(
+                PipelineStage(model, rank, world, torch.device("cpu")),
+                n_microbatches=work.microbatches_per_step,
+                loss_fn=loss_fn,
+            )
             first_loss, started, cpu_started = None, 0.0, 0.0
             for step in range(item["warmup_steps"] + item["steps"]):
                 if step == item["warmup_steps"]:
@@ -79,7 +92,13 @@ def worker(rank: int, world: int, port: int, plan_items: list[dict], out: Path) 
                 if step == 0 and losses:
                     first_loss = float(torch.stack([l.detach() for l in losses]).mean())
             dist.barrier()
-            results.append({"wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started, "first_loss": first_loss})
+            results.append(
+                {
+                    "wall_s": time.perf_counter() - started,
+                    "cpu_s": time.process_time() - cpu_started,
+                    "first_loss": first_loss,
+                }
+            )
     finally:
         dist.destroy_process_group()
     out.write_text(json.dumps(results))
@@ -96,7 +115,11 @@ def run_pipelining(ctx, items: list[dict], world: int) -> list[dict]:
         out.unlink(missing_ok=True)
     with BenchProcesses(run_id("pipelining"), logs) as procs:
         for rank in range(world):
-            procs.start(f"rank{rank}", ["bench.pipelining", "--worker", str(rank), str(world), str(port), json.dumps(items), str(outs[rank])], {})
+            procs.start(
+                f"rank{rank}",
+                ["bench.pipelining", "--worker", str(rank), str(world), str(port), json.dumps(items), str(outs[rank])],
+                {},
+            )
         deadline = time.monotonic() + TIMEOUT_S
         for rank in range(world):
             proc = procs.procs[f"rank{rank}"]
@@ -106,9 +129,18 @@ def run_pipelining(ctx, items: list[dict], world: int) -> list[dict]:
                 raise RuntimeError(f"torch.distributed.pipelining did not finish within {TIMEOUT_S} s") from None
             if code != 0:
                 tail = (logs / f"rank{rank}.log").read_text(errors="replace").strip().splitlines()[-3:]
-                raise RuntimeError(f"torch.distributed.pipelining rank {rank} exited with status {code}: {' | '.join(tail)}")
+                raise RuntimeError(
+                    f"torch.distributed.pipelining rank {rank} exited with status {code}: {' | '.join(tail)}"
+                )
     per_rank = [json.loads(out.read_text()) for out in outs]
-    return [{"wall_s": per_rank[0][i]["wall_s"], "cpu_s": sum(r[i]["cpu_s"] for r in per_rank), "first_loss": per_rank[-1][i]["first_loss"]} for i in range(len(items))]
+    return [
+        {
+            "wall_s": per_rank[0][i]["wall_s"],
+            "cpu_s": sum(r[i]["cpu_s"] for r in per_rank),
+            "first_loss": per_rank[-1][i]["first_loss"],
+        }
+        for i in range(len(items))
+    ]
 
 
 def reference_loss(work: Workload) -> float:
@@ -122,7 +154,10 @@ def reference_loss(work: Workload) -> float:
 
 def run(ctx) -> BenchResult:
     works, stages, in_flight = plan(ctx.quick)
-    items = [{"work": vars(w), "warmup_steps": 1, "steps": max(2, measured // w.microbatches_per_step)} for w, _, measured in works]
+    items = [
+        {"work": vars(w), "warmup_steps": 1, "steps": max(2, measured // w.microbatches_per_step)}
+        for w, _, measured in works
+    ]
     try:
         pipe, error = run_pipelining(ctx, items, stages), ""
     except RuntimeError as exc:
@@ -130,12 +165,20 @@ def run(ctx) -> BenchResult:
     rows = []
     for (work, warmup, measured), item, p in zip(works, items, pipe):
         mesh = mesh_figures(ctx, work, warmup, measured, stages, in_flight)
-        row = {"d_model": work.d_model, "mesh tok/s": mesh["tokens_per_s"], "mesh CPU s/token": (mesh["server_cpu_s"] + mesh["trainer_cpu_s"]) / mesh["tokens"]}
+        row = {
+            "d_model": work.d_model,
+            "mesh tok/s": mesh["tokens_per_s"],
+            "mesh CPU s/token": (mesh["server_cpu_s"] + mesh["trainer_cpu_s"]) / mesh["tokens"],
+        }
         if p is None:
             row |= {"pipelining tok/s": f"failed: {error}"}
         else:
             tokens = item["steps"] * work.microbatches_per_step * work.tokens_per_microbatch
-            row |= {"pipelining tok/s": tokens / p["wall_s"], "mesh / pipelining": mesh["tokens_per_s"] * p["wall_s"] / tokens, "pipelining CPU s/token": p["cpu_s"] / tokens}
+            row |= {
+                "pipelining tok/s": tokens / p["wall_s"],
+                "mesh / pipelining": mesh["tokens_per_s"] * p["wall_s"] / tokens,
+                "pipelining CPU s/token": p["cpu_s"] / tokens,
+            }
             row["mesh / pipelining per CPU s"] = row["pipelining CPU s/token"] / row["mesh CPU s/token"]
             if work is works[0][0] and p["first_loss"] is not None:
                 ref = reference_loss(work)
@@ -152,7 +195,15 @@ def run(ctx) -> BenchResult:
     if error:
         notes.append(f"torch.distributed.pipelining could not run here: {error}")
     summary = {f"ratio_d{r['d_model']}": r.get("mesh / pipelining") for r in rows} | {"error": error or None}
-    return BenchResult("pipelining", "mesh vs torch.distributed.pipelining (gloo, 1F1B)", COLUMNS, rows, params={"stages": stages, "items": items, "in_flight": in_flight}, notes=notes, summary=summary)
+    return BenchResult(
+        "pipelining",
+        "mesh vs torch.distributed.pipelining (gloo, 1F1B)",
+        COLUMNS,
+        rows,
+        params={"stages": stages, "items": items, "in_flight": in_flight},
+        notes=notes,
+        summary=summary,
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -63,9 +63,22 @@ class BenchProcesses:
         """``python -m ARGS`` with the bench's base settings plus ``env``."""
         clean = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
         pythonpath = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
-        base = {"PYTHONPATH": pythonpath, "SWARM_RUN_ID": self.run_id, "SWARM_MDNS": "false", "SWARM_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "SWARM_LOG_LEVEL": "warning"}
+        base = {
+            "PYTHONPATH": pythonpath,
+            "SWARM_RUN_ID": self.run_id,
+            "SWARM_MDNS": "false",
+            "SWARM_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1",
+            "SWARM_LOG_LEVEL": "warning",
+        }
         with open(self.log_dir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", *args], env={**clean, **base, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", *args],
+                env={**clean, **base, **env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs[name] = proc
         return proc
 
@@ -73,17 +86,37 @@ class BenchProcesses:
         """A coordinator (averaging and rebalancing off unless ``env`` turns them on), not
         waited for: servers started with its URL keep trying to register. Returns (name, URL)."""
         port = free_port()
-        settings = {"SWARM_PORT": str(port), "SWARM_NUM_STAGES": str(num_stages), "SWARM_STATE_DB": str(self.log_dir / f"coordinator-{port}.sqlite"),
-                    "SWARM_AVERAGE_EVERY_S": "0", "SWARM_REBALANCE_EVERY_S": "0", **(env or {})}
+        settings = {
+            "SWARM_PORT": str(port),
+            "SWARM_NUM_STAGES": str(num_stages),
+            "SWARM_STATE_DB": str(self.log_dir / f"coordinator-{port}.sqlite"),
+            "SWARM_AVERAGE_EVERY_S": "0",
+            "SWARM_REBALANCE_EVERY_S": "0",
+            **(env or {}),
+        }
         name = f"coordinator-{port}"
         self.start(name, ["services.coordinator"], settings)
         return name, f"http://127.0.0.1:{port}"
 
-    def stage_server(self, stage: int, num_stages: int, env: dict[str, str] | None = None, *, dims: dict[str, int] | None = None, name: str = "") -> tuple[str, str]:
+    def stage_server(
+        self,
+        stage: int,
+        num_stages: int,
+        env: dict[str, str] | None = None,
+        *,
+        dims: dict[str, int] | None = None,
+        name: str = "",
+    ) -> tuple[str, str]:
         """A stage server (not waited for); ``dims`` (d_model, n_layer, n_head) gives its model
         other dimensions than the preset's (``bench.stage_proc``). Returns (name, URL)."""
         port = free_port()
-        settings = {"SWARM_STAGE": str(stage), "SWARM_PORT": str(port), "SWARM_NUM_STAGES": str(num_stages), "SWARM_DRAIN_TIMEOUT_S": "2", **(env or {})}
+        settings = {
+            "SWARM_STAGE": str(stage),
+            "SWARM_PORT": str(port),
+            "SWARM_NUM_STAGES": str(num_stages),
+            "SWARM_DRAIN_TIMEOUT_S": "2",
+            **(env or {}),
+        }
         args = ["services.stage_server"]
         if dims:
             args = ["bench.stage_proc"] + [f"--bench-{k.replace('_', '-')}={v}" for k, v in dims.items()]

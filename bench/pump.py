@@ -61,8 +61,19 @@ class PumpLog:
 class MeshClient:
     """A session, a balancer and a pipeline client for one run; ``coordinator`` or static URLs."""
 
-    def __init__(self, *, run_id: str, num_stages: int, codec: str, seq_len: int, microbatch_size: int, seed: int = 0, timeouts: HopTimeouts = HopTimeouts(60.0, 120.0), max_retries: int = 3,
-                 routing: str = TrainerSettings.model_fields["routing"].default):
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        num_stages: int,
+        codec: str,
+        seq_len: int,
+        microbatch_size: int,
+        seed: int = 0,
+        timeouts: HopTimeouts = HopTimeouts(60.0, 120.0),
+        max_retries: int = 3,
+        routing: str = TrainerSettings.model_fields["routing"].default,
+    ):
         self.run_id, self.num_stages, self.codec, self.routing = run_id, num_stages, codec, routing
         self.batcher = ByteBatcher(load_corpus(), seq_len, microbatch_size, seed=seed)
         self.balancer = ReplicaBalancer(num_stages, rng=random.Random(seed))
@@ -72,9 +83,19 @@ class MeshClient:
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> "MeshClient":
-        self.session = await self._stack.enter_async_context(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
-        self.client = PipelineClient(self.session, self.balancer, run_id=self.run_id, codec=self.codec, timeouts=self.timeouts, retry=self.retry,
-                                     on_stage_empty=self._stage_empty, routing=self.routing)
+        self.session = await self._stack.enter_async_context(
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        )
+        self.client = PipelineClient(
+            self.session,
+            self.balancer,
+            run_id=self.run_id,
+            codec=self.codec,
+            timeouts=self.timeouts,
+            retry=self.retry,
+            on_stage_empty=self._stage_empty,
+            routing=self.routing,
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -101,8 +122,17 @@ class MeshClient:
         if self.view is not None:
             await self.view.refresh()
 
-    async def pump(self, *, in_flight: int, count: int | None = None, seconds: float | None = None, first_index: int = 0,
-                   stop_after: int | None = None, on_complete: Callable[[PumpLog], None] | None = None, stop: asyncio.Event | None = None) -> PumpLog:
+    async def pump(
+        self,
+        *,
+        in_flight: int,
+        count: int | None = None,
+        seconds: float | None = None,
+        first_index: int = 0,
+        stop_after: int | None = None,
+        on_complete: Callable[[PumpLog], None] | None = None,
+        stop: asyncio.Event | None = None,
+    ) -> PumpLog:
         """Train microbatches ``first_index, first_index + 1, ...`` with ``in_flight`` at once,
         until ``count`` were started, ``seconds`` passed or ``stop`` is set; with
         ``stop_after``, the microbatches still running once that many completed are
@@ -115,7 +145,12 @@ class MeshClient:
 
         async def worker() -> None:
             nonlocal next_index
-            while time.monotonic() < deadline and (count is None or next_index < first_index + count) and not enough.is_set() and not (stop and stop.is_set()):
+            while (
+                time.monotonic() < deadline
+                and (count is None or next_index < first_index + count)
+                and not enough.is_set()
+                and not (stop and stop.is_set())
+            ):
                 index, next_index = next_index, next_index + 1
                 mb = self.batcher.microbatch(index)
                 try:

@@ -37,7 +37,14 @@ def machine() -> dict:
 
     cpu = ""
     try:
-        cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name")), "")
+        cpu = next(
+            (
+                l.split(":", 1)[1].strip()
+                for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")
+            ),
+            "",
+        )
     except OSError:
         pass
     return {
@@ -74,7 +81,11 @@ def format_table(result: BenchResult) -> str:
     cells = [[_cell(row.get(c)) for c in result.columns] for row in result.rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(result.columns)]
     line = lambda values: "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths)))
-    out = [f"== {result.name}: {result.title} ({result.elapsed_s:.0f} s)", line(result.columns), line(["-" * w for w in widths])]
+    out = [
+        f"== {result.name}: {result.title} ({result.elapsed_s:.0f} s)",
+        line(result.columns),
+        line(["-" * w for w in widths]),
+    ]
     out += [line(r) for r in cells]
     out += [f"  * {note}" for note in result.notes]
     return "\n".join(out)
@@ -82,8 +93,15 @@ def format_table(result: BenchResult) -> str:
 
 def format_markdown(result: BenchResult) -> str:
     """The rows as a markdown table (for docs/benchmarks.md), notes as a list."""
-    out = [f"### {result.name}: {result.title}", "", "| " + " | ".join(result.columns) + " |", "|" + "---|" * len(result.columns)]
-    out += ["| " + " | ".join(_cell(row.get(c)).replace("|", "\\|") for c in result.columns) + " |" for row in result.rows]
+    out = [
+        f"### {result.name}: {result.title}",
+        "",
+        "| " + " | ".join(result.columns) + " |",
+        "|" + "---|" * len(result.columns),
+    ]
+    out += [
+        "| " + " | ".join(_cell(row.get(c)).replace("|", "\\|") for c in result.columns) + " |" for row in result.rows
+    ]
     if result.notes:
         out.append("")
         out += [f"- {note}" for note in result.notes]

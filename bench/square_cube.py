@@ -22,7 +22,20 @@ STAGES, CODEC, IN_FLIGHT = 4, "int8", 8
 # d_model -> (warm-up, measured) microbatches of 8 x 128 tokens: about 10-50 s a side at 2 cores
 FULL = {256: (4, 24), 512: (4, 12), 1024: (4, 6)}
 QUICK_WORK = Workload(d_model=64, n_layer=2, seq_len=32, microbatch_size=4, samples_per_step=8)
-COLUMNS = ["d_model", "params M", "mesh tok/s", "1 process tok/s", "threads", "mesh / 1 process", "CPU efficiency", "compute share", "recompute share", "comm share", "idle share", "others share"]
+COLUMNS = [
+    "d_model",
+    "params M",
+    "mesh tok/s",
+    "1 process tok/s",
+    "threads",
+    "mesh / 1 process",
+    "CPU efficiency",
+    "compute share",
+    "recompute share",
+    "comm share",
+    "idle share",
+    "others share",
+]
 
 
 def plan(quick: bool) -> tuple[list[tuple[Workload, int, int]], int, int]:
@@ -37,7 +50,9 @@ def mesh_figures(ctx, work: Workload, warmup: int, measured: int, stages: int, i
     key = ("mesh", work, stages, CODEC, in_flight)
     if key not in ctx.cache:
         with BenchProcesses(run_id(f"mesh{work.d_model}"), ctx.logs("mesh")) as procs:
-            ctx.cache[key] = measure_mesh(work, procs, stages=stages, codec=CODEC, in_flight=in_flight, warmup=warmup, measured=measured)
+            ctx.cache[key] = measure_mesh(
+                work, procs, stages=stages, codec=CODEC, in_flight=in_flight, warmup=warmup, measured=measured
+            )
     return ctx.cache[key]
 
 
@@ -49,14 +64,30 @@ def run(ctx) -> BenchResult:
         mesh = mesh_figures(ctx, work, warmup, measured, stages, in_flight)
         # no pipeline to fill: half the mesh's microbatches measure one process as well
         one_thread = measure_one_process(work, threads=1, warmup=1, measured=max(2, measured // 2))
-        all_threads = measure_one_process(work, threads=n_cores, warmup=1, measured=max(2, measured // 2)) if n_cores > 1 else one_thread
+        all_threads = (
+            measure_one_process(work, threads=n_cores, warmup=1, measured=max(2, measured // 2))
+            if n_cores > 1
+            else one_thread
+        )
         single = max(one_thread, all_threads, key=lambda m: m["tokens_per_s"])
         params = sum(p.numel() for p in GPT(work.gpt_config()).parameters())
         shares = time_shares(mesh, one_thread["cpu_s_per_token"], n_cores)
         used = shares["compute share"] + shares["recompute share"] + shares["comm share"]
-        rows.append({"d_model": work.d_model, "params M": params / 1e6, "mesh tok/s": mesh["tokens_per_s"], "1 process tok/s": single["tokens_per_s"], "threads": single["threads"],
-                     "mesh / 1 process": mesh["tokens_per_s"] / single["tokens_per_s"], "CPU efficiency": shares["compute share"] / used if used else None, **shares,
-                     "1 process 1 thread tok/s": one_thread["tokens_per_s"], f"1 process {n_cores} threads tok/s": all_threads["tokens_per_s"], "mesh": mesh})
+        rows.append(
+            {
+                "d_model": work.d_model,
+                "params M": params / 1e6,
+                "mesh tok/s": mesh["tokens_per_s"],
+                "1 process tok/s": single["tokens_per_s"],
+                "threads": single["threads"],
+                "mesh / 1 process": mesh["tokens_per_s"] / single["tokens_per_s"],
+                "CPU efficiency": shares["compute share"] / used if used else None,
+                **shares,
+                "1 process 1 thread tok/s": one_thread["tokens_per_s"],
+                f"1 process {n_cores} threads tok/s": all_threads["tokens_per_s"],
+                "mesh": mesh,
+            }
+        )
     w = works[0][0]
     notes = [
         f"{w.n_layer} layers, seq {w.seq_len}, microbatch {w.microbatch_size}, AdamW every {w.samples_per_step} samples; mesh: {stages} stages x 1 replica, {CODEC} wire, {in_flight} microbatches in flight",
@@ -66,6 +97,21 @@ def run(ctx) -> BenchResult:
         "shares of the mesh's core-seconds (cores x window): compute (model math), recompute (forwards recomputed in backward because the stage stepped while the microbatch was in flight), comm (codec, msgpack, HTTP, Python around them), idle (stages waiting for work), "
         "others (CPU taken by other processes on the machine)",
     ]
-    summary = {f"ratio_d{r['d_model']}": r["mesh / 1 process"] for r in rows} | {f"cpu_efficiency_d{r['d_model']}": r["CPU efficiency"] for r in rows}
-    return BenchResult("square_cube", "mesh vs one process as d_model grows", COLUMNS, rows, params={"stages": stages, "codec": CODEC, "in_flight": in_flight, "cores": n_cores,
-                       "microbatches": {r[0].d_model: {"warmup": r[1], "measured": r[2]} for r in works}}, notes=notes, summary=summary)
+    summary = {f"ratio_d{r['d_model']}": r["mesh / 1 process"] for r in rows} | {
+        f"cpu_efficiency_d{r['d_model']}": r["CPU efficiency"] for r in rows
+    }
+    return BenchResult(
+        "square_cube",
+        "mesh vs one process as d_model grows",
+        COLUMNS,
+        rows,
+        params={
+            "stages": stages,
+            "codec": CODEC,
+            "in_flight": in_flight,
+            "cores": n_cores,
+            "microbatches": {r[0].d_model: {"warmup": r[1], "measured": r[2]} for r in works},
+        },
+        notes=notes,
+        summary=summary,
+    )

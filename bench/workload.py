@@ -96,20 +96,41 @@ def measure_one_process(work: Workload, *, threads: int, warmup: int, measured: 
     return {"tokens_per_s": tokens / wall, "cpu_s_per_token": cpu / tokens, "wall_s": wall, "threads": threads}
 
 
-def measure_mesh(work: Workload, procs: BenchProcesses, *, stages: int, codec: str, in_flight: int, warmup: int, measured: int) -> dict:
+def measure_mesh(
+    work: Workload, procs: BenchProcesses, *, stages: int, codec: str, in_flight: int, warmup: int, measured: int
+) -> dict:
     """Start ``stages`` stage servers (one replica each) with this workload's model, push
     microbatches through them from this process and measure the window from the end of
     microbatch ``warmup`` to the end of microbatch ``warmup + measured``; the servers are
     stopped before returning. CPU seconds of servers and trainer in that window too."""
-    servers = dict(procs.stage_server(s, stages, {"SWARM_WIRE_CODEC": codec, "SWARM_GLOBAL_BATCH": str(work.samples_per_step)}, dims=work.dims) for s in range(stages))
+    servers = dict(
+        procs.stage_server(
+            s, stages, {"SWARM_WIRE_CODEC": codec, "SWARM_GLOBAL_BATCH": str(work.samples_per_step)}, dims=work.dims
+        )
+        for s in range(stages)
+    )
     try:
         procs.wait_healthy(servers)
-        return asyncio.run(_pump_mesh(work, procs, servers, stages=stages, codec=codec, in_flight=in_flight, warmup=warmup, measured=measured))
+        return asyncio.run(
+            _pump_mesh(
+                work, procs, servers, stages=stages, codec=codec, in_flight=in_flight, warmup=warmup, measured=measured
+            )
+        )
     finally:
         procs.stop(list(servers))
 
 
-async def _pump_mesh(work: Workload, procs: BenchProcesses, servers: dict[str, str], *, stages: int, codec: str, in_flight: int, warmup: int, measured: int) -> dict:
+async def _pump_mesh(
+    work: Workload,
+    procs: BenchProcesses,
+    servers: dict[str, str],
+    *,
+    stages: int,
+    codec: str,
+    in_flight: int,
+    warmup: int,
+    measured: int,
+) -> dict:
     names = list(servers)
     marks: dict[int, tuple[float, float]] = {}  # completed count -> (servers' CPU s, trainer's CPU s)
 
@@ -117,18 +138,35 @@ async def _pump_mesh(work: Workload, procs: BenchProcesses, servers: dict[str, s
         if log.completed in (warmup, warmup + measured) and log.completed not in marks:
             marks[log.completed] = (procs.cpu_seconds(names), time.process_time(), machine_idle_seconds())
 
-    async with MeshClient(run_id=procs.run_id, num_stages=stages, codec=codec, seq_len=work.seq_len, microbatch_size=work.microbatch_size) as mesh:
+    async with MeshClient(
+        run_id=procs.run_id, num_stages=stages, codec=codec, seq_len=work.seq_len, microbatch_size=work.microbatch_size
+    ) as mesh:
         mesh.use_urls([[servers[n]] for n in names])
-        log = await mesh.pump(in_flight=in_flight, count=warmup + measured + in_flight, stop_after=warmup + measured, on_complete=on_complete)
-        stats = [await _stats(mesh.session, servers[n]) for n in names[:-1]]  # the last stage never caches: its backward is its forward
+        log = await mesh.pump(
+            in_flight=in_flight,
+            count=warmup + measured + in_flight,
+            stop_after=warmup + measured,
+            on_complete=on_complete,
+        )
+        stats = [
+            await _stats(mesh.session, servers[n]) for n in names[:-1]
+        ]  # the last stage never caches: its backward is its forward
     if log.failed:
         raise RuntimeError(f"{log.failed} microbatches failed on the mesh: {log.failures[-1]}")
     start, end, tokens = log.between_completions(warmup, warmup + measured)
     (srv0, trn0, idle0), (srv1, trn1, idle1) = marks[warmup], marks[warmup + measured]
     backwards = sum(st["backwards"] for st in stats)
     recomputed = 1.0 - sum(st["cache_hits"] for st in stats) / backwards if backwards else 0.0
-    return {"tokens_per_s": tokens / (end - start), "wall_s": end - start, "tokens": tokens, "server_cpu_s": srv1 - srv0, "trainer_cpu_s": trn1 - trn0, "machine_idle_s": idle1 - idle0,
-            "stages": stages, "recomputed_fraction": recomputed}
+    return {
+        "tokens_per_s": tokens / (end - start),
+        "wall_s": end - start,
+        "tokens": tokens,
+        "server_cpu_s": srv1 - srv0,
+        "trainer_cpu_s": trn1 - trn0,
+        "machine_idle_s": idle1 - idle0,
+        "stages": stages,
+        "recomputed_fraction": recomputed,
+    }
 
 
 async def _stats(session, url: str) -> dict:
@@ -145,5 +183,10 @@ def time_shares(mesh: dict, compute_cpu_s_per_token: float, n_cores: int) -> dic
     compute = min(used, compute_cpu_s_per_token * mesh["tokens"])
     recompute = min(used - compute, compute * mesh["recomputed_fraction"] * (mesh["stages"] - 1) / mesh["stages"] / 3)
     idle = min(max(0.0, capacity - used), mesh["machine_idle_s"])
-    return {"compute share": compute / capacity, "recompute share": recompute / capacity, "comm share": (used - compute - recompute) / capacity,
-            "idle share": idle / capacity, "others share": max(0.0, capacity - used - idle) / capacity}
+    return {
+        "compute share": compute / capacity,
+        "recompute share": recompute / capacity,
+        "comm share": (used - compute - recompute) / capacity,
+        "idle share": idle / capacity,
+        "others share": max(0.0, capacity - used - idle) / capacity,
+    }

@@ -23,11 +23,20 @@ COMMANDS = {
     "train": ("services.trainer.__main__", "train through stage servers"),
     "status": ("services.status", "show the live swarm: stages, replicas, throughput, lease age"),
     "up": ("services.local_swarm", "run a coordinator, stage servers and trainers on loopback and train"),
-    "export": ("services.export", "write the whole model from a checkpoint: one safetensors file, or a Hugging Face directory (--format hf)"),
-    "generate": ("services.generate", "generate text through the live swarm: inference sessions on the stage servers, streamed to the terminal"),
+    "export": (
+        "services.export",
+        "write the whole model from a checkpoint: one safetensors file, or a Hugging Face directory (--format hf)",
+    ),
+    "generate": (
+        "services.generate",
+        "generate text through the live swarm: inference sessions on the stage servers, streamed to the terminal",
+    ),
     "tokenizer": ("services.tokenizer_train", "train a byte-level BPE tokenizer on a corpus (swarm tokenizer train)"),
     "plot": ("services.plot", "draw loss and tokens/s against step from a run's metrics as a PNG"),
-    "simulate": ("services.simulator.__main__", "simulate a swarm across regions with preemption (SWARM vs fixed pipelines)"),
+    "simulate": (
+        "services.simulator.__main__",
+        "simulate a swarm across regions with preemption (SWARM vs fixed pipelines)",
+    ),
     "bench": ("bench.__main__", "benchmarks against one process, torch pipelining and hivemind; tables and JSON"),
 }
 

@@ -29,7 +29,15 @@ import safetensors
 import safetensors.torch
 import torch
 
-from shared.checkpoint import META, is_parameter, latest_checkpoint, read_meta, read_stage_file, state_from_bytes, step_dir
+from shared.checkpoint import (
+    META,
+    is_parameter,
+    latest_checkpoint,
+    read_meta,
+    read_stage_file,
+    state_from_bytes,
+    step_dir,
+)
 from shared.errors import BadPayload
 from shared.hf import save_hf
 from shared.model import ModelConfig, config_from_dict, whole_model, whole_parameters
@@ -75,10 +83,14 @@ def collect_parameters(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelConfig
         reference = dict(whole_model(cfg).named_parameters())
     missing, extra = sorted(reference.keys() - params.keys()), sorted(params.keys() - reference.keys())
     if missing or extra:
-        raise IncompleteCheckpoint(f"{ckpt}: the stages do not form the whole model: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise IncompleteCheckpoint(
+            f"{ckpt}: the stages do not form the whole model: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
     for name, p in reference.items():
         if params[name].shape != p.shape:
-            raise IncompleteCheckpoint(f"{ckpt}: {name!r} has shape {list(params[name].shape)}, the model needs {list(p.shape)}")
+            raise IncompleteCheckpoint(
+                f"{ckpt}: {name!r} has shape {list(params[name].shape)}, the model needs {list(p.shape)}"
+            )
     return params, cfg
 
 
@@ -88,15 +100,23 @@ def export(ckpt: Path, out: str | Path) -> Path:
     return Path(out)
 
 
-def export_hf(ckpt: Path, out_dir: str | Path, *, tokenizer: str = "", max_shard_mb: float = DEFAULT_MAX_SHARD_MB) -> list[Path]:
+def export_hf(
+    ckpt: Path, out_dir: str | Path, *, tokenizer: str = "", max_shard_mb: float = DEFAULT_MAX_SHARD_MB
+) -> list[Path]:
     """A Hugging Face model directory of checkpoint ``ckpt`` (and the tokenizer ``tokenizer``, if given)."""
     from shared.tokenizer import save_tokenizer
 
     params, cfg = collect_parameters(ckpt)
     tok = save_tokenizer(tokenizer, out_dir, model_max_length=cfg.block_size) if tokenizer else None
     if tok is not None and tok.vocab_size > cfg.vocab_size:
-        raise ValueError(f"the tokenizer {tok.name} has {tok.vocab_size} tokens, more than the model's vocabulary of {cfg.vocab_size} (--tokenizer)")
-    ids = {"bos_token_id": tok.bos_id if tok.bos_id is not None else tok.eos_id, "eos_token_id": tok.eos_id} if tok else {}
+        raise ValueError(
+            f"the tokenizer {tok.name} has {tok.vocab_size} tokens, more than the model's vocabulary of {cfg.vocab_size} (--tokenizer)"
+        )
+    ids = (
+        {"bos_token_id": tok.bos_id if tok.bos_id is not None else tok.eos_id, "eos_token_id": tok.eos_id}
+        if tok
+        else {}
+    )
     return save_hf(out_dir, params, cfg, max_shard_bytes=int(max_shard_mb * 2**20), **ids)
 
 
@@ -112,11 +132,29 @@ def load_exported(path: str | Path) -> torch.nn.Module:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="swarm export", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint-dir", required=True, help="the checkpoint directory (holds 'latest' and step-*/)")
-    p.add_argument("--out", required=True, help="the safetensors file (--format safetensors) or the directory (--format hf) to write")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="the safetensors file (--format safetensors) or the directory (--format hf) to write",
+    )
     p.add_argument("--step", type=int, default=None, help="export this step's checkpoint instead of the latest")
-    p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors", help="one safetensors file for this project's loader (default), or a Hugging Face model directory")
-    p.add_argument("--tokenizer", default="", help="--format hf: the run's tokenizer (a tokenizer.json or a directory holding one) to write beside the model")
-    p.add_argument("--max-shard-mb", type=float, default=DEFAULT_MAX_SHARD_MB, help=f"--format hf: largest safetensors file in MiB before the weights are sharded (default {DEFAULT_MAX_SHARD_MB})")
+    p.add_argument(
+        "--format",
+        choices=("safetensors", "hf"),
+        default="safetensors",
+        help="one safetensors file for this project's loader (default), or a Hugging Face model directory",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="",
+        help="--format hf: the run's tokenizer (a tokenizer.json or a directory holding one) to write beside the model",
+    )
+    p.add_argument(
+        "--max-shard-mb",
+        type=float,
+        default=DEFAULT_MAX_SHARD_MB,
+        help=f"--format hf: largest safetensors file in MiB before the weights are sharded (default {DEFAULT_MAX_SHARD_MB})",
+    )
     args = p.parse_args(argv)
     try:
         ckpt = find_checkpoint(args.checkpoint_dir, args.step)

@@ -32,20 +32,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="swarm generate", description=__doc__.split("\n\n")[0])
     p.add_argument("prompt", help="the text to continue ('-': read it from stdin)")
-    p.add_argument("--coordinator", default=env("SWARM_COORDINATOR", ""), help="coordinator URL (default: SWARM_COORDINATOR, else mDNS)")
-    p.add_argument("--stages", default=env("SWARM_STAGES", ""), help="stage server URLs instead of a coordinator: replicas ',' stages ';'")
+    p.add_argument(
+        "--coordinator",
+        default=env("SWARM_COORDINATOR", ""),
+        help="coordinator URL (default: SWARM_COORDINATOR, else mDNS)",
+    )
+    p.add_argument(
+        "--stages",
+        default=env("SWARM_STAGES", ""),
+        help="stage server URLs instead of a coordinator: replicas ',' stages ';'",
+    )
     p.add_argument("--run-id", default=env("SWARM_RUN_ID"), help="with mDNS: the run to look for")
     p.add_argument("--mdns-interfaces", default=env("SWARM_MDNS_INTERFACES", "all"))
-    p.add_argument("--tokenizer", default=env("SWARM_TOKENIZER", ""), help="a Hugging Face tokenizer.json or a directory holding one")
+    p.add_argument(
+        "--tokenizer",
+        default=env("SWARM_TOKENIZER", ""),
+        help="a Hugging Face tokenizer.json or a directory holding one",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); higher: more random")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens holding this much probability")
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="sample among the most likely tokens holding this much probability"
+    )
     p.add_argument("--stop", action="append", default=[], help="end the text before this string (repeatable)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling (same seed, same text)")
-    p.add_argument("--codec", default="fp32", choices=["fp32", "fp16", "bf16", "int8", "int4"], help="wire codec of the hidden states (default fp32)")
+    p.add_argument(
+        "--codec",
+        default="fp32",
+        choices=["fp32", "fp16", "bf16", "int8", "int4"],
+        help="wire codec of the hidden states (default fp32)",
+    )
     p.add_argument("--timeout-s", type=float, default=30.0, help="timeout of each request to a stage server")
-    p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of streaming the text")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of streaming the text"
+    )
     return p.parse_args(argv)
 
 
@@ -54,7 +75,9 @@ async def _stages_of(args, http) -> tuple[list[list[str]], str | None]:
     from shared.http import get_json
 
     if args.stages:
-        return [[u.strip().rstrip("/") for u in group.split(",") if u.strip()] for group in args.stages.split(";")], None
+        return [
+            [u.strip().rstrip("/") for u in group.split(",") if u.strip()] for group in args.stages.split(";")
+        ], None
     coordinator = args.coordinator
     if not coordinator:
         from shared.discovery import find_coordinator
@@ -78,7 +101,14 @@ async def run(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> int:
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop=tuple(args.stop), seed=args.seed)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            stop=tuple(args.stop),
+            seed=args.seed,
+        )
     except ValueError as exc:
         print(f"swarm generate: {exc}", file=err)
         return 2
@@ -91,12 +121,18 @@ async def run(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> int:
             cfg = config_from_dict(info["model_config"])
             if info["num_stages"] != len(stages):
                 raise LookupError(f"the servers cut the model into {info['num_stages']} stages, {len(stages)} listed")
-            tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else load_tokenizer(info["model"] if is_hf_dir(info["model"]) else "", "", cfg)
+            tokenizer = (
+                HFTokenizer(args.tokenizer)
+                if args.tokenizer
+                else load_tokenizer(info["model"] if is_hf_dir(info["model"]) else "", "", cfg)
+            )
             ids = tokenizer.encode_batch([prompt])[0]
             if not ids:
                 raise ValueError("the prompt is empty")
             if len(ids) + params.max_tokens > cfg.block_size:
-                raise ValueError(f"{len(ids)} prompt tokens + --max-tokens {params.max_tokens} exceed the model's {cfg.block_size} positions")
+                raise ValueError(
+                    f"{len(ids)} prompt tokens + --max-tokens {params.max_tokens} exceed the model's {cfg.block_size} positions"
+                )
         except (LookupError, ValueError, KeyError, RemoteError) as exc:
             print(f"swarm generate: {exc}", file=err)
             return 2
@@ -116,7 +152,15 @@ async def run(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> int:
         stream = TextStream(tokenizer.decode, params.stop)
         tokens: list[int] = []
         started = time.perf_counter()
-        session = SwarmSession(http, balancer, run_id=info["run_id"], max_length=len(ids) + params.max_tokens, codec=args.codec, timeout_s=args.timeout_s, refresh=refresh)
+        session = SwarmSession(
+            http,
+            balancer,
+            run_id=info["run_id"],
+            max_length=len(ids) + params.max_tokens,
+            codec=args.codec,
+            timeout_s=args.timeout_s,
+            refresh=refresh,
+        )
         try:
             async with session:
                 async for token in generate(session.step, ids, params, eos_id=tokenizer.eos_id):
@@ -132,13 +176,22 @@ async def run(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> int:
             return 1
         tail = stream.flush()
         elapsed = time.perf_counter() - started
-        stats = {"prompt_tokens": len(ids), "tokens": len(tokens), "seconds": round(elapsed, 3), "tokens_per_s": round(len(tokens) / elapsed, 2) if elapsed else None,
-                 "finish_reason": "length" if len(tokens) == params.max_tokens and not stream.stopped else "stop", **session.stats.to_dict()}  # fmt: skip
+        stats = {
+            "prompt_tokens": len(ids),
+            "tokens": len(tokens),
+            "seconds": round(elapsed, 3),
+            "tokens_per_s": round(len(tokens) / elapsed, 2) if elapsed else None,
+            "finish_reason": "length" if len(tokens) == params.max_tokens and not stream.stopped else "stop",
+            **session.stats.to_dict(),
+        }
         if args.json:
             out.write(json.dumps({"text": stream.out, "token_ids": tokens, **stats}) + "\n")
         else:
             out.write(tail + "\n")
-            print(f"[{stats['tokens']} tokens in {elapsed:.2f} s, {stats['tokens_per_s']} tokens/s; failovers {stats['failovers']}; weights at global step(s) {stats['weights_steps']}]", file=err)
+            print(
+                f"[{stats['tokens']} tokens in {elapsed:.2f} s, {stats['tokens_per_s']} tokens/s; failovers {stats['failovers']}; weights at global step(s) {stats['weights_steps']}]",
+                file=err,
+            )
         return 0
 
 

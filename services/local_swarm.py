@@ -60,7 +60,13 @@ class LocalProcesses:
         out = open(self.run_dir / f"{name}.log", "wb") if log_to_file else None
         if out:
             self._logs.append(out)
-        proc = subprocess.Popen([sys.executable, "-m", *args], env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *args],
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+        )
         self.procs[name] = proc
         return proc
 
@@ -71,7 +77,6 @@ class LocalProcesses:
         stop_processes(last)
         for f in self._logs:
             f.close()
-
 
 
 def stop_processes(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
@@ -109,33 +114,91 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=1, help="stage servers per stage (default 1)")
     p.add_argument("--trainers", type=int, default=1, help="trainers (default 1)")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period of the servers (default 1 s)")
-    p.add_argument("--steps", type=int, default=200, help="global steps to train, all trainers together: each step is --global-batch samples and one AdamW step of every stage, whatever the replicas and trainers (default 200)")
-    p.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face model directory (default tiny)")
-    p.add_argument("--tokenizer", default="", help="a tokenizer.json or a directory holding one (swarm tokenizer train); default: the model directory's, or bytes for the byte-level presets")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=200,
+        help="global steps to train, all trainers together: each step is --global-batch samples and one AdamW step of every stage, whatever the replicas and trainers (default 200)",
+    )
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face model directory (default tiny)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="",
+        help="a tokenizer.json or a directory holding one (swarm tokenizer train); default: the model directory's, or bytes for the byte-level presets",
+    )
     p.add_argument("--wire-codec", default="int8", choices=FLOAT_CODECS)
-    p.add_argument("--global-batch", type=int, default=32, help="samples of one global step, all trainers and replicas together (default 32)")
-    p.add_argument("--sync", default=os.environ.get("SWARM_SYNC", "global"), choices=("global", "local"),
-                   help="'global': a stage's replicas all-reduce every step's gradient; 'local' (DiLoCo): each steps on its own samples and every "
-                        "--local-steps steps they average what they learned in an outer step (SWARM_OUTER_LR, SWARM_OUTER_MOMENTUM) (default: SWARM_SYNC, else global)")
-    p.add_argument("--local-steps", type=int, default=os.environ.get("SWARM_LOCAL_STEPS", "10"), help="--sync local: global steps between outer steps (default: SWARM_LOCAL_STEPS, else 10)")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=32,
+        help="samples of one global step, all trainers and replicas together (default 32)",
+    )
+    p.add_argument(
+        "--sync",
+        default=os.environ.get("SWARM_SYNC", "global"),
+        choices=("global", "local"),
+        help="'global': a stage's replicas all-reduce every step's gradient; 'local' (DiLoCo): each steps on its own samples and every "
+        "--local-steps steps they average what they learned in an outer step (SWARM_OUTER_LR, SWARM_OUTER_MOMENTUM) (default: SWARM_SYNC, else global)",
+    )
+    p.add_argument(
+        "--local-steps",
+        type=int,
+        default=os.environ.get("SWARM_LOCAL_STEPS", "10"),
+        help="--sync local: global steps between outer steps (default: SWARM_LOCAL_STEPS, else 10)",
+    )
     p.add_argument("--microbatch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--in-flight", type=int, default=4, help="microbatches in flight (default 4)")
-    p.add_argument("--routing", default=os.environ.get("SWARM_ROUTING", "chain"), choices=("chain", "relay"),
-                   help="'chain': the stage servers pass activations and gradients to each other, the trainers send token ids; 'relay': the trainers carry every tensor between stages (default: SWARM_ROUTING, else chain)")
+    p.add_argument(
+        "--routing",
+        default=os.environ.get("SWARM_ROUTING", "chain"),
+        choices=("chain", "relay"),
+        help="'chain': the stage servers pass activations and gradients to each other, the trainers send token ids; 'relay': the trainers carry every tensor between stages (default: SWARM_ROUTING, else chain)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--corpus", default="", help="text file, JSONL, Parquet or a directory of them to train on (default: bundled Shakespeare)")
+    p.add_argument(
+        "--corpus",
+        default="",
+        help="text file, JSONL, Parquet or a directory of them to train on (default: bundled Shakespeare)",
+    )
     p.add_argument("--run-dir", default="", help="logs and metrics go here (default runs/<time>)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--ready-timeout-s", type=float, default=120.0)
     p.add_argument("--checkpoint-every-s", type=float, default=30.0, help="seconds between checkpoints (default 30)")
-    p.add_argument("--average-every-s", type=float, default=5.0, help="seconds between averaging rounds of a stage's replicas (default 5)")
-    p.add_argument("--rebalance-every-s", type=float, default=10.0, help="seconds between rebalancing checks; 0: never (default 10)")
+    p.add_argument(
+        "--average-every-s",
+        type=float,
+        default=5.0,
+        help="seconds between averaging rounds of a stage's replicas (default 5)",
+    )
+    p.add_argument(
+        "--rebalance-every-s",
+        type=float,
+        default=10.0,
+        help="seconds between rebalancing checks; 0: never (default 10)",
+    )
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
-    p.add_argument("--generate", default="", metavar="PROMPT", help="after training, continue PROMPT through the live swarm (greedy, --generate-tokens tokens) and print the text")
+    p.add_argument(
+        "--generate",
+        default="",
+        metavar="PROMPT",
+        help="after training, continue PROMPT through the live swarm (greedy, --generate-tokens tokens) and print the text",
+    )
     p.add_argument("--generate-tokens", type=int, default=64, help="tokens --generate generates (default 64)")
-    p.add_argument("--serve", action="store_true", help="after training, keep the coordinator and the stage servers up until Ctrl-C: swarm generate, the dashboard's prompt box and /v1/completions use the trained model")
-    p.add_argument("--progress", default=os.environ.get("SWARM_PROGRESS", "auto"), help="'bar' (live, even into a pipe), 'off', or 'auto': a bar on a terminal, else a plain line every 10 steps (default: SWARM_PROGRESS, else auto)")
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="after training, keep the coordinator and the stage servers up until Ctrl-C: swarm generate, the dashboard's prompt box and /v1/completions use the trained model",
+    )
+    p.add_argument(
+        "--progress",
+        default=os.environ.get("SWARM_PROGRESS", "auto"),
+        help="'bar' (live, even into a pipe), 'off', or 'auto': a bar on a terminal, else a plain line every 10 steps (default: SWARM_PROGRESS, else auto)",
+    )
     args = p.parse_args(argv)
     if args.local_steps < 1:
         p.error(f"--local-steps must be >= 1, got {args.local_steps}")
@@ -186,12 +249,25 @@ def main(argv: list[str] | None = None) -> int:
         servers = start_servers(procs, args, common)
         for name, url in servers.items():
             wait_healthy(url, procs.procs[name], args.ready_timeout_s)
-        print(f"swarm up: coordinator {coordinator}, {args.stages} stages x {args.replicas} replicas healthy; logs in {run_dir}/", flush=True)
+        print(
+            f"swarm up: coordinator {coordinator}, {args.stages} stages x {args.replicas} replicas healthy; logs in {run_dir}/",
+            flush=True,
+        )
         print(f"swarm up: live dashboard at {coordinator}/ ; metrics at {coordinator}/metrics", flush=True)
         display = choose_display(args.progress, sys.stderr, log_format=os.environ.get("SWARM_LOG_FORMAT", "console"))
-        follower = MetricsFollower([run_dir / f"metrics{s}.jsonl" for s in trainer_suffixes(args.trainers)], start_step=start_step)
-        trainers = start_trainers(procs, args, run_dir, {**common, "SWARM_START_STEP": str(start_step)}, logs_to_file=display == "bar")
-        status = watch_trainers(trainers, follower, ProgressDisplay(display, args.steps, stream=sys.stderr, initial_steps=start_step, every_steps=PROGRESS_EVERY_STEPS))
+        follower = MetricsFollower(
+            [run_dir / f"metrics{s}.jsonl" for s in trainer_suffixes(args.trainers)], start_step=start_step
+        )
+        trainers = start_trainers(
+            procs, args, run_dir, {**common, "SWARM_START_STEP": str(start_step)}, logs_to_file=display == "bar"
+        )
+        status = watch_trainers(
+            trainers,
+            follower,
+            ProgressDisplay(
+                display, args.steps, stream=sys.stderr, initial_steps=start_step, every_steps=PROGRESS_EVERY_STEPS
+            ),
+        )
         if display == "bar":
             report_trainers(trainers, run_dir)
         save_checkpoint(coordinator)
@@ -221,8 +297,15 @@ def check_model_and_data(args: argparse.Namespace) -> None:
     from shared.model import partition
     from services.trainer.data import make_batcher
 
-    settings = TrainerSettings(model=args.model, num_stages=args.stages, tokenizer=args.tokenizer, corpus=args.corpus, seq_len=args.seq_len,
-                               microbatch_size=args.microbatch_size, num_shards=args.trainers)  # fmt: skip
+    settings = TrainerSettings(
+        model=args.model,
+        num_stages=args.stages,
+        tokenizer=args.tokenizer,
+        corpus=args.corpus,
+        seq_len=args.seq_len,
+        microbatch_size=args.microbatch_size,
+        num_shards=args.trainers,
+    )
     cfg = check_hf_dir(args.model) if args.model not in PRESETS else settings.gpt_config()
     partition(cfg, args.stages)
     if args.seq_len > cfg.block_size:
@@ -235,22 +318,40 @@ def generate_text(coordinator: str, args: argparse.Namespace) -> int:
     from services.generate import parse_args as generate_args, run as generate
 
     print(f"swarm up: generating {args.generate_tokens} tokens through the swarm (greedy):", flush=True)
-    argv = ["--coordinator", coordinator, "--max-tokens", str(args.generate_tokens), *(["--tokenizer", args.tokenizer] if args.tokenizer else []), args.generate]
+    argv = [
+        "--coordinator",
+        coordinator,
+        "--max-tokens",
+        str(args.generate_tokens),
+        *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
+        args.generate,
+    ]
     sys.stdout.write(args.generate)
     return asyncio.run(generate(generate_args(argv)))
 
 
 def serve(coordinator: str, procs: LocalProcesses) -> None:
     """Keep the swarm up until Ctrl-C (or until the coordinator exits)."""
-    print(f"swarm up: serving the trained model until Ctrl-C: swarm generate --coordinator {coordinator} \"ROMEO:\"; "
-          f"the prompt box of {coordinator}/ ; POST {coordinator}/v1/completions", flush=True)  # fmt: skip
+    print(
+        f'swarm up: serving the trained model until Ctrl-C: swarm generate --coordinator {coordinator} "ROMEO:"; '
+        f"the prompt box of {coordinator}/ ; POST {coordinator}/v1/completions",
+        flush=True,
+    )
     procs.procs["coordinator"].wait()
 
 
 def start_coordinator(procs: LocalProcesses, args: argparse.Namespace, run_dir: Path, common: dict) -> str:
     port = free_port(args.host)
-    env = {**common, "SWARM_TOKENIZER": str(Path(args.tokenizer).resolve()) if args.tokenizer else "", "SWARM_HOST": args.host, "SWARM_PORT": str(port), "SWARM_STATE_DB": str(run_dir / "coordinator.sqlite"), "SWARM_CHECKPOINT_EVERY_S": str(args.checkpoint_every_s),
-           "SWARM_AVERAGE_EVERY_S": str(args.average_every_s), "SWARM_REBALANCE_EVERY_S": str(args.rebalance_every_s)}
+    env = {
+        **common,
+        "SWARM_TOKENIZER": str(Path(args.tokenizer).resolve()) if args.tokenizer else "",
+        "SWARM_HOST": args.host,
+        "SWARM_PORT": str(port),
+        "SWARM_STATE_DB": str(run_dir / "coordinator.sqlite"),
+        "SWARM_CHECKPOINT_EVERY_S": str(args.checkpoint_every_s),
+        "SWARM_AVERAGE_EVERY_S": str(args.average_every_s),
+        "SWARM_REBALANCE_EVERY_S": str(args.rebalance_every_s),
+    }
     proc = procs.start("coordinator", ["services.coordinator"], env)
     url = f"{_scheme()}://{args.host}:{port}"
     wait_healthy(url, proc, args.ready_timeout_s)
@@ -270,7 +371,14 @@ def _scheme() -> str:
 def save_checkpoint(coordinator: str) -> None:
     """Ask the coordinator for a checkpoint of the run as it is now (the end of training)."""
     try:
-        with urlopen_swarm(_security(), coordinator + "/checkpoint", data=b"{}", method="POST", content_type="application/json", timeout_s=120) as resp:
+        with urlopen_swarm(
+            _security(),
+            coordinator + "/checkpoint",
+            data=b"{}",
+            method="POST",
+            content_type="application/json",
+            timeout_s=120,
+        ) as resp:
             saved = json.loads(resp.read())
         print(f"swarm up: checkpoint of step {saved['step']} in {saved['path']}", flush=True)
     except (urllib.error.URLError, OSError, ValueError) as exc:
@@ -283,8 +391,16 @@ def start_servers(procs: LocalProcesses, args: argparse.Namespace, common: dict)
     for stage in range(args.stages):
         for replica in range(args.replicas):
             port = free_port(args.host)
-            env = {**common, "SWARM_STAGE": str(stage), "SWARM_PORT": str(port), "SWARM_HOST": args.host, "SWARM_LR": str(args.lr), "SWARM_GLOBAL_BATCH": str(args.global_batch),
-                   "SWARM_SYNC": args.sync, "SWARM_LOCAL_STEPS": str(args.local_steps)}  # fmt: skip
+            env = {
+                **common,
+                "SWARM_STAGE": str(stage),
+                "SWARM_PORT": str(port),
+                "SWARM_HOST": args.host,
+                "SWARM_LR": str(args.lr),
+                "SWARM_GLOBAL_BATCH": str(args.global_batch),
+                "SWARM_SYNC": args.sync,
+                "SWARM_LOCAL_STEPS": str(args.local_steps),
+            }
             name = f"stage{stage}-{replica}"
             procs.start(name, ["services.stage_server"], env)
             servers[name] = f"{_scheme()}://{args.host}:{port}"
@@ -296,7 +412,9 @@ def trainer_suffixes(trainers: int) -> list[str]:
     return [""] if trainers == 1 else [f"-{t}" for t in range(trainers)]
 
 
-def start_trainers(procs: LocalProcesses, args: argparse.Namespace, run_dir: Path, common: dict, *, logs_to_file: bool = False) -> list:
+def start_trainers(
+    procs: LocalProcesses, args: argparse.Namespace, run_dir: Path, common: dict, *, logs_to_file: bool = False
+) -> list:
     trainers = []
     for t, suffix in enumerate(trainer_suffixes(args.trainers)):
         env = {
@@ -340,10 +458,17 @@ def report_trainers(trainers: list[subprocess.Popen], run_dir: Path) -> None:
         summary_file = run_dir / f"summary{suffix}.json"
         if summary_file.exists():
             s = json.loads(summary_file.read_text())
-            print(f"swarm up: trainer{suffix}: {s['steps']} steps, {s['microbatches_completed']}/{s['microbatches_scheduled']} microbatches, "
-                  f"{s['tokens_per_s']:,.0f} tokens/s, held-out loss {s['eval_loss_before']:.3f} -> {s['eval_loss_after']:.3f} ({summary_file})", flush=True)
+            print(
+                f"swarm up: trainer{suffix}: {s['steps']} steps, {s['microbatches_completed']}/{s['microbatches_scheduled']} microbatches, "
+                f"{s['tokens_per_s']:,.0f} tokens/s, held-out loss {s['eval_loss_before']:.3f} -> {s['eval_loss_after']:.3f} ({summary_file})",
+                flush=True,
+            )
         if proc.returncode:
-            print(f"swarm up: trainer{suffix} exited with status {proc.returncode}: see {run_dir / f'trainer{suffix}.log'}", file=sys.stderr, flush=True)
+            print(
+                f"swarm up: trainer{suffix} exited with status {proc.returncode}: see {run_dir / f'trainer{suffix}.log'}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def write_plot(run_dir: Path) -> None:

@@ -111,7 +111,12 @@ def default_out(source: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="swarm plot", description=__doc__.split("\n\n")[0])
     p.add_argument("source", type=Path, help="a metrics file (metrics.jsonl) or a run directory (runs/<time>)")
-    p.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/training.png, or NAME.png beside NAME.jsonl)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="PNG to write (default: RUN_DIR/training.png, or NAME.png beside NAME.jsonl)",
+    )
     args = p.parse_args(argv)
     try:
         out = plot_metrics(args.source, args.out or default_out(args.source))

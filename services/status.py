@@ -31,9 +31,13 @@ def render(view: dict) -> str:
         mark = "  <- weakest" if s["stage"] == weakest and len(stages) > 1 else ""
         step = s.get("step") or {}
         batch = f"{step.get('accumulated', 0)}/{step.get('global_batch', 0)}" if step.get("global_batch") else "-"
-        lines.append(f"{s['stage']:>5}  {len(s['replicas']):>8}  {s['capacity']:>10.1f}/s  {step.get('step', '-'):>11}  {batch:>12}  {step.get('samples_dropped', 0):>7}{mark}")
+        lines.append(
+            f"{s['stage']:>5}  {len(s['replicas']):>8}  {s['capacity']:>10.1f}/s  {step.get('step', '-'):>11}  {batch:>12}  {step.get('samples_dropped', 0):>7}{mark}"
+        )
         for r in s["replicas"]:
-            lines.append(f"{'':>7}{r['url']:<32} {r['server_id']:<20} {r['throughput']:>8.1f} samples/s  queue {r['queue_length']:>3}  lease age {r['lease_age_s']:>5.1f} s")
+            lines.append(
+                f"{'':>7}{r['url']:<32} {r['server_id']:<20} {r['throughput']:>8.1f} samples/s  queue {r['queue_length']:>3}  lease age {r['lease_age_s']:>5.1f} s"
+            )
     return "\n".join(lines)
 
 
@@ -48,7 +52,11 @@ def fetch(coordinator: str, timeout_s: float = 5.0) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="swarm status", description=__doc__.split("\n\n")[0])
-    p.add_argument("--coordinator", default=os.environ.get("SWARM_COORDINATOR", ""), help="coordinator URL (default: SWARM_COORDINATOR, else mDNS)")
+    p.add_argument(
+        "--coordinator",
+        default=os.environ.get("SWARM_COORDINATOR", ""),
+        help="coordinator URL (default: SWARM_COORDINATOR, else mDNS)",
+    )
     p.add_argument("--run-id", default=os.environ.get("SWARM_RUN_ID"), help="with mDNS: the run to look for")
     p.add_argument("--mdns-interfaces", default=os.environ.get("SWARM_MDNS_INTERFACES", "all"))
     p.add_argument("--json", action="store_true", help="print the raw view as JSON")
@@ -57,9 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     if not coordinator:
         from shared.discovery import find_coordinator
 
-        coordinator = asyncio.run(find_coordinator(args.run_id, interfaces_spec=args.mdns_interfaces, timeout_s=5.0)) or ""
+        coordinator = (
+            asyncio.run(find_coordinator(args.run_id, interfaces_spec=args.mdns_interfaces, timeout_s=5.0)) or ""
+        )
     if not coordinator:
-        print("swarm status: no coordinator given (--coordinator, SWARM_COORDINATOR) and none found by mDNS", file=sys.stderr)
+        print(
+            "swarm status: no coordinator given (--coordinator, SWARM_COORDINATOR) and none found by mDNS",
+            file=sys.stderr,
+        )
         return 2
     try:
         view = fetch(coordinator)

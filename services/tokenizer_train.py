@@ -27,9 +27,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="swarm tokenizer", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a byte-level BPE on a corpus")
-    train.add_argument("--corpus", default="", help="text file, JSONL, Parquet or a directory of them (default: the bundled Shakespeare corpus)")
-    train.add_argument("--vocab-size", type=int, default=0, help="tokens in the vocabulary, <|endoftext|> included (default: the vocabulary of --model)")
-    train.add_argument("--model", default="", choices=["", *sorted(n for n, c in PRESETS.items() if c.vocab_size > 256)], help="a preset whose vocabulary size to train for")
+    train.add_argument(
+        "--corpus",
+        default="",
+        help="text file, JSONL, Parquet or a directory of them (default: the bundled Shakespeare corpus)",
+    )
+    train.add_argument(
+        "--vocab-size",
+        type=int,
+        default=0,
+        help="tokens in the vocabulary, <|endoftext|> included (default: the vocabulary of --model)",
+    )
+    train.add_argument(
+        "--model",
+        default="",
+        choices=["", *sorted(n for n, c in PRESETS.items() if c.vocab_size > 256)],
+        help="a preset whose vocabulary size to train for",
+    )
     train.add_argument("--out", required=True, help="directory to write tokenizer.json and tokenizer_config.json into")
     args = p.parse_args(argv)
     vocab_size = args.vocab_size or (PRESETS[args.model].vocab_size if args.model else 0)
@@ -39,11 +53,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--vocab-size {vocab_size} exceeds the vocabulary of {args.model} ({PRESETS[args.model].vocab_size})")
     started = time.perf_counter()
     try:
-        tok = train_bpe(iter_documents(args.corpus or BUNDLED_CORPUS), vocab_size, args.out, model_max_length=PRESETS[args.model].block_size if args.model else 0)
+        tok = train_bpe(
+            iter_documents(args.corpus or BUNDLED_CORPUS),
+            vocab_size,
+            args.out,
+            model_max_length=PRESETS[args.model].block_size if args.model else 0,
+        )
     except ValueError as exc:
         print(f"swarm tokenizer: {exc}", file=sys.stderr)
         return 2
-    print(f"swarm tokenizer: wrote {tok.file} ({tok.vocab_size} tokens, end of text id {tok.eos_id}) in {time.perf_counter() - started:.1f} s")
+    print(
+        f"swarm tokenizer: wrote {tok.file} ({tok.vocab_size} tokens, end of text id {tok.eos_id}) in {time.perf_counter() - started:.1f} s"
+    )
     return 0
 
 

@@ -61,7 +61,9 @@ def load_secret(secret: str = "", secret_file: str = "") -> bytes | None:
     if not secret:
         return None
     if len(secret) < MIN_SECRET_LEN:
-        raise ValueError(f"the swarm secret must be at least {MIN_SECRET_LEN} characters (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+        raise ValueError(
+            f"the swarm secret must be at least {MIN_SECRET_LEN} characters (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+        )
     return secret.encode()
 
 
@@ -70,7 +72,9 @@ def signature(secret: bytes, method: str, path_qs: str, timestamp: str, nonce: s
     return hmac.new(secret, message.encode(), hashlib.sha256).hexdigest()
 
 
-def sign_headers(secret: bytes, method: str, path_qs: str, body: bytes, *, now: float | None = None, nonce: str | None = None) -> dict[str, str]:
+def sign_headers(
+    secret: bytes, method: str, path_qs: str, body: bytes, *, now: float | None = None, nonce: str | None = None
+) -> dict[str, str]:
     timestamp = f"{time.time() if now is None else now:.3f}"
     nonce = nonce or secrets.token_urlsafe(18)
     return {TIMESTAMP: timestamp, NONCE: nonce, SIGNATURE: signature(secret, method, path_qs, timestamp, nonce, body)}
@@ -91,7 +95,14 @@ def signing_middleware(secret: bytes):
 class Verifier:
     """Checks signed requests: signature, clock skew, replays (see the module docstring)."""
 
-    def __init__(self, secret: bytes, *, max_skew_s: float = 30.0, max_nonces: int = 1_000_000, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        secret: bytes,
+        *,
+        max_skew_s: float = 30.0,
+        max_nonces: int = 1_000_000,
+        clock: Callable[[], float] = time.time,
+    ):
         self.secret, self.max_skew_s, self.max_nonces, self.clock = secret, max_skew_s, max_nonces, clock
         self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> timestamp, oldest first
         self._horizon = float("-inf")  # timestamps at or before this are refused (their nonces were forgotten)
@@ -111,7 +122,9 @@ class Verifier:
             raise Unauthorized("bad signature (another swarm's secret, or an altered request)")
         now = self.clock()
         if not abs(now - ts) <= self.max_skew_s:  # also refuses NaN and infinities
-            raise Unauthorized(f"timestamp {timestamp} is {now - ts:+.1f} s from this server's clock (at most {self.max_skew_s:g} s)")
+            raise Unauthorized(
+                f"timestamp {timestamp} is {now - ts:+.1f} s from this server's clock (at most {self.max_skew_s:g} s)"
+            )
         if nonce in self._seen or ts <= self._horizon:
             raise Unauthorized("replayed request (nonce already used)")
         self._remember(nonce, ts, now)
@@ -136,13 +149,19 @@ def auth_middleware(verifier: Verifier, log, open_paths: frozenset[str] = OPEN_P
     async def check(request: web.Request, handler):
         if not (request.method in ("GET", "HEAD") and request.path in open_paths):
             try:
-                body = await request.read() if request.body_exists else b""  # read once: aiohttp keeps it for the handler
+                body = (
+                    await request.read() if request.body_exists else b""
+                )  # read once: aiohttp keeps it for the handler
             except web.HTTPRequestEntityTooLarge:
-                raise PayloadTooLarge(f"body exceeds this server's limit of {request.app._client_max_size} bytes") from None
+                raise PayloadTooLarge(
+                    f"body exceeds this server's limit of {request.app._client_max_size} bytes"
+                ) from None
             try:
                 verifier.verify(request.method, request.rel_url.raw_path_qs, request.headers, body)
             except Unauthorized as exc:
-                log.warning("auth.refused", method=request.method, path=request.path, remote=request.remote, reason=exc.message)
+                log.warning(
+                    "auth.refused", method=request.method, path=request.path, remote=request.remote, reason=exc.message
+                )
                 raise
         return await handler(request)
 

@@ -140,7 +140,15 @@ def prune(root: str | os.PathLike, keep: int) -> list[Path]:
     if latest is None:
         return []
     latest_step = _step_of(latest)
-    steps = sorted((p for p in Path(root).glob(f"{_STEP_PREFIX}*") if p.is_dir() and _step_of(p) is not None and _step_of(p) <= latest_step), key=_step_of, reverse=True)
+    steps = sorted(
+        (
+            p
+            for p in Path(root).glob(f"{_STEP_PREFIX}*")
+            if p.is_dir() and _step_of(p) is not None and _step_of(p) <= latest_step
+        ),
+        key=_step_of,
+        reverse=True,
+    )
     committed = [p for p in steps if (p / META).is_file()]
     doomed = [p for p in steps if p not in committed[:keep]]
     for path in doomed:

@@ -181,7 +181,9 @@ def _quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
     absmax = torch.empty((-(-rows // block), width), device=x.device)
     spans = _spans(rows, block, width)
     scratch = torch.empty(max((stop - start) * width for start, stop, _ in spans) if spans else 0, device=x.device)
-    levels = torch.empty(max((stop - start) // b for start, stop, b in spans) * width if spans else 0, device=x.device)  # 127 / absmax
+    levels = torch.empty(
+        max((stop - start) // b for start, stop, b in spans) * width if spans else 0, device=x.device
+    )  # 127 / absmax
     for start, stop, b in spans:
         v = _blocks_of(x[start:stop].float(), b)  # (b, width) or (blocks, b, width)
         q = scratch[: v.numel()].view(v.shape)
@@ -200,7 +202,9 @@ def _dequantize_int8(codes: torch.Tensor, absmax: torch.Tensor, block: int) -> t
     for start, stop, b in _spans(rows, block, width):
         o = _blocks_of(out[start:stop], b)
         s = scale[start // block : start // block + (stop - start) // b]
-        torch.mul(_blocks_of(codes[start:stop], b), s if o.dim() == 2 else s.unsqueeze(1), out=o)  # int8 x float32: one pass
+        torch.mul(
+            _blocks_of(codes[start:stop], b), s if o.dim() == 2 else s.unsqueeze(1), out=o
+        )  # int8 x float32: one pass
     return out
 
 
@@ -264,7 +268,9 @@ def _frombuffer(data: bytes, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(data, dtype=dtype) if len(data) else torch.empty(0, dtype=dtype)
 
 
-def decode_tensor(obj: Any, *, name: str = "tensor", max_numel: int = 1 << 31, device: str | torch.device = "cpu") -> torch.Tensor:
+def decode_tensor(
+    obj: Any, *, name: str = "tensor", max_numel: int = 1 << 31, device: str | torch.device = "cpu"
+) -> torch.Tensor:
     """Decode and validate one wire tensor; raises :class:`BadPayload` on anything malformed."""
     _require(isinstance(obj, dict), f"{name}: expected a tensor map, got {type(obj).__name__}")
     codec, dtype_s, shape, data = (obj.get(k) for k in ("codec", "dtype", "shape", "data"))
@@ -375,5 +381,8 @@ def unpack_message(body: bytes) -> dict:
         raise BadPayload(f"body is not valid msgpack: {exc}") from None
     _require(isinstance(msg, dict), f"body must be a msgpack map, got {type(msg).__name__}")
     version = msg.get("v")
-    _require(type(version) is int and version == WIRE_VERSION, f"wire version {version!r} not supported (this peer speaks v{WIRE_VERSION})")
+    _require(
+        type(version) is int and version == WIRE_VERSION,
+        f"wire version {version!r} not supported (this peer speaks v{WIRE_VERSION})",
+    )
     return msg

@@ -45,7 +45,9 @@ def parse_interfaces(spec: str) -> InterfaceChoice | list[str]:
     try:
         return [str(ipaddress.IPv4Address(a)) for a in addresses]
     except ValueError as exc:
-        raise ValueError(f"SWARM_MDNS_INTERFACES must be 'all' or comma-separated IPv4 addresses, got {spec!r}: {exc}") from None
+        raise ValueError(
+            f"SWARM_MDNS_INTERFACES must be 'all' or comma-separated IPv4 addresses, got {spec!r}: {exc}"
+        ) from None
 
 
 def _zeroconf(interfaces: InterfaceChoice | list[str]) -> AsyncZeroconf:
@@ -61,7 +63,9 @@ async def _announced_address(url: str) -> tuple[ipaddress.IPv4Address, int]:
         address = ipaddress.ip_address(parts.hostname)
     except ValueError:  # a host name: announce what it resolves to
         loop = asyncio.get_running_loop()
-        resolved = await asyncio.wait_for(loop.run_in_executor(None, socket.gethostbyname, parts.hostname), REGISTER_TIMEOUT_S)
+        resolved = await asyncio.wait_for(
+            loop.run_in_executor(None, socket.gethostbyname, parts.hostname), REGISTER_TIMEOUT_S
+        )
         address = ipaddress.ip_address(resolved)
     if not isinstance(address, ipaddress.IPv4Address):
         raise ValueError(f"cannot announce {url!r}: mDNS announces IPv4 addresses only")

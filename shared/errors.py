@@ -63,7 +63,16 @@ class Draining(SwarmError):
 class RemoteError(Exception):
     """A peer answered with an error (or not at all); raised on the client side."""
 
-    def __init__(self, url: str, status: int | None, code: str, message: str, *, retry_after_s: float | None = None, details: dict | None = None):
+    def __init__(
+        self,
+        url: str,
+        status: int | None,
+        code: str,
+        message: str,
+        *,
+        retry_after_s: float | None = None,
+        details: dict | None = None,
+    ):
         super().__init__(f"{url}: {status} {code}: {message}")
         self.retry_after_s = retry_after_s  # the peer's Retry-After (503: when to come back)
         self.details = details or {}  # the error's other fields (e.g. a broken chain's ``failed`` replicas)

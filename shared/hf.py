@@ -45,14 +45,30 @@ SUPPORTED = {
     "MistralForCausalLM": "llama",
     "GPT2LMHeadModel": "gpt",
 }
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
 _SUPPORTED_TEXT = "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM (llama family), GPT2LMHeadModel (gpt family)"
 
 _LLAMA_LAYER = {
-    "attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
-    "attn.wo": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm", "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj",
-}  # fmt: skip
-_LLAMA_TOP = {"wte.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
+    "attn_norm": "input_layernorm",
+    "attn.wq": "self_attn.q_proj",
+    "attn.wk": "self_attn.k_proj",
+    "attn.wv": "self_attn.v_proj",
+    "attn.wo": "self_attn.o_proj",
+    "mlp_norm": "post_attention_layernorm",
+    "mlp.w1": "mlp.gate_proj",
+    "mlp.w3": "mlp.up_proj",
+    "mlp.w2": "mlp.down_proj",
+}
+_LLAMA_TOP = {
+    "wte.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
 _GPT_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 
@@ -74,7 +90,9 @@ def read_hf_config(model_dir: str | Path) -> ModelConfig:
     try:
         hf = json.loads(path.read_text())
     except FileNotFoundError:
-        raise HFModelError(f"{path} does not exist: SWARM_MODEL must be a preset or a Hugging Face model directory (config.json + safetensors)") from None
+        raise HFModelError(
+            f"{path} does not exist: SWARM_MODEL must be a preset or a Hugging Face model directory (config.json + safetensors)"
+        ) from None
     except (OSError, ValueError) as exc:
         raise HFModelError(f"{path} is not readable JSON: {exc} (setting SWARM_MODEL)") from None
     arch = hf_architecture(hf, path)
@@ -88,7 +106,9 @@ def hf_architecture(hf: dict, path: Path) -> str:
     archs = hf.get("architectures") or [_MODEL_TYPES.get(hf.get("model_type", ""), hf.get("model_type", "?"))]
     arch = archs[0] if isinstance(archs, list) and archs else str(archs)
     if arch not in SUPPORTED:
-        raise HFModelError(f"{path}: architecture {arch!r} is not supported; supported: {_SUPPORTED_TEXT} (setting SWARM_MODEL)")
+        raise HFModelError(
+            f"{path}: architecture {arch!r} is not supported; supported: {_SUPPORTED_TEXT} (setting SWARM_MODEL)"
+        )
     return arch
 
 
@@ -111,28 +131,50 @@ def _llama_config(hf: dict, arch: str, path: Path) -> LlamaConfig:
         block_size = min(block_size, int(window))
     heads = int(hf["num_attention_heads"])
     return LlamaConfig(
-        vocab_size=int(hf["vocab_size"]), block_size=block_size, n_layer=int(hf["num_hidden_layers"]), n_head=heads,
-        n_kv_head=int(hf.get("num_key_value_heads") or heads), d_model=int(hf["hidden_size"]), ffn_dim=int(hf["intermediate_size"]),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads), rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM", dropout=float(hf.get("attention_dropout", 0.0)),
-    )  # fmt: skip
+        vocab_size=int(hf["vocab_size"]),
+        block_size=block_size,
+        n_layer=int(hf["num_hidden_layers"]),
+        n_head=heads,
+        n_kv_head=int(hf.get("num_key_value_heads") or heads),
+        d_model=int(hf["hidden_size"]),
+        ffn_dim=int(hf["intermediate_size"]),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        dropout=float(hf.get("attention_dropout", 0.0)),
+    )
 
 
 def _gpt_config(hf: dict, path: Path) -> GPTConfig:
     n_embd = int(hf["n_embd"])
     if hf.get("n_inner") not in (None, 4 * n_embd):
         raise _unsupported(path, f"n_inner {hf['n_inner']} (the gpt family's MLP is 4 x n_embd)")
-    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn") or hf.get("scale_attn_weights") is False:
+    if (
+        hf.get("scale_attn_by_inverse_layer_idx")
+        or hf.get("reorder_and_upcast_attn")
+        or hf.get("scale_attn_weights") is False
+    ):
         raise _unsupported(path, "GPT-2 attention other than softmax(q k / sqrt(head_dim))")
-    activation = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}.get(hf.get("activation_function", "gelu_new"))
+    activation = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}.get(
+        hf.get("activation_function", "gelu_new")
+    )
     if activation is None:
         raise _unsupported(path, f"activation_function {hf['activation_function']!r} (gelu, gelu_new)")
     return GPTConfig(
-        vocab_size=int(hf["vocab_size"]), block_size=int(hf["n_positions"]), n_layer=int(hf["n_layer"]), n_head=int(hf["n_head"]),
-        d_model=n_embd, dropout=float(hf.get("resid_pdrop", 0.1)), bias=True, activation=activation,
-        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), head_bias=False, tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-    )  # fmt: skip
+        vocab_size=int(hf["vocab_size"]),
+        block_size=int(hf["n_positions"]),
+        n_layer=int(hf["n_layer"]),
+        n_head=int(hf["n_head"]),
+        d_model=n_embd,
+        dropout=float(hf.get("resid_pdrop", 0.1)),
+        bias=True,
+        activation=activation,
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        head_bias=False,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )
 
 
 def config_fingerprint(cfg: ModelConfig) -> str:
@@ -171,10 +213,14 @@ def weight_map(model_dir: str | Path) -> dict[str, str]:
         try:
             mapping = json.loads((root / INDEX_FILE).read_text())["weight_map"]
         except (OSError, ValueError, KeyError) as exc:
-            raise HFModelError(f"{root / INDEX_FILE} is not a safetensors index: {exc!r} (setting SWARM_MODEL)") from None
+            raise HFModelError(
+                f"{root / INDEX_FILE} is not a safetensors index: {exc!r} (setting SWARM_MODEL)"
+            ) from None
         missing = sorted({f for f in mapping.values() if not (root / f).is_file()})
         if missing:
-            raise HFModelError(f"{root / missing[0]} is missing: {INDEX_FILE} lists {len(missing)} shard file(s) that are not there: {missing} (setting SWARM_MODEL)")
+            raise HFModelError(
+                f"{root / missing[0]} is missing: {INDEX_FILE} lists {len(missing)} shard file(s) that are not there: {missing} (setting SWARM_MODEL)"
+            )
         return dict(mapping)
     if (root / SINGLE_FILE).is_file():
         try:
@@ -182,7 +228,9 @@ def weight_map(model_dir: str | Path) -> dict[str, str]:
                 return {name: SINGLE_FILE for name in f.keys()}
         except (OSError, safetensors.SafetensorError) as exc:
             raise HFModelError(f"{root / SINGLE_FILE} is not a safetensors file: {exc} (setting SWARM_MODEL)") from None
-    raise HFModelError(f"{root} holds neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors weights are read; setting SWARM_MODEL)")
+    raise HFModelError(
+        f"{root} holds neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors weights are read; setting SWARM_MODEL)"
+    )
 
 
 def _source_name(cfg: ModelConfig, name: str, available: dict[str, str]) -> str:
@@ -204,7 +252,9 @@ def check_hf_dir(model_dir: str | Path) -> ModelConfig:
         names = [n for n, _ in whole_model(_untied(cfg)).named_parameters()]
     missing = [hf for hf in (_source_name(cfg, n, available) for n in names) if hf not in available]
     if missing:
-        raise HFModelError(f"{model_dir}: the weight files lack {len(missing)} tensor(s) the model needs, e.g. {missing[:3]} (setting SWARM_MODEL)")
+        raise HFModelError(
+            f"{model_dir}: the weight files lack {len(missing)} tensor(s) the model needs, e.g. {missing[:3]} (setting SWARM_MODEL)"
+        )
     return cfg
 
 
@@ -225,7 +275,9 @@ class LoadReport:
         return {n for names in self.tensors.values() for n in names}
 
 
-def load_stage_from_hf(model_dir: str | Path, cfg: ModelConfig, spec: StageSpec, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, LoadReport]:
+def load_stage_from_hf(
+    model_dir: str | Path, cfg: ModelConfig, spec: StageSpec, device: str | torch.device = "cpu"
+) -> tuple[torch.nn.Module, LoadReport]:
     """Stage ``spec`` of ``cfg`` with the weights of ``model_dir`` (fp32), reading only its
     own tensors; the model is built on the meta device first, so nothing is initialised twice."""
     root = Path(model_dir)
@@ -252,39 +304,93 @@ def load_stage_from_hf(model_dir: str | Path, cfg: ModelConfig, spec: StageSpec,
                     report.bytes_read += t.numel() * t.element_size()
                     t = t.t() if is_transposed(cfg, name) else t
                     if tuple(t.shape) != tuple(params[name].shape):
-                        raise HFModelError(f"{root / file}: {wanted[name]!r} has shape {list(t.shape)}, {name!r} needs {list(params[name].shape)} (setting SWARM_MODEL)")
+                        raise HFModelError(
+                            f"{root / file}: {wanted[name]!r} has shape {list(t.shape)}, {name!r} needs {list(params[name].shape)} (setting SWARM_MODEL)"
+                        )
                     params[name].copy_(t.to(torch.float32))
     return model, report
 
 
 # ---------------------------------------------------------------- out
-def hf_config_dict(cfg: ModelConfig, *, bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None) -> dict:
+def hf_config_dict(
+    cfg: ModelConfig, *, bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None
+) -> dict:
     """``config.json`` of ``cfg`` for ``transformers`` (written here, without transformers)."""
     tokens = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
     if cfg.family == "gpt":
         if not cfg.bias or cfg.head_bias:
-            raise ValueError("only GPT-2-layout gpt models export to Hugging Face (biases everywhere but on the LM head, as a model loaded from a GPT-2 checkpoint); export this one with --format safetensors")
+            raise ValueError(
+                "only GPT-2-layout gpt models export to Hugging Face (biases everywhere but on the LM head, as a model loaded from a GPT-2 checkpoint); export this one with --format safetensors"
+            )
         return {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size,
-            "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
-            "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu", "layer_norm_epsilon": cfg.norm_eps,
-            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "scale_attn_weights": True,
-            "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32", "torch_dtype": "float32", **tokens,
-        }  # fmt: skip
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.block_size,
+            "n_embd": cfg.d_model,
+            "n_layer": cfg.n_layer,
+            "n_head": cfg.n_head,
+            "n_inner": None,
+            "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
+            "layer_norm_epsilon": cfg.norm_eps,
+            "resid_pdrop": cfg.dropout,
+            "embd_pdrop": cfg.dropout,
+            "attn_pdrop": cfg.dropout,
+            "scale_attn_weights": True,
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "dtype": "float32",
+            "torch_dtype": "float32",
+            **tokens,
+        }
     body = {
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "hidden_act": "silu", "max_position_embeddings": cfg.block_size,
-        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "attention_dropout": cfg.dropout, "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32", "torch_dtype": "float32", "use_cache": True, **tokens,
-    }  # fmt: skip
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.block_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_dropout": cfg.dropout,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "dtype": "float32",
+        "torch_dtype": "float32",
+        "use_cache": True,
+        **tokens,
+    }
     if cfg.qkv_bias:  # Qwen2's layout: biases on q, k, v only
         if cfg.head_dim != cfg.d_model // cfg.n_head:
             raise ValueError(f"a Qwen2-layout model needs head_dim = d_model / n_head, got {cfg.head_dim}")
-        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **body, "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layer}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **body, "head_dim": cfg.head_dim, "attention_bias": False, "mlp_bias": False}
+        return {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            **body,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": cfg.n_layer,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **body,
+        "head_dim": cfg.head_dim,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
 
 
-def save_hf(out_dir: str | Path, params: dict[str, torch.Tensor], cfg: ModelConfig, *, max_shard_bytes: int, bos_token_id=None, eos_token_id=None) -> list[Path]:
+def save_hf(
+    out_dir: str | Path,
+    params: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    *,
+    max_shard_bytes: int,
+    bos_token_id=None,
+    eos_token_id=None,
+) -> list[Path]:
     """Write ``params`` (the whole model's, our names) as a Hugging Face model directory:
     config.json, generation_config.json, and model.safetensors or, past ``max_shard_bytes``,
     shards with their index. Returns the files written."""
@@ -306,7 +412,12 @@ def save_hf(out_dir: str | Path, params: dict[str, torch.Tensor], cfg: ModelConf
         current[name], size = tensors[name], size + nbytes
     shards.append(current)
     written = [_write_json(out / CONFIG, config)]
-    written.append(_write_json(out / "generation_config.json", {"_from_model_config": True, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id}))
+    written.append(
+        _write_json(
+            out / "generation_config.json",
+            {"_from_model_config": True, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id},
+        )
+    )
     if len(shards) == 1:
         safetensors.torch.save_file(shards[0], str(out / SINGLE_FILE), metadata={"format": "pt"})
         return [*written, out / SINGLE_FILE]
@@ -314,7 +425,10 @@ def save_hf(out_dir: str | Path, params: dict[str, torch.Tensor], cfg: ModelConf
     for shard, file in zip(shards, names):
         safetensors.torch.save_file(shard, str(out / file), metadata={"format": "pt"})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": {n: file for shard, file in zip(shards, names) for n in shard}}
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {n: file for shard, file in zip(shards, names) for n in shard},
+    }
     written.append(_write_json(out / INDEX_FILE, index))
     return [*written, *(out / f for f in names)]
 

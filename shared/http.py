@@ -75,17 +75,27 @@ def request_log_middleware(log):
                 status = exc.status
                 raise
             finally:
-                log.debug("request.done", method=request.method, path=request.path, status=status, seconds=round(time.perf_counter() - started, 6))
+                log.debug(
+                    "request.done",
+                    method=request.method,
+                    path=request.path,
+                    status=status,
+                    seconds=round(time.perf_counter() - started, 6),
+                )
 
     return middleware
 
 
-async def read_body(request: web.Request, content_type: str, max_bytes: int, setting: str = "SWARM_MAX_BODY_MB") -> bytes:
+async def read_body(
+    request: web.Request, content_type: str, max_bytes: int, setting: str = "SWARM_MAX_BODY_MB"
+) -> bytes:
     """Read a request body, refusing another content type (415) and oversize bodies (413)."""
     if request.content_type != content_type:
         raise UnsupportedMediaType(f"expected Content-Type {content_type}, got {request.content_type or 'none'!r}")
     if request.content_length is not None and request.content_length > max_bytes:
-        raise PayloadTooLarge(f"body of {request.content_length} bytes exceeds the limit of {max_bytes} (setting {setting})")
+        raise PayloadTooLarge(
+            f"body of {request.content_length} bytes exceeds the limit of {max_bytes} (setting {setting})"
+        )
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -101,7 +111,17 @@ def msgpack_response(msg: dict) -> web.Response:
     return web.Response(body=pack_message(msg), content_type=MSGPACK)
 
 
-async def request_bytes(session: aiohttp.ClientSession, method: str, url: str, *, expect: str, timeout_s: float, data: bytes | None = None, content_type: str | None = None, headers: dict[str, str] | None = None) -> bytes:
+async def request_bytes(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    *,
+    expect: str,
+    timeout_s: float,
+    data: bytes | None = None,
+    content_type: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> bytes:
     """One HTTP request whose 200 reply must have Content-Type ``expect``; returns the body.
 
     Any failure (transport, timeout, an error status with its JSON error, another content
@@ -109,11 +129,20 @@ async def request_bytes(session: aiohttp.ClientSession, method: str, url: str, *
     """
     headers = {**(headers or {}), **({"Content-Type": content_type} if content_type else {})} or None
     try:
-        async with session.request(method, url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.request(
+            method, url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
             payload = await resp.read()
             if resp.status != 200:
                 code, message, details = _error_of(payload, resp.reason)
-                raise RemoteError(url, resp.status, code, message, retry_after_s=_retry_after(resp.headers.get("Retry-After")), details=details)
+                raise RemoteError(
+                    url,
+                    resp.status,
+                    code,
+                    message,
+                    retry_after_s=_retry_after(resp.headers.get("Retry-After")),
+                    details=details,
+                )
             if resp.content_type != expect:
                 raise RemoteError(url, resp.status, "bad_reply", f"reply has Content-Type {resp.content_type!r}")
             return payload
@@ -123,10 +152,20 @@ async def request_bytes(session: aiohttp.ClientSession, method: str, url: str, *
         raise RemoteError(url, None, "unreachable", repr(exc)) from None
 
 
-async def post_message(session: aiohttp.ClientSession, url: str, msg: dict, *, timeout_s: float, body: bytes | None = None, headers: dict[str, str] | None = None) -> dict:
+async def post_message(
+    session: aiohttp.ClientSession,
+    url: str,
+    msg: dict,
+    *,
+    timeout_s: float,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> dict:
     """POST a message and return the decoded reply; any failure raises :class:`RemoteError`."""
     data = pack_message(msg) if body is None else body
-    payload = await request_bytes(session, "POST", url, expect=MSGPACK, timeout_s=timeout_s, data=data, content_type=MSGPACK, headers=headers)
+    payload = await request_bytes(
+        session, "POST", url, expect=MSGPACK, timeout_s=timeout_s, data=data, content_type=MSGPACK, headers=headers
+    )
     try:
         return unpack_message(payload)
     except SwarmError as exc:
@@ -141,11 +180,18 @@ async def get_json(session: aiohttp.ClientSession, url: str, *, timeout_s: float
 async def post_json(session: aiohttp.ClientSession, url: str, body: dict, *, timeout_s: float) -> dict:
     """POST a JSON control message and return the JSON object answered; failures raise :class:`RemoteError`."""
     data = json.dumps(body, allow_nan=False).encode()
-    return _json_object(url, await request_bytes(session, "POST", url, expect=JSON, timeout_s=timeout_s, data=data, content_type=JSON))
+    return _json_object(
+        url, await request_bytes(session, "POST", url, expect=JSON, timeout_s=timeout_s, data=data, content_type=JSON)
+    )
 
 
-async def from_any_replica(urls: Sequence[str], fetch: Callable[[str], Awaitable[T]], *, deadline_s: float,
-                           on_error: Callable[[str, RemoteError], None]) -> T | None:
+async def from_any_replica(
+    urls: Sequence[str],
+    fetch: Callable[[str], Awaitable[T]],
+    *,
+    deadline_s: float,
+    on_error: Callable[[str, RemoteError], None],
+) -> T | None:
     """``fetch(url)`` from the first of ``urls`` that answers, or None. A replica that
     refused as overloaded (503 ``overloaded`` with Retry-After: its compute queue was
     full) is asked again after the delay it gave, while ``deadline_s`` lasts; any other
@@ -248,7 +294,15 @@ def auth_middlewares(settings, log, *, open_paths: frozenset[str] | None = None)
     return [auth_middleware(Verifier(secret, max_skew_s=settings.auth_max_skew_s), log, open_paths or OPEN_PATHS)]
 
 
-def urlopen_swarm(settings, url: str, *, data: bytes | None = None, method: str = "GET", content_type: str | None = None, timeout_s: float = 5.0):
+def urlopen_swarm(
+    settings,
+    url: str,
+    *,
+    data: bytes | None = None,
+    method: str = "GET",
+    content_type: str | None = None,
+    timeout_s: float = 5.0,
+):
     """Blocking ``urllib`` request of a swarm member (CLI tools, the local supervisor):
     signed with the swarm secret and trusting ``tls_ca_file`` like :func:`swarm_session`."""
     import urllib.parse

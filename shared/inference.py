@@ -55,7 +55,11 @@ class SamplingParams:
     def __post_init__(self):
         if type(self.max_tokens) is not int or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and 0 <= self.temperature <= 100):
+        if not (
+            isinstance(self.temperature, (int, float))
+            and math.isfinite(self.temperature)
+            and 0 <= self.temperature <= 100
+        ):
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if type(self.top_k) is not int or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
@@ -95,7 +99,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 Step = Callable[[list[int]], Awaitable[torch.Tensor]]
 
 
-async def generate(step: Step, prompt: Sequence[int], params: SamplingParams, *, eos_id: int | None = None) -> AsyncIterator[int]:
+async def generate(
+    step: Step, prompt: Sequence[int], params: SamplingParams, *, eos_id: int | None = None
+) -> AsyncIterator[int]:
     """Token ids after ``prompt``, one at a time: ``step(ids)`` takes the new ids and gives
     the logits of the last position. Stops after ``max_tokens``, or at ``eos_id`` (not yielded)."""
     if not prompt:
@@ -138,12 +144,19 @@ class SessionStats:
     failovers: int = 0  # servers replaced mid-session
     replayed_positions: int = 0  # positions sent again to a replacement
     steps: int = 0
-    weights_steps: set[int] = field(default_factory=set)  # the stages' global steps the session's positions were computed at
+    weights_steps: set[int] = field(
+        default_factory=set
+    )  # the stages' global steps the session's positions were computed at
     failed: list[str] = field(default_factory=list)  # "stage s url: error" of each failure
 
     def to_dict(self) -> dict:
-        return {"failovers": self.failovers, "replayed_positions": self.replayed_positions, "steps": self.steps,
-                "weights_steps": sorted(self.weights_steps), "failed": self.failed[-8:]}  # fmt: skip
+        return {
+            "failovers": self.failovers,
+            "replayed_positions": self.replayed_positions,
+            "steps": self.steps,
+            "weights_steps": sorted(self.weights_steps),
+            "failed": self.failed[-8:],
+        }
 
 
 class SwarmSession:
@@ -152,8 +165,19 @@ class SwarmSession:
     if given, is awaited when a stage has no usable replica left. Use as an async context
     manager, or call :meth:`close`."""
 
-    def __init__(self, http: aiohttp.ClientSession, balancer: ReplicaBalancer, *, run_id: str, max_length: int, codec: str = "fp32",
-                 timeout_s: float = 30.0, max_failovers: int = 8, refresh: Callable[[], Awaitable[object]] | None = None, log=None):  # fmt: skip
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        balancer: ReplicaBalancer,
+        *,
+        run_id: str,
+        max_length: int,
+        codec: str = "fp32",
+        timeout_s: float = 30.0,
+        max_failovers: int = 8,
+        refresh: Callable[[], Awaitable[object]] | None = None,
+        log=None,
+    ):
         self.http, self.balancer, self.run_id = http, balancer, run_id
         self.max_length, self.codec, self.timeout_s = max_length, codec, timeout_s
         self.max_failovers, self.refresh, self.log = max_failovers, refresh, log
@@ -192,18 +216,33 @@ class SwarmSession:
                     url = await self._open(stage)
                     history = self._history[stage]
                     inputs = torch.cat(history + [x], dim=1) if history else x
-                    reply = await self._post(url, "/session/step", stage, position=0, inputs=inputs, chunks=[h.shape[1] for h in history] + [x.shape[1]])
+                    reply = await self._post(
+                        url,
+                        "/session/step",
+                        stage,
+                        position=0,
+                        inputs=inputs,
+                        chunks=[h.shape[1] for h in history] + [x.shape[1]],
+                    )
                     self.stats.replayed_positions += sum(h.shape[1] for h in history)
                 else:
                     reply = await self._post(url, "/session/step", stage, position=self.position, inputs=x)
-                out = decode_tensor(reply["logits" if stage == self.num_stages - 1 else "outputs"], name="outputs").float()
+                out = decode_tensor(
+                    reply["logits" if stage == self.num_stages - 1 else "outputs"], name="outputs"
+                ).float()
             except RemoteError as exc:
-                if exc.status is not None and 400 <= exc.status < 500 and exc.code not in ("session_not_found", "session_out_of_sync", "wrong_stage"):
+                if (
+                    exc.status is not None
+                    and 400 <= exc.status < 500
+                    and exc.code not in ("session_not_found", "session_out_of_sync", "wrong_stage")
+                ):
                     raise  # the request itself is wrong: another replica would refuse it too
                 tries += 1
                 self._failed(stage, url, exc)
                 if tries > self.max_failovers:
-                    raise SessionFailed(f"stage {stage}: no replica served the session's step in {tries} tries; last: {exc}") from None
+                    raise SessionFailed(
+                        f"stage {stage}: no replica served the session's step in {tries} tries; last: {exc}"
+                    ) from None
                 await self._wait_for_replica(stage, exc)
                 continue
             self._history[stage].append(x)
@@ -239,7 +278,14 @@ class SwarmSession:
             self.balancer.report_failure(stage, url)
         self.route[stage] = None
         if self.log:
-            self.log.warning("session.failover", session=self.session_id, stage=stage, replica=url, error=exc.code, message=str(exc)[:200])
+            self.log.warning(
+                "session.failover",
+                session=self.session_id,
+                stage=stage,
+                replica=url,
+                error=exc.code,
+                message=str(exc)[:200],
+            )
 
     async def _wait_for_replica(self, stage: int, exc: RemoteError) -> None:
         if not self.balancer.has_usable(stage):

@@ -58,12 +58,16 @@ class LlamaConfig:
 
     def __post_init__(self):
         if self.head_dim == 0:
-            assert self.d_model % self.n_head == 0, f"d_model {self.d_model} must be divisible by n_head {self.n_head} (or give head_dim)"
+            assert self.d_model % self.n_head == 0, (
+                f"d_model {self.d_model} must be divisible by n_head {self.n_head} (or give head_dim)"
+            )
             object.__setattr__(self, "head_dim", self.d_model // self.n_head)
         if self.n_kv_head == 0:
             object.__setattr__(self, "n_kv_head", self.n_head)
         assert self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even (rotary positions rotate pairs)"
-        assert self.n_head % self.n_kv_head == 0, f"n_head {self.n_head} must be a multiple of n_kv_head {self.n_kv_head}"
+        assert self.n_head % self.n_kv_head == 0, (
+            f"n_head {self.n_head} must be a multiple of n_kv_head {self.n_kv_head}"
+        )
         assert self.n_layer >= 1 and self.vocab_size >= 2 and self.block_size >= 1, f"invalid config {self}"
         assert 0.0 <= self.dropout < 1.0, f"dropout {self.dropout} must be in [0, 1)"
 
@@ -120,7 +124,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerCache | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
@@ -157,7 +163,9 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerCache | None = None
+    ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, kv)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -184,7 +192,9 @@ class LlamaStage(nn.Module):
             if spec.is_first and cfg.tie_embeddings:
                 self.lm_head.weight = self.wte.weight
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         if self.spec.is_first:
             x = self.wte(x)  # (B, T, C)
         start, T = (cache.length if cache is not None else 0), x.shape[1]

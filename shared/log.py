@@ -18,7 +18,11 @@ import structlog
 
 
 def configure_logging(fmt: str = "console", level: str = "info") -> None:
-    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -34,7 +38,17 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     # Libraries that log through the standard logging module: warnings and worse only,
     # rendered like our own lines (in JSON mode every line on stderr stays one JSON object).
     stdlib = logging.StreamHandler(_CurrentStderr())
-    stdlib.setFormatter(structlog.stdlib.ProcessorFormatter(processor=renderer, foreign_pre_chain=[structlog.processors.add_log_level, structlog.stdlib.add_logger_name, structlog.processors.TimeStamper(fmt="iso", utc=True), structlog.processors.format_exc_info]))
+    stdlib.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processor=renderer,
+            foreign_pre_chain=[
+                structlog.processors.add_log_level,
+                structlog.stdlib.add_logger_name,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.format_exc_info,
+            ],
+        )
+    )
     logging.basicConfig(level=logging.WARNING, handlers=[stdlib])
     # bitsandbytes warns at import that an optional 4-bit CPU kernel (fetched from a hub,
     # which we never use) is missing; our int8 codec does not need it.

@@ -46,12 +46,26 @@ class Metrics:
 
     def __init__(self, service: str, **info: str):
         self.registry = CollectorRegistry()
-        build = Gauge("swarm_build_info", "1, labelled with what this process is", ["service", *info], registry=self.registry)
+        build = Gauge(
+            "swarm_build_info", "1, labelled with what this process is", ["service", *info], registry=self.registry
+        )
         build.labels(service, *info.values()).set(1)
-        self.requests = self.counter("swarm_http_requests", "HTTP requests answered, by endpoint, method and status", ["endpoint", "method", "status"])
-        self.latency = self.histogram("swarm_http_request_duration_seconds", "time from request to answer, by endpoint", ["endpoint", "method"])
-        self.bytes_in = self.counter("swarm_http_request_bytes", "request body bytes received (declared Content-Length), by endpoint", ["endpoint"])
-        self.bytes_out = self.counter("swarm_http_response_bytes", "response body bytes sent, by endpoint", ["endpoint"])
+        self.requests = self.counter(
+            "swarm_http_requests",
+            "HTTP requests answered, by endpoint, method and status",
+            ["endpoint", "method", "status"],
+        )
+        self.latency = self.histogram(
+            "swarm_http_request_duration_seconds", "time from request to answer, by endpoint", ["endpoint", "method"]
+        )
+        self.bytes_in = self.counter(
+            "swarm_http_request_bytes",
+            "request body bytes received (declared Content-Length), by endpoint",
+            ["endpoint"],
+        )
+        self.bytes_out = self.counter(
+            "swarm_http_response_bytes", "response body bytes sent, by endpoint", ["endpoint"]
+        )
 
     def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
         return Counter(name, doc, labels, registry=self.registry)
@@ -59,14 +73,18 @@ class Metrics:
     def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
         return Gauge(name, doc, labels, registry=self.registry)
 
-    def histogram(self, name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS_S) -> Histogram:
+    def histogram(
+        self, name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS_S
+    ) -> Histogram:
         return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
     def add_state(self, collect: Callable[[], Iterable[Metric]]) -> None:
         """Families built by ``collect()`` on every scrape (use :func:`gauge` / :func:`counter`)."""
         self.registry.register(_StateCollector(collect))
 
-    def observe_request(self, endpoint: str, method: str, status: int, seconds: float, bytes_in: int, bytes_out: int) -> None:
+    def observe_request(
+        self, endpoint: str, method: str, status: int, seconds: float, bytes_in: int, bytes_out: int
+    ) -> None:
         self.requests.labels(endpoint, method, str(status)).inc()
         self.latency.labels(endpoint, method).observe(seconds)
         self.bytes_in.labels(endpoint).inc(bytes_in)
@@ -76,12 +94,16 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def gauge(name: str, doc: str, values: float | Mapping[tuple[str, ...], float], labels: Sequence[str] = ()) -> GaugeMetricFamily:
+def gauge(
+    name: str, doc: str, values: float | Mapping[tuple[str, ...], float], labels: Sequence[str] = ()
+) -> GaugeMetricFamily:
     """A gauge family: one value, or ``{label values: value}`` for ``labels``."""
     return _family(GaugeMetricFamily(name, doc, labels=labels if labels else None), values, labels)
 
 
-def counter(name: str, doc: str, values: float | Mapping[tuple[str, ...], float], labels: Sequence[str] = ()) -> CounterMetricFamily:
+def counter(
+    name: str, doc: str, values: float | Mapping[tuple[str, ...], float], labels: Sequence[str] = ()
+) -> CounterMetricFamily:
     """A counter family (its samples are named ``<name>_total``); values as for :func:`gauge`."""
     return _family(CounterMetricFamily(name, doc, labels=labels if labels else None), values, labels)
 
@@ -108,7 +130,9 @@ def tensor_bytes(msg: Mapping) -> dict[str, int]:
         tensor = msg.get(name)
         if isinstance(tensor, Mapping) and isinstance(tensor.get("codec"), str):
             codec = tensor["codec"] if tensor["codec"] in WIRE_CODECS else "other"
-            size = sum(len(tensor[k]) for k in ("data", "absmax") if isinstance(tensor.get(k), (bytes, bytearray, memoryview)))
+            size = sum(
+                len(tensor[k]) for k in ("data", "absmax") if isinstance(tensor.get(k), (bytes, bytearray, memoryview))
+            )
             out[codec] = out.get(codec, 0) + size
     return out
 
@@ -140,7 +164,14 @@ def metrics_middleware(metrics: Metrics):
             sent = 0
             if response is not None:
                 sent = getattr(response, "content_length", None) or response.body_length
-            metrics.observe_request(endpoint_of(request), request.method, status, time.perf_counter() - started, request.content_length or 0, sent)
+            metrics.observe_request(
+                endpoint_of(request),
+                request.method,
+                status,
+                time.perf_counter() - started,
+                request.content_length or 0,
+                sent,
+            )
 
     return middleware
 

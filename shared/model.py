@@ -52,7 +52,9 @@ class GPTConfig:
         assert self.d_model % self.n_head == 0, f"d_model {self.d_model} must be divisible by n_head {self.n_head}"
         assert self.n_layer >= 1 and self.vocab_size >= 2 and self.block_size >= 1, f"invalid config {self}"
         assert 0.0 <= self.dropout < 1.0, f"dropout {self.dropout} must be in [0, 1)"
-        assert self.activation in ("gelu", "gelu_tanh"), f"activation must be 'gelu' or 'gelu_tanh', got {self.activation!r}"
+        assert self.activation in ("gelu", "gelu_tanh"), (
+            f"activation must be 'gelu' or 'gelu_tanh', got {self.activation!r}"
+        )
 
     def to_dict(self) -> dict:
         return {"family": self.family, **asdict(self)}
@@ -83,11 +85,35 @@ PRESETS: dict[str, ModelConfig] = {
     "large": GPTConfig(n_layer=24, n_head=16, d_model=1536, block_size=2048),  # ~680M
     "xl": GPTConfig(n_layer=24, n_head=16, d_model=2048, block_size=2048),  # ~1.2B
     # llama family: from-scratch presets take a tokenizer of at most vocab_size tokens (swarm tokenizer train)
-    "llama-tiny": LlamaConfig(vocab_size=2048, block_size=256, n_layer=4, n_head=4, n_kv_head=2, d_model=128, ffn_dim=384, tie_embeddings=True),  # ~0.9M
-    "llama-10m": LlamaConfig(vocab_size=8192, block_size=512, n_layer=12, n_head=8, n_kv_head=4, d_model=256, ffn_dim=704, tie_embeddings=True),  # ~10M
-    "llama-135m": LlamaConfig(vocab_size=49152, block_size=2048, n_layer=30, n_head=9, n_kv_head=3, d_model=576, ffn_dim=1536, tie_embeddings=True),  # SmolLM-135M's shape
-    "llama-1b": LlamaConfig(vocab_size=32000, block_size=2048, n_layer=22, n_head=32, n_kv_head=4, d_model=2048, ffn_dim=5632),  # TinyLlama-1.1B's shape
-    "llama-7b": LlamaConfig(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_kv_head=32, d_model=4096, ffn_dim=11008),  # Llama-2-7B's shape
+    "llama-tiny": LlamaConfig(
+        vocab_size=2048, block_size=256, n_layer=4, n_head=4, n_kv_head=2, d_model=128, ffn_dim=384, tie_embeddings=True
+    ),  # ~0.9M
+    "llama-10m": LlamaConfig(
+        vocab_size=8192,
+        block_size=512,
+        n_layer=12,
+        n_head=8,
+        n_kv_head=4,
+        d_model=256,
+        ffn_dim=704,
+        tie_embeddings=True,
+    ),  # ~10M
+    "llama-135m": LlamaConfig(
+        vocab_size=49152,
+        block_size=2048,
+        n_layer=30,
+        n_head=9,
+        n_kv_head=3,
+        d_model=576,
+        ffn_dim=1536,
+        tie_embeddings=True,
+    ),  # SmolLM-135M's shape
+    "llama-1b": LlamaConfig(
+        vocab_size=32000, block_size=2048, n_layer=22, n_head=32, n_kv_head=4, d_model=2048, ffn_dim=5632
+    ),  # TinyLlama-1.1B's shape
+    "llama-7b": LlamaConfig(
+        vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_kv_head=32, d_model=4096, ffn_dim=11008
+    ),  # Llama-2-7B's shape
 }
 
 
@@ -168,7 +194,9 @@ def partition(cfg: ModelConfig, num_stages: int) -> list[StageSpec]:
     so the spare blocks (if any) go to the middle stages first.
     """
     if not 1 <= num_stages <= cfg.n_layer:
-        raise ValueError(f"num_stages={num_stages} must be between 1 and n_layer={cfg.n_layer} (setting SWARM_NUM_STAGES)")
+        raise ValueError(
+            f"num_stages={num_stages} must be between 1 and n_layer={cfg.n_layer} (setting SWARM_NUM_STAGES)"
+        )
     base, extra = divmod(cfg.n_layer, num_stages)
     order = sorted(range(num_stages), key=lambda s: (s in (0, num_stages - 1), s))  # middle stages first
     sizes = [base + (1 if s in order[:extra] else 0) for s in range(num_stages)]
@@ -204,11 +232,15 @@ class StageModel(nn.Module):
             if spec.is_first and cfg.tie_embeddings:
                 self.lm_head.weight = self.wte.weight
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         start = cache.length if cache is not None else 0
         if self.spec.is_first:
             T = x.shape[1]
-            assert start + T <= self.cfg.block_size, f"sequence length {start + T} exceeds block_size {self.cfg.block_size}"
+            assert start + T <= self.cfg.block_size, (
+                f"sequence length {start + T} exceeds block_size {self.cfg.block_size}"
+            )
             pos = torch.arange(start, start + T, device=x.device)
             x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C)
         for name, block in self.blocks.items():

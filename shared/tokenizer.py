@@ -60,12 +60,16 @@ class HFTokenizer:
         path = Path(path)
         self.file = path / TOKENIZER_FILE if path.is_dir() else path
         if not self.file.is_file():
-            raise ValueError(f"no tokenizer at {self.file} (setting SWARM_TOKENIZER, or the tokenizer.json of SWARM_MODEL's directory)")
+            raise ValueError(
+                f"no tokenizer at {self.file} (setting SWARM_TOKENIZER, or the tokenizer.json of SWARM_MODEL's directory)"
+            )
         raw = self.file.read_bytes()
         try:
             self._tok = _Tokenizer.from_str(raw.decode())
         except Exception as exc:  # tokenizers raises its own Exception type for a malformed file
-            raise ValueError(f"{self.file} is not a Hugging Face tokenizer.json: {exc} (setting SWARM_TOKENIZER)") from None
+            raise ValueError(
+                f"{self.file} is not a Hugging Face tokenizer.json: {exc} (setting SWARM_TOKENIZER)"
+            ) from None
         self.name = str(self.file)
         self.fingerprint = hashlib.sha256(raw).hexdigest()[:16]
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -103,7 +107,9 @@ class HFTokenizer:
             if (value := self._tok.token_to_id(token)) is not None:
                 return value
         if required:
-            raise ValueError(f"{self.file}: no end-of-text token to separate documents (none named in {TOKENIZER_CONFIG}, no eos_token_id, none of {list(_EOS_CANDIDATES)})")
+            raise ValueError(
+                f"{self.file}: no end-of-text token to separate documents (none named in {TOKENIZER_CONFIG}, no eos_token_id, none of {list(_EOS_CANDIDATES)})"
+            )
         return None
 
 
@@ -128,15 +134,21 @@ def load_tokenizer(model: str, tokenizer: str, cfg: ModelConfig) -> ByteTokenize
     elif cfg.vocab_size == ByteTokenizer.vocab_size:
         tok = ByteTokenizer()
     else:
-        raise ValueError(f"SWARM_MODEL={model} has a vocabulary of {cfg.vocab_size} tokens and needs a tokenizer: train one with "
-                         f"`swarm tokenizer train --corpus FILES --vocab-size {cfg.vocab_size} --out DIR` and set SWARM_TOKENIZER=DIR")  # fmt: skip
+        raise ValueError(
+            f"SWARM_MODEL={model} has a vocabulary of {cfg.vocab_size} tokens and needs a tokenizer: train one with "
+            f"`swarm tokenizer train --corpus FILES --vocab-size {cfg.vocab_size} --out DIR` and set SWARM_TOKENIZER=DIR"
+        )
     if tok.vocab_size > cfg.vocab_size:
-        raise ValueError(f"the tokenizer {tok.name} has {tok.vocab_size} tokens, more than the model's vocabulary of {cfg.vocab_size} "
-                         f"(settings SWARM_TOKENIZER and SWARM_MODEL={model}): its ids would not fit the embedding")  # fmt: skip
+        raise ValueError(
+            f"the tokenizer {tok.name} has {tok.vocab_size} tokens, more than the model's vocabulary of {cfg.vocab_size} "
+            f"(settings SWARM_TOKENIZER and SWARM_MODEL={model}): its ids would not fit the embedding"
+        )
     return tok
 
 
-def train_bpe(documents: Iterable[str], vocab_size: int, out_dir: str | Path, *, model_max_length: int = 0) -> HFTokenizer:
+def train_bpe(
+    documents: Iterable[str], vocab_size: int, out_dir: str | Path, *, model_max_length: int = 0
+) -> HFTokenizer:
     """Train a byte-level BPE of ``vocab_size`` tokens (``<|endoftext|>`` is id 0) on
     ``documents`` and write ``out_dir/tokenizer.json`` and ``tokenizer_config.json``."""
     from tokenizers import Tokenizer as _Tokenizer
@@ -147,7 +159,12 @@ def train_bpe(documents: Iterable[str], vocab_size: int, out_dir: str | Path, *,
     tok = _Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(documents, trainer=trainer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -156,10 +173,18 @@ def train_bpe(documents: Iterable[str], vocab_size: int, out_dir: str | Path, *,
     return HFTokenizer(out)
 
 
-def write_tokenizer_config(out_dir: Path, *, eos_token: str, bos_token: str | None = None, model_max_length: int = 0) -> Path:
+def write_tokenizer_config(
+    out_dir: Path, *, eos_token: str, bos_token: str | None = None, model_max_length: int = 0
+) -> Path:
     """A ``tokenizer_config.json`` that makes ``transformers.AutoTokenizer`` load ``tokenizer.json``
     (the beginning of text is the end-of-text token unless ``bos_token`` says otherwise, as in GPT-2)."""
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token, "bos_token": bos_token or eos_token, "unk_token": None, "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos_token,
+        "bos_token": bos_token or eos_token,
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+    }
     if model_max_length:
         config["model_max_length"] = model_max_length
     path = Path(out_dir) / TOKENIZER_CONFIG
@@ -167,7 +192,16 @@ def write_tokenizer_config(out_dir: Path, *, eos_token: str, bos_token: str | No
     return path
 
 
-TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG, "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+TOKENIZER_FILES = (
+    TOKENIZER_FILE,
+    TOKENIZER_CONFIG,
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
 
 
 def save_tokenizer(source: str | Path, out_dir: str | Path, *, model_max_length: int = 0) -> HFTokenizer:

@@ -133,7 +133,10 @@ class ReplicaBalancer:
         """Up to ``limit`` other usable replicas of the stage, the fastest first (unmeasured
         ones after the measured): where a chain goes when ``chosen`` fails."""
         others = [u for u in self.usable(stage) if u != chosen]
-        return sorted(others, key=lambda u: (self._replicas(stage)[u].ema.value is None, self._replicas(stage)[u].ema.value or 0.0))[:limit]
+        return sorted(
+            others,
+            key=lambda u: (self._replicas(stage)[u].ema.value is None, self._replicas(stage)[u].ema.value or 0.0),
+        )[:limit]
 
     def report_success(self, stage: int, url: str, seconds: float, batch_size: int, kind: str) -> None:
         """A call took ``seconds`` for ``batch_size`` samples: update the replica's speed

@@ -25,7 +25,17 @@ def balancer_for(urls: list[list[str]], seed: int = 0) -> ReplicaBalancer:
 
 def stage_settings(stage: int, num_stages: int = 4, **overrides) -> StageServerSettings:
     """Settings built from keywords only, so the caller's SWARM_* environment does not leak in."""
-    base = dict(model="tiny", num_stages=num_stages, stage=stage, wire_codec="fp32", global_batch=10**6, seed=0, run_id="test", mdns=False, coordinator="")
+    base = dict(
+        model="tiny",
+        num_stages=num_stages,
+        stage=stage,
+        wire_codec="fp32",
+        global_batch=10**6,
+        seed=0,
+        run_id="test",
+        mdns=False,
+        coordinator="",
+    )
     return StageServerSettings(**{**base, **overrides})
 
 

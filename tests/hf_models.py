@@ -13,8 +13,10 @@ import torch
 
 from shared.tokenizer import train_bpe
 
-TEXT = ("To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer "
-        "The slings and arrows of outrageous fortune, Or to take arms against a sea of troubles. ") * 40  # fmt: skip
+TEXT = (
+    "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer "
+    "The slings and arrows of outrageous fortune, Or to take arms against a sea of troubles. "
+) * 40
 VOCAB = 320  # the models' vocabulary; the tokenizers trained here have 300 tokens
 
 
@@ -27,26 +29,53 @@ def save_tokenizer_dir(path: Path, vocab_size: int = 300) -> Path:
 def llama_config(arch: str = "llama", **overrides):
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     common.update(overrides)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 20000.0})
     if arch == "mistral":
-        return transformers.MistralConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 20000.0}, sliding_window=48)
+        return transformers.MistralConfig(
+            **common, rope_parameters={"rope_type": "default", "rope_theta": 20000.0}, sliding_window=48
+        )
     return transformers.LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
 
 
 def gpt2_config(**overrides):
     import transformers
 
-    common = dict(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                  initializer_range=0.1, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    common = dict(
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_embd=64,
+        n_layer=4,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        initializer_range=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     common.update(overrides)
     return transformers.GPT2Config(**common)
 
 
-def save_model_dir(path: Path, config, *, seed: int = 0, max_shard_size: str | None = None, tokenizer: bool = True) -> Path:
+def save_model_dir(
+    path: Path, config, *, seed: int = 0, max_shard_size: str | None = None, tokenizer: bool = True
+) -> Path:
     """A random model of ``config`` saved with ``save_pretrained`` into ``path`` (sharded past
     ``max_shard_size``), with a tokenizer."""
     import transformers

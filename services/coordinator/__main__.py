@@ -13,7 +13,9 @@ from services.coordinator.app import create_app
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = parse_settings(CoordinatorSettings, argv, "swarm coordinator", "Keep the registry of a run's stage servers and their leases.")
+    settings = parse_settings(
+        CoordinatorSettings, argv, "swarm coordinator", "Keep the registry of a run's stage servers and their leases."
+    )
     configure_logging(settings.log_format, settings.log_level)
     try:
         app = create_app(settings)

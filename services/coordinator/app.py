@@ -25,7 +25,17 @@ from services.coordinator.dashboard_routes import EVENTS, PROGRESS, add_dashboar
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.placement import TopologyRebalancer, placement_inputs, split_moves, uses_topology
 from services.coordinator.registry import RegisteredServer, Registry, ServerReport
-from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY, SETTINGS, STEPS, TRAFFIC, _check_run, add_routes, read_json
+from services.coordinator.routes import (
+    LOG,
+    MAX_BODY_BYTES,
+    REGISTRY,
+    SETTINGS,
+    STEPS,
+    TRAFFIC,
+    _check_run,
+    add_routes,
+    read_json,
+)
 from services.coordinator.steps import StepScheduler, check_report
 
 
@@ -48,7 +58,13 @@ def expire_leases(registry: Registry, log) -> list[RegisteredServer]:
     """Remove the servers whose lease ran out, one ``registry.expired`` line each."""
     expired = registry.expire()
     for server in expired:
-        log.info("registry.expired", server_id=server.server_id, stage=server.stage, url=server.url, last_heartbeat=server.last_heartbeat)
+        log.info(
+            "registry.expired",
+            server_id=server.server_id,
+            stage=server.stage,
+            url=server.url,
+            last_heartbeat=server.last_heartbeat,
+        )
     return expired
 
 
@@ -67,11 +83,22 @@ AVERAGING = web.AppKey("averaging", AveragingScheduler)
 
 def create_app(settings: CoordinatorSettings, registry: Registry | None = None) -> web.Application:
     """The coordinator app; a ``registry`` passed in stays the caller's to close."""
-    log = EventRecorder(get_logger(service="coordinator", run=settings.run_id), RecentEvents())  # its events feed the dashboard
+    log = EventRecorder(
+        get_logger(service="coordinator", run=settings.run_id), RecentEvents()
+    )  # its events feed the dashboard
     metrics = Metrics("coordinator", run_id=settings.run_id, version=package_version())
     # /v1/ (the OpenAI-compatible API) answers in OpenAI's error shape and takes a bearer token instead of the swarm's signature
     signed = outside_api(auth_middlewares(settings, log, open_paths=OPEN_PATHS | DASHBOARD_PATHS))
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[metrics_middleware(metrics), request_log_middleware(log), error_middleware(log), openai_middleware(settings, log), *signed])
+    app = web.Application(
+        client_max_size=MAX_BODY_BYTES,
+        middlewares=[
+            metrics_middleware(metrics),
+            request_log_middleware(log),
+            error_middleware(log),
+            openai_middleware(settings, log),
+            *signed,
+        ],
+    )
     app[SETTINGS] = settings
     app[REGISTRY] = registry if registry is not None else build_registry(settings)
     app[LOG] = log
@@ -96,14 +123,24 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
 
     app.cleanup_ctx.append(lifecycle)
     app[AVERAGING] = AveragingScheduler(
-        app[REGISTRY].live, every_s=settings.average_every_s, codec=settings.averaging_codec, timeout_s=settings.averaging_timeout_s, log=log,
+        app[REGISTRY].live,
+        every_s=settings.average_every_s,
+        codec=settings.averaging_codec,
+        timeout_s=settings.averaging_timeout_s,
+        log=log,
         aggregator=settings.averaging_aggregator,
     )
     app.cleanup_ctx.append(_averaging(settings))
     app.router.add_post("/average", average_now)
     app[STEPS] = StepScheduler(
-        settings.num_stages, app[REGISTRY].live, codec=settings.averaging_codec, timeout_s=settings.step_timeout_s, aggregator=settings.averaging_aggregator, log=log,
-        lease_s=app[REGISTRY].lease_s, reported_step=lambda server: app[REGISTRY].reports.get(server.server_id, ServerReport()).step,
+        settings.num_stages,
+        app[REGISTRY].live,
+        codec=settings.averaging_codec,
+        timeout_s=settings.step_timeout_s,
+        aggregator=settings.averaging_aggregator,
+        log=log,
+        lease_s=app[REGISTRY].lease_s,
+        reported_step=lambda server: app[REGISTRY].reports.get(server.server_id, ServerReport()).step,
     )
     app.cleanup_ctx.append(_steps())
     app.router.add_post("/step/reserve", step_reserve)
@@ -112,7 +149,12 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
         app.cleanup_ctx.append(_rebalancing(settings, log))
     if settings.checkpoint_dir:
         app[CHECKPOINTER] = Checkpointer(
-            app[REGISTRY], root=settings.checkpoint_dir, run_id=settings.run_id, keep=settings.keep_checkpoints, timeout_s=settings.checkpoint_every_s, log=log,
+            app[REGISTRY],
+            root=settings.checkpoint_dir,
+            run_id=settings.run_id,
+            keep=settings.keep_checkpoints,
+            timeout_s=settings.checkpoint_every_s,
+            log=log,
             stage_steps=lambda: [st.step for st in app[STEPS].counter.stages],
         )
         app.cleanup_ctx.append(_checkpoints(settings))
@@ -132,7 +174,9 @@ async def step_reserve(request: web.Request) -> web.Response:
     a replica about to run a backward -> {bucket, closes, resync, complete, step}: see ``steps.py``."""
     msg = await read_json(request)
     _check_run(request, msg)
-    stage, url, step, samples, global_batch = check_report(msg, request.app[REGISTRY].num_stages, ("step", "samples", "global_batch"))
+    stage, url, step, samples, global_batch = check_report(
+        msg, request.app[REGISTRY].num_stages, ("step", "samples", "global_batch")
+    )
     until_step = msg.get("until_step")
     if until_step is not None and (type(until_step) is not int or until_step < 1):
         raise BadPayload("'until_step' must be an int >= 1")
@@ -149,7 +193,9 @@ async def step_done(request: web.Request) -> web.Response:
     closes = msg.get("closes", False)
     if type(closes) is not bool:
         raise BadPayload("'closes' must be a bool")
-    return web.json_response(await request.app[STEPS].done(*check_report(msg, request.app[REGISTRY].num_stages, fields), closes=closes))
+    return web.json_response(
+        await request.app[STEPS].done(*check_report(msg, request.app[REGISTRY].num_stages, fields), closes=closes)
+    )
 
 
 def _averaging(settings: CoordinatorSettings):
@@ -178,7 +224,11 @@ def _rebalancing(settings: CoordinatorSettings, log):
 
     async def loop(registry: Registry, session: aiohttp.ClientSession) -> None:
         rebalancer = Rebalancer(min_gain=settings.rebalance_min_gain)
-        topology = TopologyRebalancer(min_gain=settings.placement_min_gain, max_moves_fraction=settings.placement_max_moves, time_budget_s=settings.placement_budget_s)
+        topology = TopologyRebalancer(
+            min_gain=settings.placement_min_gain,
+            max_moves_fraction=settings.placement_max_moves,
+            time_budget_s=settings.placement_budget_s,
+        )
         while True:
             await asyncio.sleep(settings.rebalance_every_s)
             live = registry.live()
@@ -187,9 +237,14 @@ def _rebalancing(settings: CoordinatorSettings, log):
                 if any(s.throughput <= 0 for s in live):
                     continue  # a server that has not measured its speed yet: wait for it
                 inputs = placement_inputs(
-                    live, registry.rtt_ms, registry.reports, num_stages=registry.num_stages, average_every_s=settings.average_every_s,
-                    averaging_codec=settings.averaging_codec, bandwidth_gbps=settings.placement_bandwidth_gbps,
-                )  # fmt: skip
+                    live,
+                    registry.rtt_ms,
+                    registry.reports,
+                    num_stages=registry.num_stages,
+                    average_every_s=settings.average_every_s,
+                    averaging_codec=settings.averaging_codec,
+                    bandwidth_gbps=settings.placement_bandwidth_gbps,
+                )
                 try:
                     result = await asyncio.to_thread(topology.check, inputs, registry.num_stages)
                 except (ValueError, KeyError) as exc:  # inputs the planner cannot work with: say so, keep the loop
@@ -198,25 +253,63 @@ def _rebalancing(settings: CoordinatorSettings, log):
                 if result is None:
                     continue
                 now, later = split_moves(inputs.current, result.moves)
-                log.info("rebalance.replan", cost_before_s=round(result.cost_before_s, 4), cost_after_s=round(result.cost_after_s, 4), moves=len(now), deferred=len(later), servers=len(live))
+                log.info(
+                    "rebalance.replan",
+                    cost_before_s=round(result.cost_before_s, 4),
+                    cost_after_s=round(result.cost_after_s, 4),
+                    moves=len(now),
+                    deferred=len(later),
+                    servers=len(live),
+                )
                 for move in now:
-                    log.info("rebalance.move", server_id=move.peer_id, replica=url_of[move.peer_id], from_stage=move.from_stage, to_stage=move.to_stage, placement="topology")
-                await asyncio.gather(*(_order_move(session, settings, url_of[m.peer_id], m.peer_id, m.from_stage, m.to_stage, log) for m in now))
+                    log.info(
+                        "rebalance.move",
+                        server_id=move.peer_id,
+                        replica=url_of[move.peer_id],
+                        from_stage=move.from_stage,
+                        to_stage=move.to_stage,
+                        placement="topology",
+                    )
+                await asyncio.gather(
+                    *(
+                        _order_move(session, settings, url_of[m.peer_id], m.peer_id, m.from_stage, m.to_stage, log)
+                        for m in now
+                    )
+                )
                 continue
             move = rebalancer.check({s.server_id: (s.stage, s.throughput) for s in live}, registry.num_stages)
             if move is None:
                 continue
             url = url_of[move.server_id]
-            log.info("rebalance.move", server_id=move.server_id, replica=url, from_stage=move.from_stage, to_stage=move.to_stage, capacity_before=round(move.capacity_before, 1), capacity_after=round(move.capacity_after, 1), placement="throughput")
+            log.info(
+                "rebalance.move",
+                server_id=move.server_id,
+                replica=url,
+                from_stage=move.from_stage,
+                to_stage=move.to_stage,
+                capacity_before=round(move.capacity_before, 1),
+                capacity_after=round(move.capacity_after, 1),
+                placement="throughput",
+            )
             await _order_move(session, settings, url, move.server_id, move.from_stage, move.to_stage, log)
 
     return _background("rebalancing", lambda app, session: loop(app[REGISTRY], session))
 
 
-async def _order_move(session: aiohttp.ClientSession, settings: CoordinatorSettings, url: str, server_id: str, from_stage: int, to_stage: int, log) -> None:
+async def _order_move(
+    session: aiohttp.ClientSession,
+    settings: CoordinatorSettings,
+    url: str,
+    server_id: str,
+    from_stage: int,
+    to_stage: int,
+    log,
+) -> None:
     """``POST /move`` to the server; a refusal or an unreachable server is logged (the next check plans again)."""
     try:
-        await post_message(session, url + "/move", {"run_id": settings.run_id, "stage": from_stage, "to_stage": to_stage}, timeout_s=10)
+        await post_message(
+            session, url + "/move", {"run_id": settings.run_id, "stage": from_stage, "to_stage": to_stage}, timeout_s=10
+        )
     except RemoteError as exc:
         log.warning("rebalance.move.failed", server_id=server_id, error=str(exc))
 
@@ -277,7 +370,9 @@ def _announcement(settings: CoordinatorSettings):
 
         url = advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls)
         async with Announcer(settings.mdns_interfaces) as announcer:
-            await announcer.start(COORDINATOR_TYPE, f"coordinator-{settings.run_id}-{settings.port}", url, {"run_id": settings.run_id})
+            await announcer.start(
+                COORDINATOR_TYPE, f"coordinator-{settings.run_id}-{settings.port}", url, {"run_id": settings.run_id}
+            )
             yield
 
     return ctx

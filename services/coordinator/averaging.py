@@ -25,8 +25,19 @@ from shared.log import get_logger
 START_TIMEOUT_S = 5.0  # cap on each /average/start call (a member answers it at once)
 
 
-async def start_round(session: aiohttp.ClientSession, stage: int, member_urls: list[str], *, codec: str, timeout_s: float, log=None, with_accepted: bool = False, aggregator: str = "mean",
-                      kind: str = "params", step: int = 0):
+async def start_round(
+    session: aiohttp.ClientSession,
+    stage: int,
+    member_urls: list[str],
+    *,
+    codec: str,
+    timeout_s: float,
+    log=None,
+    with_accepted: bool = False,
+    aggregator: str = "mean",
+    kind: str = "params",
+    step: int = 0,
+):
     """Start one averaging round of ``stage`` among ``member_urls`` (index = position); return its
     id (``with_accepted``: the id and how many members accepted).
 
@@ -45,17 +56,46 @@ async def start_round(session: aiohttp.ClientSession, stage: int, member_urls: l
     round_id = f"{'step' if kind == 'step' else 'avg'}-s{stage}-{uuid.uuid4().hex[:12]}"
 
     async def tell(index: int, url: str) -> bool:
-        msg = {"round_id": round_id, "stage": stage, "members": members, "index": index, "codec": codec, "timeout_s": timeout_s, "aggregator": aggregator, "kind": kind, "step": step}
+        msg = {
+            "round_id": round_id,
+            "stage": stage,
+            "members": members,
+            "index": index,
+            "codec": codec,
+            "timeout_s": timeout_s,
+            "aggregator": aggregator,
+            "kind": kind,
+            "step": step,
+        }
         try:
             await post_message(session, url + "/average/start", msg, timeout_s=min(START_TIMEOUT_S, timeout_s))
             return True
         except RemoteError as exc:
-            log.warning("averaging.start.refused", round_id=round_id, stage=stage, member=url, index=index, status=exc.status, code=exc.code, reason=exc.message)
+            log.warning(
+                "averaging.start.refused",
+                round_id=round_id,
+                stage=stage,
+                member=url,
+                index=index,
+                status=exc.status,
+                code=exc.code,
+                reason=exc.message,
+            )
             return False
 
     accepted = await asyncio.gather(*(tell(i, url) for i, url in enumerate(members)))
     if kind != "step":  # a step round is logged by its scheduler, with its step (step.round.started)
-        log.info("averaging.round.started", round_id=round_id, kind=kind, stage=stage, members=len(members), accepted=sum(accepted), codec=codec, aggregator=aggregator, timeout_s=timeout_s)
+        log.info(
+            "averaging.round.started",
+            round_id=round_id,
+            kind=kind,
+            stage=stage,
+            members=len(members),
+            accepted=sum(accepted),
+            codec=codec,
+            aggregator=aggregator,
+            timeout_s=timeout_s,
+        )
     return (round_id, sum(accepted)) if with_accepted else round_id
 
 
@@ -88,8 +128,23 @@ class AveragingScheduler:
     replicas share (step, anchor, outer momentum), and replicas that have not taken the same
     number of outer steps yet are between steps too."""
 
-    def __init__(self, live_servers: Callable[[], Iterable], *, every_s: float, codec: str, timeout_s: float, log, aggregator: str = "mean"):
-        self.live_servers, self.every_s, self.codec, self.timeout_s, self.log = live_servers, every_s, codec, timeout_s, log
+    def __init__(
+        self,
+        live_servers: Callable[[], Iterable],
+        *,
+        every_s: float,
+        codec: str,
+        timeout_s: float,
+        log,
+        aggregator: str = "mean",
+    ):
+        self.live_servers, self.every_s, self.codec, self.timeout_s, self.log = (
+            live_servers,
+            every_s,
+            codec,
+            timeout_s,
+            log,
+        )
         self.aggregator = aggregator
         self.session: aiohttp.ClientSession | None = None
         self.passes = 0
@@ -151,7 +206,10 @@ class AveragingScheduler:
 
         answers = dict(zip(urls, await asyncio.gather(*(digest(u) for u in urls))))
         answered = {u: a for u, a in answers.items() if isinstance(a, dict) and "step" in a and "digest" in a}
-        steps = sorted({(a["step"], a.get("outer_steps", 0)) if "outer_steps" in a else a["step"] for a in answered.values()}, key=str)  # local mode: (step, outer steps)
+        steps = sorted(
+            {(a["step"], a.get("outer_steps", 0)) if "outer_steps" in a else a["step"] for a in answered.values()},
+            key=str,
+        )  # local mode: (step, outer steps)
         digests = sorted({a["digest"] for a in answered.values()})
         if len(answered) < 2:
             verdict = "unreachable"
@@ -159,13 +217,30 @@ class AveragingScheduler:
             verdict = "between_steps"
         else:
             verdict = "identical" if len(digests) == 1 else "drifted"
-        check = {"stage": stage, "verdict": verdict, "replicas": sorted(answered), "steps": steps, "digests": len(digests)}
+        check = {
+            "stage": stage,
+            "verdict": verdict,
+            "replicas": sorted(answered),
+            "steps": steps,
+            "digests": len(digests),
+        }
         level = "warning" if verdict == "drifted" else "info"
-        getattr(self.log, level)(f"averaging.check.{verdict}", stage=stage, replicas=len(answered), steps=steps, digests=len(digests))
+        getattr(self.log, level)(
+            f"averaging.check.{verdict}", stage=stage, replicas=len(answered), steps=steps, digests=len(digests)
+        )
         return check
 
     async def _start(self, stage: int, urls: list[str]) -> StageRound:
-        round_id, accepted = await start_round(self.session, stage, urls, codec=self.codec, timeout_s=self.timeout_s, log=self.log, with_accepted=True, aggregator=self.aggregator)
+        round_id, accepted = await start_round(
+            self.session,
+            stage,
+            urls,
+            codec=self.codec,
+            timeout_s=self.timeout_s,
+            log=self.log,
+            with_accepted=True,
+            aggregator=self.aggregator,
+        )
         return StageRound(stage, round_id, [u.rstrip("/") for u in urls], accepted)
 
     async def _wait_ended(self, rnd: StageRound) -> None:
@@ -179,10 +254,15 @@ async def wait_round_ended(session: aiohttp.ClientSession, rnd: StageRound, time
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s + START_TIMEOUT_S
     pending, delay, statuses = set(rnd.members), STATUS_POLL_S, {}
+
     async def ask(url: str) -> None:  # a member answers once the round ended there (or its wait ran out)
         left = max(0.1, deadline - loop.time())
         try:
-            status = await get_json(session, f"{url}/average/status?wait={rnd.round_id}&wait_s={min(left, 10.0):.3f}", timeout_s=min(left, 10.0) + START_TIMEOUT_S)
+            status = await get_json(
+                session,
+                f"{url}/average/status?wait={rnd.round_id}&wait_s={min(left, 10.0):.3f}",
+                timeout_s=min(left, 10.0) + START_TIMEOUT_S,
+            )
         except RemoteError:
             pending.discard(url)  # gone: its peers leave it out
             return

@@ -30,11 +30,27 @@ ALIGN_ATTEMPTS = 3  # downloads of every stage until all are at one step
 
 
 class Checkpointer:
-    def __init__(self, registry: Registry, *, root: str, run_id: str, keep: int, timeout_s: float, log, session: aiohttp.ClientSession | None = None,
-                 stage_steps: Callable[[], list[int]] = list):
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        root: str,
+        run_id: str,
+        keep: int,
+        timeout_s: float,
+        log,
+        session: aiohttp.ClientSession | None = None,
+        stage_steps: Callable[[], list[int]] = list,
+    ):
         """``session`` (for downloading states) may be given later, before the first checkpoint;
         ``stage_steps()``: each stage's global step as the coordinator counts it."""
-        self.session, self.registry, self.root, self.run_id, self.stage_steps = session, registry, root, run_id, stage_steps
+        self.session, self.registry, self.root, self.run_id, self.stage_steps = (
+            session,
+            registry,
+            root,
+            run_id,
+            stage_steps,
+        )
         self.keep, self.timeout_s, self.log = keep, timeout_s, log
         self.saved = 0
 
@@ -58,13 +74,23 @@ class Checkpointer:
             target = max(reached)
         step = min(int(m.get("optimizer_steps", 0)) for m in metas.values())
         if any(int(m.get("optimizer_steps", 0)) != step for m in metas.values()):
-            self.log.warning("checkpoint.uneven", step=step, stage_steps={s: m.get("optimizer_steps") for s, m in metas.items()}, reason="a stage did not reach the others' step in time")
+            self.log.warning(
+                "checkpoint.uneven",
+                step=step,
+                stage_steps={s: m.get("optimizer_steps") for s, m in metas.items()},
+                reason="a stage did not reach the others' step in time",
+            )
         latest = checkpoint.latest_checkpoint(self.root)
         if latest is not None and checkpoint.read_meta(latest)["step"] == step:
             return latest  # nothing new; never rewrite the files of a committed checkpoint
         for stage, data in states.items():
             checkpoint.write_stage_file(self.root, step, stage, data)
-        meta = {"run_id": self.run_id, "num_stages": self.registry.num_stages, "model_config": metas[0].get("model_config"), "stage_steps": {str(s): m.get("optimizer_steps") for s, m in metas.items()}}
+        meta = {
+            "run_id": self.run_id,
+            "num_stages": self.registry.num_stages,
+            "model_config": metas[0].get("model_config"),
+            "stage_steps": {str(s): m.get("optimizer_steps") for s, m in metas.items()},
+        }
         path = checkpoint.commit_checkpoint(self.root, step, meta)
         self.registry.record_checkpoint(step, str(path))
         checkpoint.prune(self.root, self.keep)
@@ -78,7 +104,13 @@ class Checkpointer:
         again after its Retry-After, within ``timeout_s``."""
 
         async def fetch(url: str) -> bytes:
-            data = await request_bytes(self.session, "GET", f"{url}/state?step={step}&wait_s={self.timeout_s / 2:g}", expect=OCTET_STREAM, timeout_s=self.timeout_s)
+            data = await request_bytes(
+                self.session,
+                "GET",
+                f"{url}/state?step={step}&wait_s={self.timeout_s / 2:g}",
+                expect=OCTET_STREAM,
+                timeout_s=self.timeout_s,
+            )
             try:
                 checkpoint.state_metadata(data)  # a readable state, not an error page
             except BadPayload as exc:

@@ -121,8 +121,13 @@ class CompletionService:
     @contextlib.contextmanager
     def slot(self):
         if self.active >= self.settings.max_generations:
-            raise OpenAIError(429, f"{self.active} generations are running, the most this coordinator runs at once (setting SWARM_MAX_GENERATIONS); retry shortly",
-                              type="requests", code="rate_limit_exceeded", headers={"Retry-After": "1"})  # fmt: skip
+            raise OpenAIError(
+                429,
+                f"{self.active} generations are running, the most this coordinator runs at once (setting SWARM_MAX_GENERATIONS); retry shortly",
+                type="requests",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
         self.active += 1
         try:
             yield
@@ -132,7 +137,11 @@ class CompletionService:
     async def model(self) -> SwarmModel:
         replicas = await self.refresh()
         if empty := [stage for stage, urls in enumerate(replicas) if not urls]:
-            raise OpenAIError(503, f"stage(s) {empty} have no live replica: nothing can generate until a stage server serves each", code="no_replicas")
+            raise OpenAIError(
+                503,
+                f"stage(s) {empty} have no live replica: nothing can generate until a stage server serves each",
+                code="no_replicas",
+            )
         key = tuple(tuple(urls) for urls in replicas)
         async with self._lock:
             if self._model is None or self._model.replicas != key:
@@ -152,10 +161,14 @@ class CompletionService:
                 errors.append(f"{url}: {exc}")
                 continue
             if info.get("run_id") != self.settings.run_id or info.get("num_stages") != self.settings.num_stages:
-                errors.append(f"{url} serves run {info.get('run_id')!r} in {info.get('num_stages')} stages, not {self.settings.run_id!r} in {self.settings.num_stages}")
+                errors.append(
+                    f"{url} serves run {info.get('run_id')!r} in {info.get('num_stages')} stages, not {self.settings.run_id!r} in {self.settings.num_stages}"
+                )
                 continue
             return SwarmModel(config, self._tokenizer_for(str(info.get("model", "")), config), replicas)
-        raise OpenAIError(503, f"no stage server gave the model's config (GET /info): {'; '.join(errors)}", code="model_unavailable")
+        raise OpenAIError(
+            503, f"no stage server gave the model's config (GET /info): {'; '.join(errors)}", code="model_unavailable"
+        )
 
     def _tokenizer_for(self, model: str, config: ModelConfig) -> ByteTokenizer | HFTokenizer:
         key = (model, config)
@@ -163,7 +176,11 @@ class CompletionService:
             try:
                 tokenizer = load_tokenizer(model if is_hf_dir(model) else "", self.settings.tokenizer, config)
             except ValueError as exc:
-                raise OpenAIError(503, f"the completions endpoint has no tokenizer for this model: {exc} (the coordinator's setting SWARM_TOKENIZER)", code="no_tokenizer") from None
+                raise OpenAIError(
+                    503,
+                    f"the completions endpoint has no tokenizer for this model: {exc} (the coordinator's setting SWARM_TOKENIZER)",
+                    code="no_tokenizer",
+                ) from None
             self._tokenizer = (key, tokenizer)
         return self._tokenizer[1]
 
@@ -172,7 +189,9 @@ class Generation:
     """One generation's text as it becomes final, its token count and why it ended.
     ``client_gone()`` is asked after every token: a client that went away ends it."""
 
-    def __init__(self, tokens: AsyncIterator[int], text: TextStream, params: SamplingParams, client_gone: Callable[[], bool]):
+    def __init__(
+        self, tokens: AsyncIterator[int], text: TextStream, params: SamplingParams, client_gone: Callable[[], bool]
+    ):
         self.tokens, self.text, self.params, self.client_gone = tokens, text, params, client_gone
         self.completion_tokens = 0
         self.abandoned = False  # the client went away before the end
@@ -190,7 +209,11 @@ class Generation:
                 if self.text.stopped:
                     return
         except (SessionFailed, RemoteError) as exc:
-            raise OpenAIError(503, f"the generation failed ({self.completion_tokens} tokens generated): {exc}", code="generation_failed") from None
+            raise OpenAIError(
+                503,
+                f"the generation failed ({self.completion_tokens} tokens generated): {exc}",
+                code="generation_failed",
+            ) from None
         if tail := self.text.flush():
             yield tail
 
@@ -223,7 +246,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 def _model_card(request: web.Request) -> dict:
-    return {"id": request.app[SETTINGS].run_id, "object": "model", "created": request.app[COMPLETIONS].created, "owned_by": OWNER}
+    return {
+        "id": request.app[SETTINGS].run_id,
+        "object": "model",
+        "created": request.app[COMPLETIONS].created,
+        "owned_by": OWNER,
+    }
 
 
 def _check_model(request: web.Request, model) -> None:
@@ -231,7 +259,12 @@ def _check_model(request: web.Request, model) -> None:
     if not isinstance(model, str) or not model:
         raise OpenAIError(400, f"model is missing: this swarm serves {run_id!r}", param="model")
     if model != run_id:
-        raise OpenAIError(404, f"The model {model!r} does not exist: this swarm serves {run_id!r} (GET /v1/models)", param="model", code="model_not_found")
+        raise OpenAIError(
+            404,
+            f"The model {model!r} does not exist: this swarm serves {run_id!r} (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
 
 
 async def _read_body(request: web.Request) -> dict:
@@ -257,18 +290,35 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         model = await service.model()
         ids = model.encode(req.prompt)
         params = sampling_params(req, len(ids), model.config.block_size)
-        reply = ReplyFormat(chat, request.app[SETTINGS].run_id, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()))
-        session = SwarmSession(service.http, service.balancer, run_id=request.app[SETTINGS].run_id, max_length=len(ids) + params.max_tokens,
-                               timeout_s=STEP_TIMEOUT_S, refresh=service.refresh, log=service.log)  # fmt: skip
-        gen = Generation(generate(session.step, ids, params, eos_id=model.tokenizer.eos_id), TextStream(model.tokenizer.decode, params.stop), params,
-                         client_gone=lambda: request.transport is None or request.transport.is_closing())  # fmt: skip
+        reply = ReplyFormat(
+            chat, request.app[SETTINGS].run_id, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        )
+        session = SwarmSession(
+            service.http,
+            service.balancer,
+            run_id=request.app[SETTINGS].run_id,
+            max_length=len(ids) + params.max_tokens,
+            timeout_s=STEP_TIMEOUT_S,
+            refresh=service.refresh,
+            log=service.log,
+        )
+        gen = Generation(
+            generate(session.step, ids, params, eos_id=model.tokenizer.eos_id),
+            TextStream(model.tokenizer.decode, params.stop),
+            params,
+            client_gone=lambda: request.transport is None or request.transport.is_closing(),
+        )
         try:
             async with session, contextlib.aclosing(gen.tokens), contextlib.aclosing(gen.pieces()) as pieces:
                 if req.stream:
-                    response = await _stream(request, reply, gen, pieces, include_usage=req.include_usage, prompt_tokens=len(ids))
+                    response = await _stream(
+                        request, reply, gen, pieces, include_usage=req.include_usage, prompt_tokens=len(ids)
+                    )
                 else:
                     text = "".join([piece async for piece in pieces])
-                    response = web.json_response(reply.whole(text, gen.finish_reason, usage(len(ids), gen.completion_tokens)))
+                    response = web.json_response(
+                        reply.whole(text, gen.finish_reason, usage(len(ids), gen.completion_tokens))
+                    )
         except OpenAIError:
             service.forget_model()  # the next request reads the model again
             raise
@@ -277,16 +327,38 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         except asyncio.CancelledError:  # the server stops, or cancels the handlers of clients that went away
             request.app[LOG].info("completion.cancelled", completion_tokens=gen.completion_tokens)
             raise
-        request.app[LOG].info("completion.done", chat=chat, stream=req.stream, prompt_tokens=len(ids), completion_tokens=gen.completion_tokens,
-                              finish_reason=gen.finish_reason, seconds=round(time.perf_counter() - started, 3), **session.stats.to_dict())  # fmt: skip
+        request.app[LOG].info(
+            "completion.done",
+            chat=chat,
+            stream=req.stream,
+            prompt_tokens=len(ids),
+            completion_tokens=gen.completion_tokens,
+            finish_reason=gen.finish_reason,
+            seconds=round(time.perf_counter() - started, 3),
+            **session.stats.to_dict(),
+        )
         return response
 
 
-async def _stream(request: web.Request, reply: ReplyFormat, gen: Generation, pieces: AsyncIterator[str], *, include_usage: bool, prompt_tokens: int) -> web.StreamResponse:
+async def _stream(
+    request: web.Request,
+    reply: ReplyFormat,
+    gen: Generation,
+    pieces: AsyncIterator[str],
+    *,
+    include_usage: bool,
+    prompt_tokens: int,
+) -> web.StreamResponse:
     """Server-sent events as the text comes. The headers go once the first text is there (or
     the generation ended), so a swarm that cannot serve the prompt still answers 503."""
     first = await anext(pieces, None)
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
+    )
     await response.prepare(request)
     try:
         if first is not None or reply.chat:
@@ -335,7 +407,13 @@ def openai_middleware(settings: CoordinatorSettings, log):
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return error_response(OpenAIError(exc.status, exc.reason or "refused", code={404: "not_found", 405: "method_not_allowed"}.get(exc.status)))
+            return error_response(
+                OpenAIError(
+                    exc.status,
+                    exc.reason or "refused",
+                    code={404: "not_found", 405: "method_not_allowed"}.get(exc.status),
+                )
+            )
         except Exception as exc:  # a bug: log it whole, answer 500 in the API's shape, keep serving
             log.exception("request.crashed", path=request.path, error=repr(exc))
             return error_response(OpenAIError(500, repr(exc)))
@@ -350,7 +428,11 @@ def error_response(exc: OpenAIError) -> web.Response:
 def _check_bearer(request: web.Request, secret: bytes) -> None:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), secret):
-        raise OpenAIError(401, "this swarm has a secret: send it as the API key (`Authorization: Bearer <SWARM_SECRET>`)", code="invalid_api_key")
+        raise OpenAIError(
+            401,
+            "this swarm has a secret: send it as the API key (`Authorization: Bearer <SWARM_SECRET>`)",
+            code="invalid_api_key",
+        )
 
 
 def outside_api(middlewares: list) -> list:
@@ -372,7 +454,9 @@ def outside_api(middlewares: list) -> list:
 def add_completion_routes(app: web.Application) -> None:
     """The /v1/ routes, and their client session to the stage servers (signed like the coordinator's own)."""
     settings = app[SETTINGS]
-    app[COMPLETIONS] = CompletionService(settings, lambda: [[r["url"] for r in s["replicas"]] for s in swarm_view(app)["stages"]], app[LOG])
+    app[COMPLETIONS] = CompletionService(
+        settings, lambda: [[r["url"] for r in s["replicas"]] for s in swarm_view(app)["stages"]], app[LOG]
+    )
 
     async def client(app: web.Application):
         async with swarm_session(settings) as http:

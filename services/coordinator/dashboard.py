@@ -22,15 +22,43 @@ from collections.abc import Callable
 
 from shared.errors import BadPayload
 
-DASHBOARD_EVENTS = frozenset({
-    "registry.registered", "registry.deregistered", "registry.expired",
-    "rebalance.move", "rebalance.move.failed",
-    "averaging.round.started", "averaging.start.refused", "averaging.pass.failed",
-    "checkpoint.saved", "checkpoint.failed", "checkpoint.skipped",
-    "trainer.joined",
-})  # fmt: skip
-COUNTED_EVENTS = frozenset({"step.round.started"})  # too frequent for the list (one per stage per global step): counted only
-EVENT_FIELDS = ("server_id", "stage", "url", "replica", "member", "from_stage", "to_stage", "round_id", "members", "accepted", "step", "path", "trainer_id", "reason", "error", "removed")
+DASHBOARD_EVENTS = frozenset(
+    {
+        "registry.registered",
+        "registry.deregistered",
+        "registry.expired",
+        "rebalance.move",
+        "rebalance.move.failed",
+        "averaging.round.started",
+        "averaging.start.refused",
+        "averaging.pass.failed",
+        "checkpoint.saved",
+        "checkpoint.failed",
+        "checkpoint.skipped",
+        "trainer.joined",
+    }
+)
+COUNTED_EVENTS = frozenset(
+    {"step.round.started"}
+)  # too frequent for the list (one per stage per global step): counted only
+EVENT_FIELDS = (
+    "server_id",
+    "stage",
+    "url",
+    "replica",
+    "member",
+    "from_stage",
+    "to_stage",
+    "round_id",
+    "members",
+    "accepted",
+    "step",
+    "path",
+    "trainer_id",
+    "reason",
+    "error",
+    "removed",
+)
 MAX_FIELD_CHARS = 200
 TRAINER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 MAX_RECORDS = 256  # step records in one progress report (64 KiB body limit)
@@ -100,7 +128,14 @@ class EventRecorder:
 class TrainingProgress:
     """The latest reports of at most ``max_trainers`` trainers (the longest silent is dropped)."""
 
-    def __init__(self, *, max_trainers: int = 32, max_points: int = 512, events: RecentEvents | None = None, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        *,
+        max_trainers: int = 32,
+        max_points: int = 512,
+        events: RecentEvents | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         assert max_trainers >= 1 and max_points >= 2, "bad progress limits"
         self.max_trainers, self.max_points, self.events, self._clock = max_trainers, max_points, events, clock
         self._trainers: OrderedDict[str, list[dict]] = OrderedDict()  # least recently reporting first
@@ -176,7 +211,9 @@ def replica_health(lease_age_s: float, heartbeat_s: float) -> str:
     return "ok" if lease_age_s <= 1.5 * heartbeat_s else "late"
 
 
-def dashboard_view(run_id: str, swarm: dict, progress: TrainingProgress, events: RecentEvents, *, now: float, event_limit: int = 50) -> dict:
+def dashboard_view(
+    run_id: str, swarm: dict, progress: TrainingProgress, events: RecentEvents, *, now: float, event_limit: int = 50
+) -> dict:
     """Everything the page draws, as one JSON object; ``swarm`` is ``Registry.view()``."""
     stages = []
     for stage in swarm["stages"]:

@@ -1,17 +1,17 @@
 """The coordinator's dashboard over HTTP (the data is ``dashboard.py``)::
 
-    GET  /                 the live dashboard: one self-contained HTML page (no CDN) that
-                           polls /dashboard.json and redraws; its prompt box streams text
-                           from POST /v1/completions (completions.py)
-    GET  /dashboard.json   (both open without a signature, like /health and /metrics)
-                           {run_id, now, num_stages, heartbeat_s, lease_s, weakest_stage,
-                            stages: [{stage, capacity, queue_length, replicas: [{server_id,
-                            url, throughput, queue_length, lease_age_s, health, ...}]}],
-                            trainers: {id: [{t, step, loss, tokens_per_s, elapsed_s}]},
-                            events: [{t, event, level, ...}] (newest first), event_counts}
-    POST /progress         {run_id, trainer_id, records: [{step, loss, tokens_per_s, elapsed_s?}]}
-                           -> {recorded, trainers}: a trainer's step records since its last
-                           report (1..256; JSON, like the registry's messages)
+GET  /                 the live dashboard: one self-contained HTML page (no CDN) that
+                       polls /dashboard.json and redraws; its prompt box streams text
+                       from POST /v1/completions (completions.py)
+GET  /dashboard.json   (both open without a signature, like /health and /metrics)
+                       {run_id, now, num_stages, heartbeat_s, lease_s, weakest_stage,
+                        stages: [{stage, capacity, queue_length, replicas: [{server_id,
+                        url, throughput, queue_length, lease_age_s, health, ...}]}],
+                        trainers: {id: [{t, step, loss, tokens_per_s, elapsed_s}]},
+                        events: [{t, event, level, ...}] (newest first), event_counts}
+POST /progress         {run_id, trainer_id, records: [{step, loss, tokens_per_s, elapsed_s?}]}
+                       -> {recorded, trainers}: a trainer's step records since its last
+                       report (1..256; JSON, like the registry's messages)
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ _PAGE_BYTES = web.AppKey("dashboard_page", bytes)
 
 
 async def page(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[_PAGE_BYTES], content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-cache"})
+    return web.Response(
+        body=request.app[_PAGE_BYTES], content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-cache"}
+    )
 
 
 async def dashboard_json(request: web.Request) -> web.Response:

@@ -13,23 +13,69 @@ from services.coordinator.registry import Registry
 
 
 class CoordinatorMetrics:
-    def __init__(self, metrics: Metrics, registry: Registry, events: RecentEvents, progress: TrainingProgress, traffic: dict):
+    def __init__(
+        self, metrics: Metrics, registry: Registry, events: RecentEvents, progress: TrainingProgress, traffic: dict
+    ):
         self.registry, self.events, self.progress, self.traffic = registry, events, progress, traffic
         metrics.add_state(self.collect)
 
     def collect(self) -> Iterable:
         stages = self.registry.view()["stages"]
         per_stage = lambda value: {(str(s["stage"]),): value(s) for s in stages}  # noqa: E731
-        yield gauge("swarm_coordinator_replicas", "live replicas per stage", per_stage(lambda s: len(s["replicas"])), ["stage"])
-        yield gauge("swarm_coordinator_stage_capacity_samples_per_second", "sum of the replicas' reported throughput, per stage", per_stage(lambda s: s["capacity"]), ["stage"])
-        yield gauge("swarm_coordinator_stage_queue_length", "sum of the replicas' reported queue lengths, per stage", per_stage(lambda s: sum(r["queue_length"] for r in s["replicas"])), ["stage"])
+        yield gauge(
+            "swarm_coordinator_replicas", "live replicas per stage", per_stage(lambda s: len(s["replicas"])), ["stage"]
+        )
+        yield gauge(
+            "swarm_coordinator_stage_capacity_samples_per_second",
+            "sum of the replicas' reported throughput, per stage",
+            per_stage(lambda s: s["capacity"]),
+            ["stage"],
+        )
+        yield gauge(
+            "swarm_coordinator_stage_queue_length",
+            "sum of the replicas' reported queue lengths, per stage",
+            per_stage(lambda s: sum(r["queue_length"] for r in s["replicas"])),
+            ["stage"],
+        )
         weakest = weakest_stage(stages)
-        yield gauge("swarm_coordinator_weakest_stage", "the stage with the least capacity (the swarm's speed limit)", weakest)
-        yield gauge("swarm_coordinator_weakest_stage_capacity_samples_per_second", "capacity of the weakest stage: the swarm trains no faster", stages[weakest]["capacity"])
-        yield gauge("swarm_coordinator_live_servers", "stage servers whose lease runs", sum(len(s["replicas"]) for s in stages))
-        yield counter("swarm_coordinator_events", "swarm events since the coordinator started, by name (registry.registered, rebalance.move, averaging.round.started, step.round.started, ...)", {(name,): n for name, n in self.events.counts.items()}, ["event"])
-        yield counter("swarm_coordinator_averaging_rounds_started", "averaging rounds (checks and repairs of the replicas' weights) the coordinator started", self.events.counts["averaging.round.started"])
-        yield counter("swarm_coordinator_step_rounds_started", "gradient all-reduce rounds (one per stage per global step) the coordinator started", self.events.counts["step.round.started"])
-        yield gauge("swarm_coordinator_trainers_reporting", "trainers whose progress reports are kept", len(self.progress))
-        loops = {(loop, direction): counts[key] for loop, counts in self.traffic.items() for direction, key in (("sent", "sent"), ("received", "received"))}
-        yield counter("swarm_coordinator_loop_bytes", "bytes the coordinator's own loops (averaging control, checkpoints) moved", loops, ["loop", "direction"])
+        yield gauge(
+            "swarm_coordinator_weakest_stage", "the stage with the least capacity (the swarm's speed limit)", weakest
+        )
+        yield gauge(
+            "swarm_coordinator_weakest_stage_capacity_samples_per_second",
+            "capacity of the weakest stage: the swarm trains no faster",
+            stages[weakest]["capacity"],
+        )
+        yield gauge(
+            "swarm_coordinator_live_servers", "stage servers whose lease runs", sum(len(s["replicas"]) for s in stages)
+        )
+        yield counter(
+            "swarm_coordinator_events",
+            "swarm events since the coordinator started, by name (registry.registered, rebalance.move, averaging.round.started, step.round.started, ...)",
+            {(name,): n for name, n in self.events.counts.items()},
+            ["event"],
+        )
+        yield counter(
+            "swarm_coordinator_averaging_rounds_started",
+            "averaging rounds (checks and repairs of the replicas' weights) the coordinator started",
+            self.events.counts["averaging.round.started"],
+        )
+        yield counter(
+            "swarm_coordinator_step_rounds_started",
+            "gradient all-reduce rounds (one per stage per global step) the coordinator started",
+            self.events.counts["step.round.started"],
+        )
+        yield gauge(
+            "swarm_coordinator_trainers_reporting", "trainers whose progress reports are kept", len(self.progress)
+        )
+        loops = {
+            (loop, direction): counts[key]
+            for loop, counts in self.traffic.items()
+            for direction, key in (("sent", "sent"), ("received", "received"))
+        }
+        yield counter(
+            "swarm_coordinator_loop_bytes",
+            "bytes the coordinator's own loops (averaging control, checkpoints) moved",
+            loops,
+            ["loop", "direction"],
+        )

@@ -17,14 +17,34 @@ MAX_STOP = 4
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 CHAT_END = "\nuser:"  # the chat template's next turn: the assistant's answer ends before it
 # Fields whose other values this server cannot honour: refused rather than ignored.
-UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "logprobs": (None, False), "top_logprobs": (None, 0),
-               "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, [])}  # fmt: skip
+UNSUPPORTED = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "functions": (None, []),
+}
 
 
 class OpenAIError(Exception):
     """A refusal in OpenAI's error shape."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
@@ -57,7 +77,9 @@ def parse_request(body: dict, *, chat: bool) -> GenerationRequest:
     """Check a /v1/completions or /v1/chat/completions body (the model aside); OpenAIError 400."""
     for name, allowed in UNSUPPORTED.items():
         if body.get(name) not in allowed:
-            raise OpenAIError(400, f"{name}={body[name]!r} is not supported by this server (only {allowed[-1]!r})", param=name)
+            raise OpenAIError(
+                400, f"{name}={body[name]!r} is not supported by this server (only {allowed[-1]!r})", param=name
+            )
     prompt = render_chat(body.get("messages")) if chat else _prompt(body.get("prompt"))
     limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(limit)
@@ -72,10 +94,17 @@ def parse_request(body: dict, *, chat: bool) -> GenerationRequest:
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise OpenAIError(400, "stream_options must be {include_usage: boolean}", param="stream_options")
     return GenerationRequest(
-        chat=chat, prompt=prompt, max_tokens=max_tokens, max_tokens_param=limit, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True), seed=seed, stop=((CHAT_END,) if chat else ()) + _stop(body.get("stop")),
-        stream=stream, include_usage=bool(options.get("include_usage", False)),
-    )  # fmt: skip
+        chat=chat,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        max_tokens_param=limit,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        seed=seed,
+        stop=((CHAT_END,) if chat else ()) + _stop(body.get("stop")),
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+    )
 
 
 def render_chat(messages) -> str:
@@ -86,7 +115,11 @@ def render_chat(messages) -> str:
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in CHAT_ROLES:
-            raise OpenAIError(400, f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}", param=f"messages[{i}].role")
+            raise OpenAIError(
+                400,
+                f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
+                param=f"messages[{i}].role",
+            )
         lines.append(f"{CHAT_ROLES[role]}: {_content(message.get('content'), role, i)}")
     return "\n".join(lines) + "\nassistant:"
 
@@ -96,16 +129,24 @@ def _content(content, role: str, i: int) -> str:
         return content
     if content is None and role == "assistant":
         return ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
-    raise OpenAIError(400, f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
+    raise OpenAIError(
+        400, f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content"
+    )
 
 
 def _prompt(prompt) -> str:
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if not isinstance(prompt, str):
-        raise OpenAIError(400, "prompt must be a string (or a list of one string; token ids and batches are not supported)", param="prompt")
+        raise OpenAIError(
+            400,
+            "prompt must be a string (or a list of one string; token ids and batches are not supported)",
+            param="prompt",
+        )
     return prompt
 
 
@@ -122,8 +163,14 @@ def _number(body: dict, name: str, default: float, low: float, high: float, *, o
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low < value <= high if open_low else low <= value <= high):
-        raise OpenAIError(400, f"{name} must be a number in {'(' if open_low else '['}{low}, {high}], got {value!r}", param=name)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (low < value <= high if open_low else low <= value <= high)
+    ):
+        raise OpenAIError(
+            400, f"{name} must be a number in {'(' if open_low else '['}{low}, {high}], got {value!r}", param=name
+        )
     return float(value)
 
 
@@ -131,13 +178,25 @@ def sampling_params(req: GenerationRequest, prompt_tokens: int, block_size: int)
     """How to sample ``req``'s completion of a ``prompt_tokens`` prompt for a model of ``block_size`` positions."""
     room = block_size - prompt_tokens
     if room < 1:
-        raise OpenAIError(400, f"the prompt is {prompt_tokens} tokens; the model's context is {block_size}, with at least one left for the completion",
-                          param=req.prompt_param, code="context_length_exceeded")  # fmt: skip
-    max_tokens = req.max_tokens if req.max_tokens is not None else room if req.chat else min(room, COMPLETION_MAX_TOKENS)
+        raise OpenAIError(
+            400,
+            f"the prompt is {prompt_tokens} tokens; the model's context is {block_size}, with at least one left for the completion",
+            param=req.prompt_param,
+            code="context_length_exceeded",
+        )
+    max_tokens = (
+        req.max_tokens if req.max_tokens is not None else room if req.chat else min(room, COMPLETION_MAX_TOKENS)
+    )
     if not 1 <= max_tokens <= room:
-        raise OpenAIError(400, f"{req.max_tokens_param} must be in [1, {room}]: the model's context is {block_size} tokens and the prompt takes {prompt_tokens}, "
-                          f"got {max_tokens}", param=req.max_tokens_param)  # fmt: skip
-    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=req.stop, seed=req.seed)
+        raise OpenAIError(
+            400,
+            f"{req.max_tokens_param} must be in [1, {room}]: the model's context is {block_size} tokens and the prompt takes {prompt_tokens}, "
+            f"got {max_tokens}",
+            param=req.max_tokens_param,
+        )
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=req.stop, seed=req.seed
+    )
 
 
 @dataclass(frozen=True)
@@ -150,7 +209,9 @@ class ReplyFormat:
     created: int
 
     def whole(self, text: str, finish: str, usage: dict) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}} if self.chat else {"index": 0, "text": text}
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}} if self.chat else {"index": 0, "text": text}
+        )
         return {**self._head(False), "choices": [{**choice, "logprobs": None, "finish_reason": finish}], "usage": usage}
 
     def chunk(self, text: str | None, finish: str | None = None, *, first: bool = False) -> bytes:
@@ -176,4 +237,8 @@ def event(obj: dict | str) -> bytes:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

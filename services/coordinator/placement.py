@@ -32,8 +32,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shared.topology import (
-    INTRA_REGION, Link, Network, Peer, Replan, StageMove, Workload, place_joiners, placement_cost, replan, world_network,
-)  # fmt: skip
+    INTRA_REGION,
+    Link,
+    Network,
+    Peer,
+    Replan,
+    StageMove,
+    Workload,
+    place_joiners,
+    placement_cost,
+    replan,
+    world_network,
+)
 
 BYTES_PER_VALUE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 GB = 2**30
@@ -102,7 +112,13 @@ def placement_inputs(
     peers, current, id_of_url = [], {}, {}
     for s in servers:
         report = reports.get(s.server_id)
-        peers.append(Peer(s.server_id, region_of(s.server_id, report.region if report else ""), s.throughput if s.throughput > 0 else typical))
+        peers.append(
+            Peer(
+                s.server_id,
+                region_of(s.server_id, report.region if report else ""),
+                s.throughput if s.throughput > 0 else typical,
+            )
+        )
         current[s.server_id] = s.stage
         id_of_url[s.url.rstrip("/")] = s.server_id
     for j in joiners:
@@ -123,14 +139,24 @@ def placement_inputs(
     network = _world().with_fallback(fallback)
     region = {p.peer_id: p.region for p in peers}
     network = network.with_measurements(
-        {(a, b): Link(sum(v) / len(v), network.region_link(region[a], region[b]).bandwidth_gbps) for (a, b), v in samples.items()}
+        {
+            (a, b): Link(sum(v) / len(v), network.region_link(region[a], region[b]).bandwidth_gbps)
+            for (a, b), v in samples.items()
+        }
     )
 
     workload = _workload(peers, current, reports.values(), num_stages, average_every_s, averaging_codec)
     return PlacementInputs(peers, network, workload, current)
 
 
-def _workload(peers: Sequence[Peer], current: Mapping[str, int], reports: Iterable, num_stages: int, average_every_s: float, codec: str) -> Workload:
+def _workload(
+    peers: Sequence[Peer],
+    current: Mapping[str, int],
+    reports: Iterable,
+    num_stages: int,
+    average_every_s: float,
+    codec: str,
+) -> Workload:
     reports = list(reports)
     per_step = [r.samples_per_step for r in reports if r.samples_per_step > 0]
     samples_per_step = statistics.median(per_step) if per_step else DEFAULT_SAMPLES_PER_STEP
@@ -148,10 +174,25 @@ def _workload(peers: Sequence[Peer], current: Mapping[str, int], reports: Iterab
     return Workload(samples_per_step, activation_gb, gradient_gb, every_steps)
 
 
-def stage_for_joiner(inputs: PlacementInputs, joiner_id: str, num_stages: int, *, time_budget_s: float, max_evaluations: float = JOIN_EVALUATIONS) -> int:
+def stage_for_joiner(
+    inputs: PlacementInputs,
+    joiner_id: str,
+    num_stages: int,
+    *,
+    time_budget_s: float,
+    max_evaluations: float = JOIN_EVALUATIONS,
+) -> int:
     """The stage where ``joiner_id`` makes the predicted step cheapest (an empty stage
     first); nobody else moves."""
-    placed = place_joiners(inputs.current, inputs.peers, inputs.network, inputs.workload, num_stages, time_budget_s=time_budget_s, max_evaluations=max_evaluations)
+    placed = place_joiners(
+        inputs.current,
+        inputs.peers,
+        inputs.network,
+        inputs.workload,
+        num_stages,
+        time_budget_s=time_budget_s,
+        max_evaluations=max_evaluations,
+    )
     return placed[joiner_id]
 
 
@@ -181,14 +222,25 @@ class TopologyRebalancer:
     searches: of their replans from the same assignment, the one cheapest under the
     latest measurements is ordered (an unlucky search is neither repeated nor final)."""
 
-    def __init__(self, *, min_gain: float, max_moves_fraction: float, time_budget_s: float, confirmations: int = 2, max_evaluations: float = REBALANCE_EVALUATIONS, seed: int = 0):
+    def __init__(
+        self,
+        *,
+        min_gain: float,
+        max_moves_fraction: float,
+        time_budget_s: float,
+        confirmations: int = 2,
+        max_evaluations: float = REBALANCE_EVALUATIONS,
+        seed: int = 0,
+    ):
         if confirmations < 1:
             raise ValueError(f"confirmations must be >= 1, got {confirmations}")
         self.min_gain, self.max_moves_fraction, self.time_budget_s = min_gain, max_moves_fraction, time_budget_s
         self.confirmations, self.max_evaluations, self.seed = confirmations, max_evaluations, seed
         self.checks = 0  # replans so far: the next one's seed is seed + checks
         self.last: Replan | None = None  # the latest replan, confirmed or not
-        self._streak: list[tuple[dict[str, int], Replan]] = []  # (assignment it started from, replan) of the unconfirmed checks
+        self._streak: list[
+            tuple[dict[str, int], Replan]
+        ] = []  # (assignment it started from, replan) of the unconfirmed checks
 
     @property
     def seen(self) -> int:
@@ -202,10 +254,17 @@ class TopologyRebalancer:
             return None
         max_moves = max(1, math.floor(self.max_moves_fraction * len(inputs.current)))
         self.last = replan(
-            inputs.current, inputs.peers, inputs.network, inputs.workload, num_stages, min_gain=self.min_gain,
-            max_moves=max_moves, time_budget_s=self.time_budget_s, seed=self.seed + self.checks,
+            inputs.current,
+            inputs.peers,
+            inputs.network,
+            inputs.workload,
+            num_stages,
+            min_gain=self.min_gain,
+            max_moves=max_moves,
+            time_budget_s=self.time_budget_s,
+            seed=self.seed + self.checks,
             max_evaluations=min(self.max_evaluations, EVALUATIONS_PER_SERVER * len(inputs.peers)),
-        )  # fmt: skip
+        )
         self.checks += 1
         if not self.last.moves:
             self._streak = []

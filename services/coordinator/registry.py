@@ -147,7 +147,9 @@ class Registry:
             self._db.execute("CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
         (top,) = self._db.execute("SELECT MAX(stage) FROM servers").fetchone()
         if top is not None and top >= self.num_stages:
-            raise ValueError(f"the registry file holds a server of stage {top} but num_stages is {self.num_stages}; use another file for this run")
+            raise ValueError(
+                f"the registry file holds a server of stage {top} but num_stages is {self.num_stages}; use another file for this run"
+            )
 
     def close(self) -> None:
         self._db.close()
@@ -159,12 +161,17 @@ class Registry:
             self._db.execute("INSERT OR IGNORE INTO run (key, value) VALUES ('run_id', ?)", (json.dumps(run_id),))
         owner = self._run_value("run_id")
         if owner != run_id:
-            raise ValueError(f"the registry file belongs to run {owner!r}, not {run_id!r}; use another file for this run")
+            raise ValueError(
+                f"the registry file belongs to run {owner!r}, not {run_id!r}; use another file for this run"
+            )
 
     def record_checkpoint(self, step: int, path: str) -> None:
         """The run's progress: the step and place of its latest checkpoint."""
         with self._db:
-            self._db.executemany("INSERT OR REPLACE INTO run (key, value) VALUES (?, ?)", [("step", json.dumps(step)), ("checkpoint", json.dumps(path))])
+            self._db.executemany(
+                "INSERT OR REPLACE INTO run (key, value) VALUES (?, ?)",
+                [("step", json.dumps(step)), ("checkpoint", json.dumps(path))],
+            )
 
     def run_state(self) -> dict:
         """{run_id, step, checkpoint, assignment: server ids per stage}: what a restarted
@@ -172,25 +179,39 @@ class Registry:
         assignment = [[] for _ in range(self.num_stages)]
         for server in self.live():
             assignment[server.stage].append(server.server_id)
-        return {"run_id": self._run_value("run_id"), "step": self._run_value("step", 0), "checkpoint": self._run_value("checkpoint"), "assignment": assignment}
+        return {
+            "run_id": self._run_value("run_id"),
+            "step": self._run_value("step", 0),
+            "checkpoint": self._run_value("checkpoint"),
+            "assignment": assignment,
+        }
 
     def _run_value(self, key: str, default=None):
         row = self._db.execute("SELECT value FROM run WHERE key = ?", (key,)).fetchone()
         return json.loads(row[0]) if row else default
 
-    def register(self, server_id, stage, url, version, throughput, queue_length, report: ServerReport | None = None) -> RegisteredServer:
+    def register(
+        self, server_id, stage, url, version, throughput, queue_length, report: ServerReport | None = None
+    ) -> RegisteredServer:
         """Add a server, replacing any row with the same id or the same URL."""
         server_id, url, version = _check_id(server_id), _check_url(url), _check_str("version", version, MAX_VERSION_LEN)
         throughput, queue_length = _check_throughput(throughput), _check_count("queue_length", queue_length)
         if type(stage) is not int:
             raise BadPayload("'stage' must be an int")
         if not 0 <= stage < self.num_stages:
-            raise StageOutOfRange(f"stage {stage} is not in [0, {self.num_stages}) (this coordinator's SWARM_NUM_STAGES)")
+            raise StageOutOfRange(
+                f"stage {stage} is not in [0, {self.num_stages}) (this coordinator's SWARM_NUM_STAGES)"
+            )
         now = self._clock()
         server = RegisteredServer(server_id, stage, url, version, throughput, queue_length, now, now)
         with self._db:
             self._check_room(server_id, url, now)
-            replaced = [row[0] for row in self._db.execute("SELECT server_id FROM servers WHERE server_id = ? OR url = ?", (server_id, url))]
+            replaced = [
+                row[0]
+                for row in self._db.execute(
+                    "SELECT server_id FROM servers WHERE server_id = ? OR url = ?", (server_id, url)
+                )
+            ]
             self._db.execute("DELETE FROM servers WHERE server_id = ? OR url = ?", (server_id, url))
             self._db.execute(f"INSERT INTO servers ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", _row(server))
         for old_id in replaced:
@@ -209,7 +230,9 @@ class Registry:
             (now - self.lease_s, server_id, url),
         ).fetchone()
         if others >= self.max_servers:
-            raise RegistryFull(f"the registry is full: {others} live servers (raise SWARM_MAX_SERVERS)", retry_after_s=self.lease_s)
+            raise RegistryFull(
+                f"the registry is full: {others} live servers (raise SWARM_MAX_SERVERS)", retry_after_s=self.lease_s
+            )
 
     def heartbeat(self, server_id, throughput, queue_length, rtt_ms=None, report: ServerReport | None = None) -> float:
         """Renew a live server's lease and update its load (and its measured round-trip times
@@ -224,7 +247,9 @@ class Registry:
                 (throughput, queue_length, now, server_id, now - self.lease_s),
             ).rowcount
         if not renewed:
-            raise UnknownServer(f"no live server {server_id!r} (never registered, deregistered or its lease expired): register again")
+            raise UnknownServer(
+                f"no live server {server_id!r} (never registered, deregistered or its lease expired): register again"
+            )
         if rtt is not None:
             self.rtt_ms[server_id] = rtt
         if report is not None:
@@ -295,8 +320,15 @@ class Registry:
         for s in servers:
             stages[s.stage]["capacity"] += s.throughput
             report = self.reports.get(s.server_id, ServerReport())
-            stages[s.stage]["replicas"].append({**s.to_json(now), "rtt_ms": self.rtt_ms.get(s.server_id, {}), "region": report.region})
-        return {"num_stages": self.num_stages, "heartbeat_s": self.heartbeat_s, "lease_s": self.lease_s, "stages": stages}
+            stages[s.stage]["replicas"].append(
+                {**s.to_json(now), "rtt_ms": self.rtt_ms.get(s.server_id, {}), "region": report.region}
+            )
+        return {
+            "num_stages": self.num_stages,
+            "heartbeat_s": self.heartbeat_s,
+            "lease_s": self.lease_s,
+            "stages": stages,
+        }
 
     def _select(self, where: str, args: tuple) -> list[RegisteredServer]:
         rows = self._db.execute(f"SELECT {_COLUMNS} FROM servers {where} ORDER BY stage, url", args).fetchall()
@@ -370,12 +402,18 @@ def check_report(msg: dict) -> ServerReport | None:
     workload = {} if workload is None else workload
     if not isinstance(workload, dict):
         raise BadPayload("'workload' must be an object {parameters, samples_per_step, activation_bytes_per_sample}")
-    parameters, samples, activation = (workload.get(k, 0) for k in ("parameters", "samples_per_step", "activation_bytes_per_sample"))
+    parameters, samples, activation = (
+        workload.get(k, 0) for k in ("parameters", "samples_per_step", "activation_bytes_per_sample")
+    )
     if type(parameters) is not int or not 0 <= parameters <= MAX_PARAMETERS:
         raise BadPayload(f"'workload.parameters' must be an int in [0, {MAX_PARAMETERS}]")
     if type(samples) is not int or not 0 <= samples <= MAX_SAMPLES_PER_STEP:
         raise BadPayload(f"'workload.samples_per_step' must be an int in [0, {MAX_SAMPLES_PER_STEP}]")
-    if type(activation) not in (int, float) or not math.isfinite(activation) or not 0 <= activation <= MAX_ACTIVATION_BYTES:
+    if (
+        type(activation) not in (int, float)
+        or not math.isfinite(activation)
+        or not 0 <= activation <= MAX_ACTIVATION_BYTES
+    ):
         raise BadPayload("'workload.activation_bytes_per_sample' must be a finite number in [0, 2**40]")
     return ServerReport(region, parameters, samples, float(activation), step)
 

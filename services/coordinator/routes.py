@@ -93,9 +93,21 @@ async def register(request: web.Request) -> web.Response:
     if STEPS in request.app:  # a new incarnation at this URL: what its predecessor said of its step is void
         request.app[STEPS].counter.registered(server.stage, server.url, report.step if report else None)
     request.app[LOG].info(
-        "registry.registered", server_id=server.server_id, stage=server.stage, url=server.url, version=server.version, throughput=server.throughput
+        "registry.registered",
+        server_id=server.server_id,
+        stage=server.stage,
+        url=server.url,
+        version=server.version,
+        throughput=server.throughput,
     )
-    return web.json_response({"server_id": server.server_id, "stage": server.stage, "heartbeat_s": registry.heartbeat_s, "lease_s": registry.lease_s})
+    return web.json_response(
+        {
+            "server_id": server.server_id,
+            "stage": server.stage,
+            "heartbeat_s": registry.heartbeat_s,
+            "lease_s": registry.lease_s,
+        }
+    )
 
 
 async def assign(request: web.Request) -> web.Response:
@@ -110,21 +122,43 @@ async def assign(request: web.Request) -> web.Response:
     async with request.app[ASSIGN_LOCK]:
         if not uses_topology(settings.placement, registry.rtt_ms, registry.reports, joiner):
             return web.json_response({"stage": registry.assign_stage(), "placement": "throughput"})
-        pending = [Joiner(f"{PENDING_PREFIX}{i}", p.region, p.rtt_ms, p.stage) for i, p in enumerate(registry.pending_joins())]
+        pending = [
+            Joiner(f"{PENDING_PREFIX}{i}", p.region, p.rtt_ms, p.stage) for i, p in enumerate(registry.pending_joins())
+        ]
         inputs = placement_inputs(
-            registry.live(), registry.rtt_ms, registry.reports, num_stages=registry.num_stages, average_every_s=settings.average_every_s,
-            averaging_codec=settings.averaging_codec, bandwidth_gbps=settings.placement_bandwidth_gbps, joiners=[*pending, joiner],
-        )  # fmt: skip
-        stage = await asyncio.to_thread(stage_for_joiner, inputs, JOINER_ID, registry.num_stages, time_budget_s=settings.placement_budget_s / 5)
+            registry.live(),
+            registry.rtt_ms,
+            registry.reports,
+            num_stages=registry.num_stages,
+            average_every_s=settings.average_every_s,
+            averaging_codec=settings.averaging_codec,
+            bandwidth_gbps=settings.placement_bandwidth_gbps,
+            joiners=[*pending, joiner],
+        )
+        stage = await asyncio.to_thread(
+            stage_for_joiner, inputs, JOINER_ID, registry.num_stages, time_budget_s=settings.placement_budget_s / 5
+        )
         registry.hand_out(stage, joiner.region, dict(joiner.rtt_ms))
-    request.app[LOG].info("placement.joiner", stage=stage, region=joiner.region or None, peers_timed=len(joiner.rtt_ms), pending=len(pending))
+    request.app[LOG].info(
+        "placement.joiner",
+        stage=stage,
+        region=joiner.region or None,
+        peers_timed=len(joiner.rtt_ms),
+        pending=len(pending),
+    )
     return web.json_response({"stage": stage, "placement": "topology"})
 
 
 async def heartbeat(request: web.Request) -> web.Response:
     msg = await read_json(request)
     registry = request.app[REGISTRY]
-    registry.heartbeat(msg.get("server_id"), msg.get("throughput"), msg.get("queue_length"), rtt_ms=msg.get("rtt_ms"), report=check_report(msg))
+    registry.heartbeat(
+        msg.get("server_id"),
+        msg.get("throughput"),
+        msg.get("queue_length"),
+        rtt_ms=msg.get("rtt_ms"),
+        report=check_report(msg),
+    )
     return web.json_response({"lease_s": registry.lease_s})
 
 
@@ -151,7 +185,9 @@ async def swarm(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """Status, live servers, and the bytes the coordinator's own loops sent and received
     (averaging: control messages only; checkpoints: the states it saves)."""
-    return web.json_response({"status": "ok", "servers": len(request.app[REGISTRY].live()), "traffic": request.app[TRAFFIC]})
+    return web.json_response(
+        {"status": "ok", "servers": len(request.app[REGISTRY].live()), "traffic": request.app[TRAFFIC]}
+    )
 
 
 async def run(request: web.Request) -> web.Response:

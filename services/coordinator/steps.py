@@ -65,11 +65,17 @@ class StageCount:
     closed_at: dict[int, float] = field(default_factory=dict)  # step -> when its reservations reached the global batch
     round_id: str | None = None  # the step round running, if any
     replica_steps: dict[str, int] = field(default_factory=dict)  # replica URL -> the step it last reported
-    last_seen: dict[str, float] = field(default_factory=dict)  # replica URL -> when it last reported (alive, registered or not)
-    outstanding: dict[int, dict[str, int]] = field(default_factory=dict)  # step -> replica URL -> samples reserved, not reported yet
+    last_seen: dict[str, float] = field(
+        default_factory=dict
+    )  # replica URL -> when it last reported (alive, registered or not)
+    outstanding: dict[int, dict[str, int]] = field(
+        default_factory=dict
+    )  # step -> replica URL -> samples reserved, not reported yet
     not_before: float = 0.0  # a failed round is not retried before this time
     samples_dropped: int = 0  # reserved samples never accumulated, and accumulated ones of replicas that did not step
-    steps_lost: list[tuple[int, int]] = field(default_factory=list)  # (from, to) of each catch-up: the updates of those steps were lost with the replicas that held them
+    steps_lost: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (from, to) of each catch-up: the updates of those steps were lost with the replicas that held them
     last_effective_batch: int = 0
 
     def closed(self, step: int) -> bool:
@@ -85,13 +91,22 @@ class Reservation:
     catch_up: bool = False  # behind, and no live replica holds the stage's step: take its number, lose its updates
 
     def as_json(self, stage_step: int) -> dict:
-        return {"bucket": self.bucket, "closes": self.closes, "resync": self.resync, "complete": self.complete, "catch_up": self.catch_up, "step": stage_step}
+        return {
+            "bucket": self.bucket,
+            "closes": self.closes,
+            "resync": self.resync,
+            "complete": self.complete,
+            "catch_up": self.catch_up,
+            "step": stage_step,
+        }
 
 
 class StepCounter:
     """Per-stage reservations and the decision to step; ``clock`` is monotonic seconds."""
 
-    def __init__(self, num_stages: int, *, timeout_s: float, lease_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, num_stages: int, *, timeout_s: float, lease_s: float = 0.0, clock: Callable[[], float] = time.monotonic
+    ):
         """``lease_s``: a replica that reported this recently counts as alive, registered or not
         (a restarted coordinator's registry fills again as the servers heartbeat)."""
         self.stages = [StageCount() for _ in range(num_stages)]
@@ -99,17 +114,32 @@ class StepCounter:
 
     def _check(self, stage: int, url: str, replica_step: int, global_batch: int) -> StageCount:
         st = self.stages[stage]
-        st.replica_steps[url] = max(replica_step, st.replica_steps.get(url, 0))  # a report sent before a step may arrive after it
+        st.replica_steps[url] = max(
+            replica_step, st.replica_steps.get(url, 0)
+        )  # a report sent before a step may arrive after it
         st.last_seen[url] = self.clock()
         if st.global_batch and global_batch != st.global_batch:
-            raise GlobalBatchMismatch(f"stage {stage} steps every {st.global_batch} samples, this replica every {global_batch}: set the same SWARM_GLOBAL_BATCH on every server of the run")
+            raise GlobalBatchMismatch(
+                f"stage {stage} steps every {st.global_batch} samples, this replica every {global_batch}: set the same SWARM_GLOBAL_BATCH on every server of the run"
+            )
         st.global_batch = global_batch
-        if replica_step > st.step and st.round_id is None:  # its replicas are further than we know (e.g. after a restart)
+        if (
+            replica_step > st.step and st.round_id is None
+        ):  # its replicas are further than we know (e.g. after a restart)
             self._advance(st, replica_step)
         return st
 
-    def reserve(self, stage: int, url: str, replica_step: int, samples: int, global_batch: int, until_step: int | None = None,
-                live: Iterable[str] | None = None, reported: Mapping[str, int] | None = None) -> Reservation:  # fmt: skip
+    def reserve(
+        self,
+        stage: int,
+        url: str,
+        replica_step: int,
+        samples: int,
+        global_batch: int,
+        until_step: int | None = None,
+        live: Iterable[str] | None = None,
+        reported: Mapping[str, int] | None = None,
+    ) -> Reservation:
         """The step a microbatch of ``samples`` gets, or None: the replica must resync
         (``resync``), the trainer's run ends before that step (``complete``: its ``until_step``
         steps are all reserved), or the stage is a whole step ahead already (wait for it to step).
@@ -123,7 +153,9 @@ class StepCounter:
             st.steps_lost.append((replica_step, st.step))
             st.replica_steps[url] = st.step
             return Reservation(None, catch_up=True)
-        open_steps = ([] if st.round_id is not None else [st.step]) + [st.step + 1]  # the round running took its step's buckets
+        open_steps = ([] if st.round_id is not None else [st.step]) + [
+            st.step + 1
+        ]  # the round running took its step's buckets
         k = next((k for k in open_steps if st.reserved.get(k, 0) < st.global_batch), None)
         if k is None:
             return Reservation(None)  # a whole step ahead already: wait
@@ -137,7 +169,9 @@ class StepCounter:
             st.closed_at[k] = self.clock()
         return Reservation(k, closes)
 
-    def done(self, stage: int, url: str, replica_step: int, bucket: int, reserved: int, samples: int, global_batch: int) -> None:
+    def done(
+        self, stage: int, url: str, replica_step: int, bucket: int, reserved: int, samples: int, global_batch: int
+    ) -> None:
         """A replica accumulated ``samples`` of the ``reserved`` it asked for ``bucket``."""
         st = self._check(stage, url, replica_step, global_batch)
         if bucket < st.step:  # its step was taken without it
@@ -164,8 +198,12 @@ class StepCounter:
         if st.round_id is not None or not st.closed(k) or self.clock() < st.not_before:
             return False
         now = self.clock()
-        alive = None if live is None else set(live) | {url for url, at in st.last_seen.items() if now - at < self.lease_s}
-        lost = sum(n for url, n in st.outstanding.get(k, {}).items() if n > 0 and alive is not None and url not in alive)
+        alive = (
+            None if live is None else set(live) | {url for url, at in st.last_seen.items() if now - at < self.lease_s}
+        )
+        lost = sum(
+            n for url, n in st.outstanding.get(k, {}).items() if n > 0 and alive is not None and url not in alive
+        )
         complete = st.done.get(k, 0) >= st.reserved.get(k, 0) - lost or now - st.closed_at[k] >= self.timeout_s
         if complete and st.done.get(k, 0) == 0:  # everything reserved for it was lost: no empty step, fill it again
             st.reserved[k], st.outstanding[k] = 0, {}
@@ -207,7 +245,9 @@ class StepCounter:
             return 0, 0
         stepped = [url for url, s in member_steps.items() if s >= reached]
         effective = sum(member_samples.get(url, 0) for url in stepped)
-        dropped = max(0, st.done.get(before, 0) - effective)  # accumulated, yet not in the step: members that failed or vanished
+        dropped = max(
+            0, st.done.get(before, 0) - effective
+        )  # accumulated, yet not in the step: members that failed or vanished
         st.samples_dropped += dropped
         st.last_effective_batch = effective
         self._advance(st, reached)
@@ -231,10 +271,19 @@ class StepCounter:
     def view(self) -> list[dict]:
         """Per stage: step, samples reserved and accumulated for it, dropped samples."""
         return [
-            {"stage": i, "step": st.step, "reserved": st.reserved.get(st.step, 0), "accumulated": st.done.get(st.step, 0), "global_batch": st.global_batch,
-             "round": st.round_id, "samples_dropped": st.samples_dropped, "last_effective_batch": st.last_effective_batch, "steps_lost": st.steps_lost[-4:]}
+            {
+                "stage": i,
+                "step": st.step,
+                "reserved": st.reserved.get(st.step, 0),
+                "accumulated": st.done.get(st.step, 0),
+                "global_batch": st.global_batch,
+                "round": st.round_id,
+                "samples_dropped": st.samples_dropped,
+                "last_effective_batch": st.last_effective_batch,
+                "steps_lost": st.steps_lost[-4:],
+            }
             for i, st in enumerate(self.stages)
-        ]  # fmt: skip
+        ]
 
 
 def check_report(msg: dict, num_stages: int, fields: tuple[str, ...]) -> tuple:
@@ -256,40 +305,104 @@ def check_report(msg: dict, num_stages: int, fields: tuple[str, ...]) -> tuple:
 class StepScheduler:
     """Runs :class:`StepCounter` with real rounds among the live replicas of each stage."""
 
-    def __init__(self, num_stages: int, live_servers: Callable[[], Iterable], *, codec: str, timeout_s: float, aggregator: str, log, lease_s: float = 0.0,
-                 reported_step: Callable[[object], int | None] = lambda server: None):
+    def __init__(
+        self,
+        num_stages: int,
+        live_servers: Callable[[], Iterable],
+        *,
+        codec: str,
+        timeout_s: float,
+        aggregator: str,
+        log,
+        lease_s: float = 0.0,
+        reported_step: Callable[[object], int | None] = lambda server: None,
+    ):
         """``reported_step(server)``: the step a live server said in its registration or last heartbeat."""
-        self.live_servers, self.codec, self.timeout_s, self.aggregator, self.log = live_servers, codec, timeout_s, aggregator, log
+        self.live_servers, self.codec, self.timeout_s, self.aggregator, self.log = (
+            live_servers,
+            codec,
+            timeout_s,
+            aggregator,
+            log,
+        )
         self.reported_step = reported_step
         self.counter = StepCounter(num_stages, timeout_s=timeout_s, lease_s=lease_s)
         self.session: aiohttp.ClientSession | None = None
-        self._changed = asyncio.Condition()  # a round started or ended: held reservations and closing reports look again
+        self._changed = (
+            asyncio.Condition()
+        )  # a round started or ended: held reservations and closing reports look again
         self._tasks: set[asyncio.Task] = set()
 
     def _live(self, stage: int) -> list[str]:
         return sorted(s.url for s in self.live_servers() if s.stage == stage)
 
-    async def reserve(self, stage: int, url: str, replica_step: int, samples: int, global_batch: int, until_step: int | None = None) -> dict:
+    async def reserve(
+        self, stage: int, url: str, replica_step: int, samples: int, global_batch: int, until_step: int | None = None
+    ) -> dict:
         """A reservation; while the stage is a whole step ahead, wait (at most ``timeout_s``) for it to step."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         async with self._changed:
             while True:
-                reported = {s.url: step for s in self.live_servers() if s.stage == stage and (step := self.reported_step(s)) is not None}
-                r = self.counter.reserve(stage, url, replica_step, samples, global_batch, until_step, live=self._live(stage), reported=reported)
+                reported = {
+                    s.url: step
+                    for s in self.live_servers()
+                    if s.stage == stage and (step := self.reported_step(s)) is not None
+                }
+                r = self.counter.reserve(
+                    stage,
+                    url,
+                    replica_step,
+                    samples,
+                    global_batch,
+                    until_step,
+                    live=self._live(stage),
+                    reported=reported,
+                )
                 if r.catch_up:
-                    self.log.warning("step.caught_up", stage=stage, replica=url, replica_step=replica_step, step=self.counter.stages[stage].step,
-                                     reason="no live replica of the stage holds its step: the updates of the steps in between are lost")  # fmt: skip
-                self.log.debug("step.reserve", stage=stage, replica=url, replica_step=replica_step, samples=samples, bucket=r.bucket, closes=r.closes, resync=r.resync, complete=r.complete,
-                               stage_step=self.counter.stages[stage].step, reserved=dict(self.counter.stages[stage].reserved), done=dict(self.counter.stages[stage].done))  # fmt: skip
+                    self.log.warning(
+                        "step.caught_up",
+                        stage=stage,
+                        replica=url,
+                        replica_step=replica_step,
+                        step=self.counter.stages[stage].step,
+                        reason="no live replica of the stage holds its step: the updates of the steps in between are lost",
+                    )
+                self.log.debug(
+                    "step.reserve",
+                    stage=stage,
+                    replica=url,
+                    replica_step=replica_step,
+                    samples=samples,
+                    bucket=r.bucket,
+                    closes=r.closes,
+                    resync=r.resync,
+                    complete=r.complete,
+                    stage_step=self.counter.stages[stage].step,
+                    reserved=dict(self.counter.stages[stage].reserved),
+                    done=dict(self.counter.stages[stage].done),
+                )
                 if r.bucket is not None or r.resync or r.complete or r.catch_up:
                     return {**r.as_json(self.counter.stages[stage].step), "replicas": len(self._live(stage))}
                 if loop.time() >= deadline:
-                    raise Overloaded(f"stage {stage} is a whole global step ahead of its step {self.counter.stages[stage].step}", retry_after_s=1.0)
+                    raise Overloaded(
+                        f"stage {stage} is a whole global step ahead of its step {self.counter.stages[stage].step}",
+                        retry_after_s=1.0,
+                    )
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), deadline - loop.time())
 
-    async def done(self, stage: int, url: str, replica_step: int, bucket: int, reserved: int, samples: int, global_batch: int, closes: bool = False) -> dict:
+    async def done(
+        self,
+        stage: int,
+        url: str,
+        replica_step: int,
+        bucket: int,
+        reserved: int,
+        samples: int,
+        global_batch: int,
+        closes: bool = False,
+    ) -> dict:
         """Record what a replica accumulated; start the stage's round if that completed its
         step. The report of the reservation that closed a step is answered once that step's
         round started (other reports of the step may still be on their way; at most
@@ -299,8 +412,19 @@ class StepScheduler:
         longer closes anything, so it does not wait."""
         gave_back = 0 < reserved and samples < reserved
         self.counter.done(stage, url, replica_step, bucket, reserved, samples, global_batch)
-        self.log.debug("step.reported", stage=stage, replica=url, replica_step=replica_step, bucket=bucket, reserved_here=reserved, samples=samples, closes=closes,
-                       stage_step=self.counter.stages[stage].step, reserved=dict(self.counter.stages[stage].reserved), done=dict(self.counter.stages[stage].done))  # fmt: skip
+        self.log.debug(
+            "step.reported",
+            stage=stage,
+            replica=url,
+            replica_step=replica_step,
+            bucket=bucket,
+            reserved_here=reserved,
+            samples=samples,
+            closes=closes,
+            stage_step=self.counter.stages[stage].step,
+            reserved=dict(self.counter.stages[stage].reserved),
+            done=dict(self.counter.stages[stage].done),
+        )
         if gave_back:
             await self._notify()
         await self.maybe_start(stage)
@@ -309,7 +433,11 @@ class StepScheduler:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.timeout_s
             async with self._changed:
-                while st.step <= bucket and not (st.step == bucket and st.round_id not in (None, STARTING)) and loop.time() < deadline:
+                while (
+                    st.step <= bucket
+                    and not (st.step == bucket and st.round_id not in (None, STARTING))
+                    and loop.time() < deadline
+                ):
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._changed.wait(), deadline - loop.time())
         return {"round": st.round_id if st.round_id != STARTING else None, "step": st.step}
@@ -322,22 +450,44 @@ class StepScheduler:
         if not self.counter.ready(stage, self._live(stage)) or self.session is None:
             return
         st = self.counter.stages[stage]
-        reported = {s.url: step for s in self.live_servers() if s.stage == stage and (step := self.reported_step(s)) is not None}
+        reported = {
+            s.url: step for s in self.live_servers() if s.stage == stage and (step := self.reported_step(s)) is not None
+        }
         step, members = st.step, self.counter.members(stage, self._live(stage), reported)
         if not members:
             return
         st.round_id = STARTING  # no second round while this one is being started
         try:
-            round_id, accepted = await start_round(self.session, stage, members, codec=self.codec, timeout_s=self.timeout_s, log=self.log,
-                                                   with_accepted=True, aggregator=self.aggregator, kind="step", step=step)  # fmt: skip
+            round_id, accepted = await start_round(
+                self.session,
+                stage,
+                members,
+                codec=self.codec,
+                timeout_s=self.timeout_s,
+                log=self.log,
+                with_accepted=True,
+                aggregator=self.aggregator,
+                kind="step",
+                step=step,
+            )
         except BaseException:
             st.round_id = None
             raise
         self.counter.round_started(stage, round_id)
         await self._notify()
-        self.log.info("step.round.started", stage=stage, step=step, round_id=round_id, members=len(members), accepted=accepted,
-                      reserved=st.reserved.get(step, 0), accumulated=st.done.get(step, 0))  # fmt: skip
-        task = asyncio.create_task(self._finish(StageRound(stage, round_id, members, accepted), step), name=f"step-{round_id}")
+        self.log.info(
+            "step.round.started",
+            stage=stage,
+            step=step,
+            round_id=round_id,
+            members=len(members),
+            accepted=accepted,
+            reserved=st.reserved.get(step, 0),
+            accumulated=st.done.get(step, 0),
+        )
+        task = asyncio.create_task(
+            self._finish(StageRound(stage, round_id, members, accepted), step), name=f"step-{round_id}"
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -353,10 +503,25 @@ class StepScheduler:
         effective, dropped = self.counter.round_ended(rnd.stage, member_steps, samples)
         st = self.counter.stages[rnd.stage]
         if st.step > step:
-            self.log.info("step.done", stage=rnd.stage, step=st.step, round_id=rnd.round_id, effective_batch=effective, samples_dropped=dropped,
-                          members=len(rnd.members), stepped=sum(1 for s in member_steps.values() if s >= st.step))  # fmt: skip
+            self.log.info(
+                "step.done",
+                stage=rnd.stage,
+                step=st.step,
+                round_id=rnd.round_id,
+                effective_batch=effective,
+                samples_dropped=dropped,
+                members=len(rnd.members),
+                stepped=sum(1 for s in member_steps.values() if s >= st.step),
+            )
         else:
-            self.log.warning("step.failed", stage=rnd.stage, step=step, round_id=rnd.round_id, members=len(rnd.members), reason="no member stepped; trying again")
+            self.log.warning(
+                "step.failed",
+                stage=rnd.stage,
+                step=step,
+                round_id=rnd.round_id,
+                members=len(rnd.members),
+                reason="no member stepped; trying again",
+            )
         await self._notify()
         await self.maybe_start(rnd.stage)  # the next step may be complete already
 

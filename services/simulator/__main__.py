@@ -23,10 +23,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stages", type=int, default=d.num_stages)
     p.add_argument("--model", default=d.model, help="shared.model preset (sizes of a stage)")
     p.add_argument("--duration", type=float, default=d.duration_s, help="simulated seconds")
-    p.add_argument("--lifetime", type=float, default=d.mean_lifetime_s, help="mean peer lifetime in s (inf: no preemption)")
+    p.add_argument(
+        "--lifetime", type=float, default=d.mean_lifetime_s, help="mean peer lifetime in s (inf: no preemption)"
+    )
     p.add_argument("--join-rate", type=float, default=None, help="joins per s (default: peers / lifetime)")
     p.add_argument("--microbatch", type=int, default=d.microbatch, help="samples per microbatch")
-    p.add_argument("--in-flight", type=int, default=d.microbatches_in_flight, help="microbatches in flight, whole swarm")
+    p.add_argument(
+        "--in-flight", type=int, default=d.microbatches_in_flight, help="microbatches in flight, whole swarm"
+    )
     p.add_argument("--trainers", type=int, default=d.trainers)
     p.add_argument("--average-every", type=float, default=d.average_every_s, help="s between averaging rounds")
     p.add_argument("--rebalance-every", type=float, default=d.rebalance_every_s, help="s between replans")
@@ -74,10 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     for mode in modes:
         config = SimConfig(
-            mode=mode, num_peers=args.peers, num_stages=args.stages, model=args.model, duration_s=args.duration,
-            mean_lifetime_s=math.inf if args.lifetime <= 0 else args.lifetime, join_rate_per_s=args.join_rate,
-            microbatch=args.microbatch, microbatches_in_flight=args.in_flight, trainers=args.trainers,
-            average_every_s=args.average_every, rebalance_every_s=args.rebalance_every, seed=args.seed,
+            mode=mode,
+            num_peers=args.peers,
+            num_stages=args.stages,
+            model=args.model,
+            duration_s=args.duration,
+            mean_lifetime_s=math.inf if args.lifetime <= 0 else args.lifetime,
+            join_rate_per_s=args.join_rate,
+            microbatch=args.microbatch,
+            microbatches_in_flight=args.in_flight,
+            trainers=args.trainers,
+            average_every_s=args.average_every,
+            rebalance_every_s=args.rebalance_every,
+            seed=args.seed,
         )
         reports.append(simulate(config))
     print(render(reports))

@@ -79,8 +79,12 @@ class SimConfig:
     planner_evaluations: float = 1500  # placements the planner may evaluate per call (keeps runs reproducible)
     planner_budget_s: float = 2.0  # and the wall time it may take at most
     max_moves_fraction: float = 0.05  # of the serving peers, per rebalancing
-    rebalance_min_gain: float = 0.02  # the planner's min_gain: lower than a coordinator's, the simulated measurements are exact
-    rebalance_confirmations: int = 2  # consecutive checks that must find a replan worth it before servers move (the coordinator's rule)
+    rebalance_min_gain: float = (
+        0.02  # the planner's min_gain: lower than a coordinator's, the simulated measurements are exact
+    )
+    rebalance_confirmations: int = (
+        2  # consecutive checks that must find a replan worth it before servers move (the coordinator's rule)
+    )
     windows: int = 10  # tokens/s is also reported per window of the run
     seed: int = 0
 
@@ -109,7 +113,9 @@ class StageModel:
         cfg = config_from_preset(name)
         params = 12 * cfg.n_layer * cfg.d_model**2 + (cfg.vocab_size + cfg.block_size) * cfg.d_model
         per_stage = params / num_stages
-        return cls(6.0 * per_stage * cfg.block_size, cfg.block_size * cfg.d_model * wire_bytes, 4.0 * per_stage, cfg.block_size)
+        return cls(
+            6.0 * per_stage * cfg.block_size, cfg.block_size * cfg.d_model * wire_bytes, 4.0 * per_stage, cfg.block_size
+        )
 
     def samples_per_s(self, tflops: float) -> float:
         return tflops * 1e12 / self.flops_per_sample
@@ -191,17 +197,34 @@ class Simulation:
         self.pipelines: list[list[str]] = []  # fixed mode
         self.dirty: set[int] = set()  # stages whose registry view changed
         self.view: list[list[str]] = [[] for _ in range(config.num_stages)]
-        self.stats = dict(tokens=0, completed=0, lost_mb=0, lost_s=0.0, compute_s=0.0, deaths=0, joins=0, moves=0,
-                          rounds=0, round_s=0.0, planner_s=0.0, events=0, failed=0)
+        self.stats = dict(
+            tokens=0,
+            completed=0,
+            lost_mb=0,
+            lost_s=0.0,
+            compute_s=0.0,
+            deaths=0,
+            joins=0,
+            moves=0,
+            rounds=0,
+            round_s=0.0,
+            planner_s=0.0,
+            events=0,
+            failed=0,
+        )
         self.window_tokens = [0] * config.windows
         self.stage_busy = [0.0] * config.num_stages
         self.stage_serving = [0.0] * config.num_stages
         self.workload = self._planner_workload()
         self._pending_joiners: list[str] = []
         self.rebalancer = TopologyRebalancer(
-            min_gain=config.rebalance_min_gain, max_moves_fraction=config.max_moves_fraction, time_budget_s=config.planner_budget_s,
-            confirmations=config.rebalance_confirmations, max_evaluations=config.planner_evaluations, seed=config.seed,
-        )  # fmt: skip
+            min_gain=config.rebalance_min_gain,
+            max_moves_fraction=config.max_moves_fraction,
+            time_budget_s=config.planner_budget_s,
+            confirmations=config.rebalance_confirmations,
+            max_evaluations=config.planner_evaluations,
+            seed=config.seed,
+        )
 
     # --- the event queue -----------------------------------------------------------
     def at(self, when: float, handler: Callable, *args) -> None:
@@ -241,8 +264,15 @@ class Simulation:
 
             started = time.perf_counter()
             peers = [p.peer for p in self.peers.values()]
-            placement = plan(peers, self.net, self.workload, cfg.num_stages, time_budget_s=cfg.planner_budget_s,
-                             max_evaluations=cfg.planner_evaluations, seed=cfg.seed)
+            placement = plan(
+                peers,
+                self.net,
+                self.workload,
+                cfg.num_stages,
+                time_budget_s=cfg.planner_budget_s,
+                max_evaluations=cfg.planner_evaluations,
+                seed=cfg.seed,
+            )
             self.stats["planner_s"] += time.perf_counter() - started
             for pid, stage in placement.assignment.items():
                 self._serve(self.peers[pid], stage)
@@ -258,8 +288,14 @@ class Simulation:
             trainers = num_pipelines
         for t in range(trainers):
             self.trainer_region.append(self.rng.randrange(len(self.region_names)))
-            self.balancers.append(ReplicaBalancer(cfg.num_stages, backward_cost=BACKWARD_COST,
-                                                  rng=random.Random(cfg.seed * 7919 + t), clock=lambda: self.now))
+            self.balancers.append(
+                ReplicaBalancer(
+                    cfg.num_stages,
+                    backward_cost=BACKWARD_COST,
+                    rng=random.Random(cfg.seed * 7919 + t),
+                    clock=lambda: self.now,
+                )
+            )
         self._publish_view()
         if cfg.mode == "fixed":  # a trainer knows only its own pipeline, for good
             for balancer, pipeline in zip(self.balancers, self.pipelines):
@@ -332,8 +368,16 @@ class Simulation:
         current = {pid: p.stage for pid, p in self.peers.items() if p.state in ("serving", "draining")}
         peers = [self.peers[pid].peer for pid in current] + [self.peers[pid].peer for pid in joiners]
         started = time.perf_counter()
-        stages = place_joiners(current, peers, self.net, self.workload, self.cfg.num_stages, seed=self.cfg.seed,
-                               time_budget_s=self.cfg.planner_budget_s, max_evaluations=self.cfg.planner_evaluations)
+        stages = place_joiners(
+            current,
+            peers,
+            self.net,
+            self.workload,
+            self.cfg.num_stages,
+            seed=self.cfg.seed,
+            time_budget_s=self.cfg.planner_budget_s,
+            max_evaluations=self.cfg.planner_evaluations,
+        )
         self.stats["planner_s"] += time.perf_counter() - started
         for pid in joiners:
             self._download_then_serve(self.peers[pid], stages[pid])
@@ -342,7 +386,9 @@ class Simulation:
         """Fetch the stage's state from the nearest live replica, then serve it."""
         sources = [self.peers[u].region for u in self.view[stage] if self.peers[u].state == "serving"]
         if sources:
-            seconds = min(self.rtt_s[peer.region, r] + self.model.state_bytes / self.bytes_s[peer.region, r] for r in sources)
+            seconds = min(
+                self.rtt_s[peer.region, r] + self.model.state_bytes / self.bytes_s[peer.region, r] for r in sources
+            )
         else:
             seconds = self.cfg.lease_s  # from the latest checkpoint
         peer.state, peer.stage = "joining", stage
@@ -362,8 +408,12 @@ class Simulation:
     def _publish_view(self) -> None:
         """Trainers learn the registry: replicas that serve, or died less than a lease ago."""
         for stage in sorted(self.dirty):
-            urls = [pid for pid, p in self.peers.items() if p.stage == stage and (
-                p.state == "serving" or (p.state == "dead" and self.now < p.died_at + self.cfg.lease_s))]
+            urls = [
+                pid
+                for pid, p in self.peers.items()
+                if p.stage == stage
+                and (p.state == "serving" or (p.state == "dead" and self.now < p.died_at + self.cfg.lease_s))
+            ]
             self.view[stage] = urls
             if self.cfg.mode == "swarm":
                 for balancer in self.balancers:
@@ -488,7 +538,9 @@ class Simulation:
         current = {pid: p.stage for pid, p in serving.items()}
         started = time.perf_counter()
         inputs = PlacementInputs([p.peer for p in serving.values()], self.net, self.workload, current)
-        result = self.rebalancer.check(inputs, self.cfg.num_stages)  # the coordinator's: confirmed on consecutive checks
+        result = self.rebalancer.check(
+            inputs, self.cfg.num_stages
+        )  # the coordinator's: confirmed on consecutive checks
         self.stats["planner_s"] += time.perf_counter() - started
         if result is None:
             return
@@ -516,19 +568,30 @@ class Simulation:
         window_s = cfg.duration_s / cfg.windows
         total_compute = self.stats["compute_s"] + self.stats["lost_s"]
         return Report(
-            mode=cfg.mode, peers=cfg.num_peers, stages=cfg.num_stages, duration_s=cfg.duration_s,
+            mode=cfg.mode,
+            peers=cfg.num_peers,
+            stages=cfg.num_stages,
+            duration_s=cfg.duration_s,
             tokens_per_s=self.stats["tokens"] / cfg.duration_s,
             tokens_per_s_windows=[t / window_s for t in self.window_tokens],
             stage_utilisation=[b / s if s > 0 else 0.0 for b, s in zip(self.stage_busy, self.stage_serving)],
-            stage_replicas_end=[sum(1 for p in self.peers.values() if p.stage == s and p.state == "serving")
-                                for s in range(cfg.num_stages)],
+            stage_replicas_end=[
+                sum(1 for p in self.peers.values() if p.stage == s and p.state == "serving")
+                for s in range(cfg.num_stages)
+            ],
             lost_work_fraction=self.stats["lost_s"] / total_compute if total_compute else 0.0,
-            lost_microbatches=self.stats["lost_mb"], completed_microbatches=self.stats["completed"],
+            lost_microbatches=self.stats["lost_mb"],
+            completed_microbatches=self.stats["completed"],
             failed_hops=self.stats["failed"],
-            deaths=self.stats["deaths"], joins=self.stats["joins"], moves=self.stats["moves"],
+            deaths=self.stats["deaths"],
+            joins=self.stats["joins"],
+            moves=self.stats["moves"],
             averaging_rounds=self.stats["rounds"],
             mean_averaging_s=self.stats["round_s"] / self.stats["rounds"] if self.stats["rounds"] else 0.0,
-            planner_s=self.stats["planner_s"], wall_s=wall_s, cpu_s=cpu_s, events=self.stats["events"],
+            planner_s=self.stats["planner_s"],
+            wall_s=wall_s,
+            cpu_s=cpu_s,
+            events=self.stats["events"],
         )
 
 

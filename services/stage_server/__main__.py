@@ -32,12 +32,19 @@ async def resolve(settings: StageServerSettings, log) -> StageServerSettings:
     if not coordinator and settings.mdns:
         from shared.discovery import find_coordinator
 
-        coordinator = await find_coordinator(settings.run_id, interfaces_spec=settings.mdns_interfaces, timeout_s=settings.mdns_timeout_s) or ""
+        coordinator = (
+            await find_coordinator(
+                settings.run_id, interfaces_spec=settings.mdns_interfaces, timeout_s=settings.mdns_timeout_s
+            )
+            or ""
+        )
         log.info("coordinator.discovered" if coordinator else "coordinator.not_found", url=coordinator or None)
     stage = settings.stage
     if stage == "auto":
         if not coordinator:
-            raise ValueError("SWARM_STAGE=auto needs a coordinator: set SWARM_COORDINATOR or run one on this LAN with mDNS")
+            raise ValueError(
+                "SWARM_STAGE=auto needs a coordinator: set SWARM_COORDINATOR or run one on this LAN with mDNS"
+            )
         async with swarm_session(settings) as session:
             rtt_ms = await probe_swarm(session, coordinator)  # the coordinator places by the network where it can
             stage = await assign_stage(session, coordinator, settings.run_id, region=settings.region, rtt_ms=rtt_ms)
@@ -45,7 +52,12 @@ async def resolve(settings: StageServerSettings, log) -> StageServerSettings:
     return settings.model_copy(update={"coordinator": coordinator, "stage": stage})
 
 
-def main(argv: list[str] | None = None, *, settings_class: type[StageServerSettings] = StageServerSettings, module: str = "services.stage_server") -> int:
+def main(
+    argv: list[str] | None = None,
+    *,
+    settings_class: type[StageServerSettings] = StageServerSettings,
+    module: str = "services.stage_server",
+) -> int:
     """Serve until stopped. ``settings_class`` and ``module`` let a variant of the server (the
     benches' ``bench.stage_proc``) run the same way and restart as itself after a move."""
     settings = parse_settings(settings_class, argv, "swarm server", "Serve one pipeline stage over HTTP.")
@@ -60,7 +72,15 @@ def main(argv: list[str] | None = None, *, settings_class: type[StageServerSetti
         return 2
     order = app[MOVE]
     order.on_order = lambda: os.kill(os.getpid(), signal.SIGTERM)  # drain, deregister, then restart below
-    web.run_app(app, host=settings.host, port=settings.port, print=None, shutdown_timeout=settings.drain_timeout_s, access_log=None, ssl_context=ssl_context)
+    web.run_app(
+        app,
+        host=settings.host,
+        port=settings.port,
+        print=None,
+        shutdown_timeout=settings.drain_timeout_s,
+        access_log=None,
+        ssl_context=ssl_context,
+    )
     if order.to_stage is not None:  # moved by the coordinator: start again as a server of the new stage
         argv = [a for a in (sys.argv[1:] if argv is None else argv)]
         os.execv(sys.executable, [sys.executable, "-m", module, *argv, "--stage", str(order.to_stage)])

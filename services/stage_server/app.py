@@ -9,7 +9,15 @@ from aiohttp import web
 from shared import checkpoint, codec, package_version
 from shared.errors import RemoteError
 from shared.config import StageServerSettings, advertised_url
-from shared.http import auth_middlewares, error_middleware, from_any_replica, get_json, post_json, request_log_middleware, swarm_session
+from shared.http import (
+    auth_middlewares,
+    error_middleware,
+    from_any_replica,
+    get_json,
+    post_json,
+    request_log_middleware,
+    swarm_session,
+)
 from shared.hf import load_stage_from_hf
 from shared.log import get_logger
 from shared.metrics import Metrics, add_metrics_route, metrics_middleware
@@ -41,21 +49,33 @@ def build_runtime(settings: StageServerSettings) -> StageRuntime:
     spec = partition(cfg, settings.num_stages)[settings.stage]
     if settings.memory_check:
         check_stage_memory(cfg, spec, settings.device)
-    model, report = load_stage_from_hf(settings.model, cfg, spec, settings.device) if settings.model not in PRESETS else (None, None)
+    model, report = (
+        load_stage_from_hf(settings.model, cfg, spec, settings.device)
+        if settings.model not in PRESETS
+        else (None, None)
+    )
     runtime = StageRuntime(
         cfg,
         settings.stage,
         settings.num_stages,
         seed=settings.seed,
         optim=OptimizerConfig(
-            lr=settings.lr, weight_decay=settings.weight_decay, global_batch=settings.global_batch, warmup_steps=settings.warmup_steps,
-            schedule=settings.lr_schedule, total_steps=settings.total_steps, min_lr_ratio=settings.min_lr_ratio, max_grad_norm=settings.max_grad_norm,
+            lr=settings.lr,
+            weight_decay=settings.weight_decay,
+            global_batch=settings.global_batch,
+            warmup_steps=settings.warmup_steps,
+            schedule=settings.lr_schedule,
+            total_steps=settings.total_steps,
+            min_lr_ratio=settings.min_lr_ratio,
+            max_grad_norm=settings.max_grad_norm,
         ),
         device=settings.device,
         cache_size=settings.backward_cache,
         max_staleness=settings.max_staleness,
         solo=not settings.coordinator,  # no coordinator counts the stage's samples: this server steps on its own
-        outer=OuterConfig(settings.local_steps, settings.outer_lr, settings.outer_momentum) if settings.sync == "local" else None,
+        outer=OuterConfig(settings.local_steps, settings.outer_lr, settings.outer_momentum)
+        if settings.sync == "local"
+        else None,
         model=model,
         precision=settings.precision,
         activation_checkpointing=settings.activation_checkpointing,
@@ -65,10 +85,23 @@ def build_runtime(settings: StageServerSettings) -> StageRuntime:
 
 
 def create_app(settings: StageServerSettings, runtime: StageRuntime | None = None) -> web.Application:
-    log = get_logger(service="stage_server", run=settings.run_id, stage=settings.stage, replica=settings.advertise_url or f"http://{settings.host}:{settings.port}")
+    log = get_logger(
+        service="stage_server",
+        run=settings.run_id,
+        stage=settings.stage,
+        replica=settings.advertise_url or f"http://{settings.host}:{settings.port}",
+    )
     max_bytes = int(settings.max_body_mb * 2**20)
     metrics = Metrics("stage_server", run_id=settings.run_id, stage=str(settings.stage), version=package_version())
-    app = web.Application(client_max_size=max_bytes, middlewares=[metrics_middleware(metrics), request_log_middleware(log), error_middleware(log), *auth_middlewares(settings, log)])
+    app = web.Application(
+        client_max_size=max_bytes,
+        middlewares=[
+            metrics_middleware(metrics),
+            request_log_middleware(log),
+            error_middleware(log),
+            *auth_middlewares(settings, log),
+        ],
+    )
     app[SETTINGS] = settings
     app[RUNTIME] = runtime if runtime is not None else build_runtime(settings)
     app[WORKER] = ComputeWorker(settings.max_queue, inject_delay_s=settings.inject_delay_s)
@@ -86,7 +119,9 @@ def create_app(settings: StageServerSettings, runtime: StageRuntime | None = Non
         if settings.wire_codec == "int8":
             await asyncio.to_thread(codec.warm_up)
         if (report := getattr(app[RUNTIME], "load_report", None)) is not None:
-            log.info("stage.weights_loaded", model_dir=report.model_dir, tensors=len(report.names), bytes=report.bytes_read)
+            log.info(
+                "stage.weights_loaded", model_dir=report.model_dir, tensors=len(report.names), bytes=report.bytes_read
+            )
         log.info("server.ready", layers=[spec.layers.start, spec.layers.stop], codec=settings.wire_codec)
         yield
         drained = await app[WORKER].drain(settings.drain_timeout_s)
@@ -117,9 +152,17 @@ def _report(settings: StageServerSettings, app: web.Application):
     stage_metrics = app[STAGE_METRICS]
 
     def report() -> dict:
-        workload = {"parameters": parameters, "samples_per_step": settings.global_batch, "activation_bytes_per_sample": round(stage_metrics.activation_bytes_per_sample, 3)}
+        workload = {
+            "parameters": parameters,
+            "samples_per_step": settings.global_batch,
+            "activation_bytes_per_sample": round(stage_metrics.activation_bytes_per_sample, 3),
+        }
         # step: the coordinator leaves a replica out of a step round it has not reached (e.g. a joiner that took a peer's state a step ago)
-        return {"workload": workload, "step": app[RUNTIME].step, **({"region": settings.region} if settings.region else {})}
+        return {
+            "workload": workload,
+            "step": app[RUNTIME].step,
+            **({"region": settings.region} if settings.region else {}),
+        }
 
     return report
 
@@ -128,10 +171,21 @@ def _membership(settings: StageServerSettings, log):
     async def ctx(app: web.Application):
         async with swarm_session(settings) as session:
             membership = Membership(
-                session, settings.coordinator, run_id=settings.run_id, stage=settings.stage,
-                url=advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls), version=package_version(),
-                heartbeat_s=settings.heartbeat_s, load=_load(app), log=log,
-                probe=LatencyProbe(session, settings.coordinator, stage=settings.stage, own_url=advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls)),
+                session,
+                settings.coordinator,
+                run_id=settings.run_id,
+                stage=settings.stage,
+                url=advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls),
+                version=package_version(),
+                heartbeat_s=settings.heartbeat_s,
+                load=_load(app),
+                log=log,
+                probe=LatencyProbe(
+                    session,
+                    settings.coordinator,
+                    stage=settings.stage,
+                    own_url=advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls),
+                ),
                 report=_report(settings, app),
             )
             app[MEMBERSHIP] = membership
@@ -154,7 +208,9 @@ def _stepper(app: web.Application, settings: StageServerSettings, session, log) 
     async def resync() -> None:
         state = await _state_from_peers(settings, log, exclude=url, furthest_first=True)
         if state is None:
-            raise RemoteError(settings.coordinator + "/swarm", None, "no_state", "no other live replica of this stage gave its state")
+            raise RemoteError(
+                settings.coordinator + "/swarm", None, "no_state", "no other live replica of this stage gave its state"
+            )
         await worker.run(load_stage_state, runtime, *state)
         log.info("step.resynced", step=runtime.step)
 
@@ -164,10 +220,20 @@ def _stepper(app: web.Application, settings: StageServerSettings, session, log) 
 
     app[AVERAGER].resync = resync  # a local-mode replica that missed an outer step takes a peer's anchor
     return StepClient(
-        runtime, post=post, resync=resync, wait_round=app[AVERAGER].wait_round, in_round=lambda: app[AVERAGER].running,
-        identity={"run_id": settings.run_id, "stage": settings.stage, "url": url, "global_batch": settings.global_batch},
-        round_wait_s=settings.join_timeout_s, log=log,
-    )  # fmt: skip
+        runtime,
+        post=post,
+        resync=resync,
+        wait_round=app[AVERAGER].wait_round,
+        in_round=lambda: app[AVERAGER].running,
+        identity={
+            "run_id": settings.run_id,
+            "stage": settings.stage,
+            "url": url,
+            "global_batch": settings.global_batch,
+        },
+        round_wait_s=settings.join_timeout_s,
+        log=log,
+    )
 
 
 def _join(settings: StageServerSettings, log):
@@ -178,8 +244,14 @@ def _join(settings: StageServerSettings, log):
         runtime = app[RUNTIME]
         state = await _state_from_peers(settings, log) if settings.coordinator else None
         source = "peer" if state else None
-        if state is None and settings.checkpoint_dir and (ckpt := checkpoint.latest_checkpoint(settings.checkpoint_dir)):
-            state = await asyncio.to_thread(checkpoint.state_from_bytes, checkpoint.read_stage_file(ckpt, settings.stage))
+        if (
+            state is None
+            and settings.checkpoint_dir
+            and (ckpt := checkpoint.latest_checkpoint(settings.checkpoint_dir))
+        ):
+            state = await asyncio.to_thread(
+                checkpoint.state_from_bytes, checkpoint.read_stage_file(ckpt, settings.stage)
+            )
             source = str(ckpt)
         if state is not None:
             await app[WORKER].run(load_stage_state, runtime, *state)
@@ -215,9 +287,11 @@ async def _state_from_peers(settings: StageServerSettings, log, *, exclude: str 
         if furthest_first:
             peers = await _furthest_first(session, peers)
         return await from_any_replica(
-            peers, lambda url: download_state(session, url, settings.join_timeout_s), deadline_s=max(0.0, deadline - loop.time()),
+            peers,
+            lambda url: download_state(session, url, settings.join_timeout_s),
+            deadline_s=max(0.0, deadline - loop.time()),
             on_error=lambda url, exc: log.warning("stage.join.download_failed", replica=url, error=str(exc)),
-        )  # fmt: skip
+        )
 
 
 async def _furthest_first(session, peers: list[str]) -> list[str]:
@@ -239,7 +313,12 @@ def _announcement(settings: StageServerSettings):
 
         url = advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls)
         async with Announcer(settings.mdns_interfaces) as announcer:
-            await announcer.start(STAGE_TYPE, f"stage{settings.stage}-{settings.port}-{settings.run_id}", url, {"run_id": settings.run_id, "stage": str(settings.stage)})
+            await announcer.start(
+                STAGE_TYPE,
+                f"stage{settings.stage}-{settings.port}-{settings.run_id}",
+                url,
+                {"run_id": settings.run_id, "stage": str(settings.stage)},
+            )
             yield
 
     return ctx

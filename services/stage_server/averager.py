@@ -42,12 +42,21 @@ from services.stage_server.averaging import (
     snapshot,
 )
 
+
 class Averager:
     """A stage server's part in averaging: runs at most one round at a time and serves the
     reductions it owes. ``run_compute`` is the compute worker's ``run``; ``transport`` is set
     once the server has a client session."""
 
-    def __init__(self, runtime, run_compute: Callable[..., Awaitable[Any]], *, int8_block: int, log, byzantine: tuple[str, float] | None = None):
+    def __init__(
+        self,
+        runtime,
+        run_compute: Callable[..., Awaitable[Any]],
+        *,
+        int8_block: int,
+        log,
+        byzantine: tuple[str, float] | None = None,
+    ):
         self.runtime, self.run_compute, self.int8_block, self.log = runtime, run_compute, int8_block, log
         self.byzantine = byzantine  # fault injection: (mode, factor) of what this replica sends instead
         self.num_params = sum(p.numel() for p in runtime.params)
@@ -60,12 +69,17 @@ class Averager:
         self.bytes_sent = 0  # by the rounds that ended here, all kinds: parts posted and reductions served
         self._task: asyncio.Task | None = None
         self._close_handle: asyncio.TimerHandle | None = None
-        self._early: tuple[str, dict[int, tuple[PartMessage, torch.Tensor]]] = ("", {})  # parts that beat their round's start
+        self._early: tuple[str, dict[int, tuple[PartMessage, torch.Tensor]]] = (
+            "",
+            {},
+        )  # parts that beat their round's start
         self._refused = ""  # the last round whose start this server refused (another stage)
         self._started = asyncio.Event()
         self._stepped = asyncio.Event()  # set and replaced after every step applied here
         self._closing = False
-        self.resync: Callable[[], Awaitable[None]] | None = None  # take a live replica's state (set once the server has a coordinator)
+        self.resync: Callable[[], Awaitable[None]] | None = (
+            None  # take a live replica's state (set once the server has a coordinator)
+        )
 
     @property
     def running(self) -> bool:
@@ -87,7 +101,9 @@ class Averager:
         if self.running:
             raise RoundConflict(f"round {self.round.spec.round_id!r} is still running here; one round at a time")
         if spec.kind == "step" and spec.step != self.runtime.step:
-            raise RoundConflict(f"round {spec.round_id!r} takes step {spec.step}, this replica is at step {self.runtime.step}")
+            raise RoundConflict(
+                f"round {spec.round_id!r} takes step {spec.step}, this replica is at step {self.runtime.step}"
+            )
         self._retire()
         loop = asyncio.get_running_loop()
         rnd = AveragingRound(spec, self.num_params, self.int8_block, loop.time())
@@ -97,7 +113,9 @@ class Averager:
             try:
                 rnd.accept(msg, values)
             except SwarmError as exc:
-                self.log.warning("averaging.part.dropped", round_id=spec.round_id, sender=msg.sender, reason=exc.message)
+                self.log.warning(
+                    "averaging.part.dropped", round_id=spec.round_id, sender=msg.sender, reason=exc.message
+                )
         self.round = rnd
         self.rounds_started += 1
         self._close_handle = loop.call_at(rnd.deadline, rnd.close)
@@ -136,7 +154,9 @@ class Averager:
         if rnd is not None and _of_round(msg.round_id, rnd.spec.round_id):
             rnd.accept(msg, values)
         elif self.running or self._closing:
-            raise RoundConflict(f"busy with round {rnd.spec.round_id!r}, not {msg.round_id!r}" if self.running else "shutting down")
+            raise RoundConflict(
+                f"busy with round {rnd.spec.round_id!r}, not {msg.round_id!r}" if self.running else "shutting down"
+            )
         elif RETRY_SEP in msg.round_id or msg.round_id == self._refused:
             raise RoundConflict(f"round {msg.round_id.partition(RETRY_SEP)[0]!r} is unknown here")
         else:  # the part beat its round's start here: keep it (one round's worth) until the start comes
@@ -189,7 +209,10 @@ class Averager:
             else:
                 await self._average(rnd, log)
             rnd.finish(rnd.parts, time.perf_counter() - started)
-            log.info("averaging.round.done", **{k: v for k, v in rnd.summary().items() if k not in ("round_id", "index", "members")})
+            log.info(
+                "averaging.round.done",
+                **{k: v for k, v in rnd.summary().items() if k not in ("round_id", "index", "members")},
+            )
         except asyncio.CancelledError:
             log.warning("averaging.round.failed", reason="cancelled (server shutting down)")
             raise
@@ -206,7 +229,13 @@ class Averager:
         """This member's side of the butterfly: ``sent`` in, the reduced parts out (``rnd.parts``:
         None where a part failed, whose values stay ``sent``'s)."""
         rnd.set_snapshot(sent, weight)
-        log.info("averaging.round.started", weight=weight, codec=rnd.spec.codec, aggregator=rnd.spec.aggregator, parameters=self.num_params)
+        log.info(
+            "averaging.round.started",
+            weight=weight,
+            codec=rnd.spec.codec,
+            aggregator=rnd.spec.aggregator,
+            parameters=self.num_params,
+        )
         rnd.parts = await asyncio.gather(*(self._obtain(rnd, sent, j, log) for j in range(rnd.spec.k)))
         reduced = sent.clone()
         for (start, stop), part in zip(rnd.bounds, rnd.parts):
@@ -223,7 +252,9 @@ class Averager:
     async def _average(self, rnd: AveragingRound, log) -> None:
         """A params round: the members' weights averaged, what each learned meanwhile kept."""
         flat, samples = await self.run_compute(snapshot, self.runtime)
-        averaged = await self._reduce(rnd, self._as_sent(flat, log), sample_weight(samples, self.samples_at_last_round), log)
+        averaged = await self._reduce(
+            rnd, self._as_sent(flat, log), sample_weight(samples, self.samples_at_last_round), log
+        )
         await self.run_compute(apply_average, self.runtime, flat, averaged)
         self.samples_at_last_round = samples
         self.rounds_completed += 1
@@ -250,9 +281,21 @@ class Averager:
         if all(p is not None for p in rnd.parts):
             await self.run_compute(self.runtime.outer_step, mean)
             self.rounds_completed += 1
-            log.info("step.applied", step=self.runtime.step, local=True, samples_here=taken.samples, outer_step=outer.steps, outer_norm=round(float(mean.norm()), 6))
+            log.info(
+                "step.applied",
+                step=self.runtime.step,
+                local=True,
+                samples_here=taken.samples,
+                outer_step=outer.steps,
+                outer_norm=round(float(mean.norm()), 6),
+            )
             return
-        log.warning("outer.missed", step=self.runtime.step, parts_failed=[j for j, p in enumerate(rnd.parts) if p is None], resync=self.resync is not None)
+        log.warning(
+            "outer.missed",
+            step=self.runtime.step,
+            parts_failed=[j for j, p in enumerate(rnd.parts) if p is None],
+            resync=self.resync is not None,
+        )
         if self.resync is not None:
             await self.resync()
 
@@ -264,7 +307,9 @@ class Averager:
         if self.runtime.outer is not None:
             return await self._local_step(rnd, log)
         taken = await self.run_compute(self.runtime.take_gradients, rnd.spec.step)
-        weight = float(taken.samples) or (1.0 if self.byzantine else 0.0)  # an attacker claims a weight even when it served nothing
+        weight = float(taken.samples) or (
+            1.0 if self.byzantine else 0.0
+        )  # an attacker claims a weight even when it served nothing
         mean = await self._reduce(rnd, self._as_sent(taken.mean, log), weight, log)
         if all(p is not None for p in rnd.parts):
             effective = int(min(p.weight for p in rnd.parts))
@@ -275,7 +320,12 @@ class Averager:
             log.info("step.applied", step=self.runtime.step, effective_batch=effective, samples_here=taken.samples)
         else:
             await self.run_compute(self.runtime.give_back, taken, rnd.spec.step)
-            log.warning("step.missed", step=rnd.spec.step, samples_here=taken.samples, parts_failed=[j for j, p in enumerate(rnd.parts) if p is None])
+            log.warning(
+                "step.missed",
+                step=rnd.spec.step,
+                samples_here=taken.samples,
+                parts_failed=[j for j, p in enumerate(rnd.parts) if p is None],
+            )
 
     async def _obtain(self, rnd: AveragingRound, flat: torch.Tensor, j: int, log) -> ReducedPart | None:
         """Reduced part ``j``: reduced here, fetched from member ``j``, or from a backup reducer; None: keep ours."""
@@ -285,7 +335,9 @@ class Averager:
                 reduced = await rnd.main.reduced(rnd.at(REDUCE_AT))
                 rnd.set_main_contributors(reduced.contributors)
                 return reduced
-            reduced = await self._exchange(rnd, flat, spec.members[j], spec.round_id, j, rnd.at(REDUCE_AT), rnd.at(FETCH_BY), log)
+            reduced = await self._exchange(
+                rnd, flat, spec.members[j], spec.round_id, j, rnd.at(REDUCE_AT), rnd.at(FETCH_BY), log
+            )
             if reduced is not None:
                 return reduced
             rnd.dead.add(j)
@@ -296,14 +348,25 @@ class Averager:
                 return await reducer.reduced(reduce_at)
             if backup is not None:
                 url = spec.members[backup]
-                reduced = await self._exchange(rnd, flat, url, retry_round_id(spec.round_id, j), j, rnd.at(RETRY_REDUCE_AT), rnd.at(RETRY_FETCH_BY), log)
+                reduced = await self._exchange(
+                    rnd,
+                    flat,
+                    url,
+                    retry_round_id(spec.round_id, j),
+                    j,
+                    rnd.at(RETRY_REDUCE_AT),
+                    rnd.at(RETRY_FETCH_BY),
+                    log,
+                )
                 if reduced is None:
                     rnd.dead.add(backup)
         except RoundConflict as exc:  # the round closed under us (deadline or shutdown)
             log.warning("averaging.part.failed", part=j, reason=exc.message)
             return None
         if reduced is None:
-            log.warning("averaging.part.failed", part=j, reason="its reducer and backup failed; keeping the local values")
+            log.warning(
+                "averaging.part.failed", part=j, reason="its reducer and backup failed; keeping the local values"
+            )
         return reduced
 
     async def _exchange(self, rnd, flat, url, round_id, part, send_by, fetch_by, log) -> ReducedPart | None:
@@ -323,9 +386,19 @@ class Averager:
             reply = await self.transport.post(url + "/average/result", request, timeout_s=_left(fetch_by))
             return await _off_loop(stop - start, parse_reduced, reply, stop - start)
         except RemoteError as exc:
-            log.info("averaging.member.failed", url=url, round_id=round_id, part=part, status=exc.status, code=exc.code, reason=exc.message)
+            log.info(
+                "averaging.member.failed",
+                url=url,
+                round_id=round_id,
+                part=part,
+                status=exc.status,
+                code=exc.code,
+                reason=exc.message,
+            )
         except BadPayload as exc:
-            log.warning("averaging.member.failed", url=url, round_id=round_id, part=part, code="bad_reply", reason=exc.message)
+            log.warning(
+                "averaging.member.failed", url=url, round_id=round_id, part=part, code="bad_reply", reason=exc.message
+            )
         return None
 
 

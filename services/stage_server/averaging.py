@@ -113,7 +113,13 @@ CLIP_MAX_ITERS = 50
 CLIP_TOL = 1e-7  # relative change of the centre at which CenteredClip has converged
 
 
-def centered_clip(contributions: Mapping[int, tuple[float, torch.Tensor]], *, tau: float | None = None, max_iters: int = CLIP_MAX_ITERS, tol: float = CLIP_TOL) -> tuple[torch.Tensor, int]:
+def centered_clip(
+    contributions: Mapping[int, tuple[float, torch.Tensor]],
+    *,
+    tau: float | None = None,
+    max_iters: int = CLIP_MAX_ITERS,
+    tol: float = CLIP_TOL,
+) -> tuple[torch.Tensor, int]:
     """CenteredClip (Karimireddy, He and Jaggi, 2021; the aggregator of BTARD, Gorbunov et
     al., 2022) over ``{member: (w, x)}``: the fixed point of
     ``v <- v + sum(w_i (x_i - v) min(1, tau / |x_i - v|)) / sum(w_i)``, iterated from the
@@ -252,23 +258,49 @@ class RoundSpec:
     @classmethod
     def from_message(cls, msg: dict, stage: int) -> RoundSpec:
         round_id, members, index = msg.get("round_id"), msg.get("members"), msg.get("index")
-        _require(isinstance(round_id, str) and bool(_ROUND_ID.fullmatch(round_id)), "'round_id' must be 1..128 characters of [A-Za-z0-9._:-]")
+        _require(
+            isinstance(round_id, str) and bool(_ROUND_ID.fullmatch(round_id)),
+            "'round_id' must be 1..128 characters of [A-Za-z0-9._:-]",
+        )
         _require(type(msg.get("stage")) is int, "'stage' must be an int")
-        _require(isinstance(members, list) and 1 <= len(members) <= MAX_MEMBERS, f"'members' must be a list of 1..{MAX_MEMBERS} URLs")
-        _require(all(isinstance(u, str) and u.startswith(("http://", "https://")) and len(u) <= 2048 for u in members), "'members' must be http(s) URLs")
+        _require(
+            isinstance(members, list) and 1 <= len(members) <= MAX_MEMBERS,
+            f"'members' must be a list of 1..{MAX_MEMBERS} URLs",
+        )
+        _require(
+            all(isinstance(u, str) and u.startswith(("http://", "https://")) and len(u) <= 2048 for u in members),
+            "'members' must be http(s) URLs",
+        )
         _require(len(set(members)) == len(members), "'members' lists a URL twice")
         _require(type(index) is int and 0 <= index < len(members), f"'index' must be an int in [0, {len(members)})")
-        _require(isinstance(msg.get("codec"), str) and msg["codec"] in FLOAT_CODECS, f"'codec' must be one of {FLOAT_CODECS}")
+        _require(
+            isinstance(msg.get("codec"), str) and msg["codec"] in FLOAT_CODECS, f"'codec' must be one of {FLOAT_CODECS}"
+        )
         timeout_s = msg.get("timeout_s")
-        _require(_is_number(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S, f"'timeout_s' must be a number in (0, {MAX_TIMEOUT_S}]")
+        _require(
+            _is_number(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S,
+            f"'timeout_s' must be a number in (0, {MAX_TIMEOUT_S}]",
+        )
         aggregator = msg.get("aggregator", "mean")
-        _require(isinstance(aggregator, str) and aggregator in AGGREGATORS, f"'aggregator' must be one of {AGGREGATORS}")
+        _require(
+            isinstance(aggregator, str) and aggregator in AGGREGATORS, f"'aggregator' must be one of {AGGREGATORS}"
+        )
         kind, step = msg.get("kind", "params"), msg.get("step", 0)
         _require(isinstance(kind, str) and kind in ROUND_KINDS, f"'kind' must be one of {ROUND_KINDS}")
         _require(type(step) is int and 0 <= step < 2**53, "'step' must be an int >= 0")
         if msg["stage"] != stage:
             raise WrongStage(f"this server holds stage {stage}, not {msg['stage']}")
-        return cls(round_id, stage, tuple(u.rstrip("/") for u in members), index, msg["codec"], float(timeout_s), aggregator, kind, step)
+        return cls(
+            round_id,
+            stage,
+            tuple(u.rstrip("/") for u in members),
+            index,
+            msg["codec"],
+            float(timeout_s),
+            aggregator,
+            kind,
+            step,
+        )
 
 
 @dataclass(frozen=True)
@@ -301,7 +333,10 @@ def parse_part_request(msg: dict) -> tuple[str, int]:
 def decode_values(obj: Any, max_numel: int) -> torch.Tensor:
     """A part's values off the wire: a finite 1-D float tensor, as fp32."""
     values = decode_tensor(obj, name="data", max_numel=max_numel)
-    _require(values.dim() == 1 and values.is_floating_point(), f"'data' must be a 1-D float tensor, got {values.dtype} {list(values.shape)}")
+    _require(
+        values.dim() == 1 and values.is_floating_point(),
+        f"'data' must be a 1-D float tensor, got {values.dtype} {list(values.shape)}",
+    )
     _require(bool(torch.isfinite(values).all()), "'data' contains non-finite values")
     return values.float()
 
@@ -318,7 +353,10 @@ def parse_reduced(reply: dict, size: int) -> ReducedPart:
     values = decode_values(reply.get("data"), size)
     contributors, weight = reply.get("contributors"), reply.get("weight")
     _require(values.numel() == size, f"reduced part has {values.numel()} values, expected {size}")
-    _require(isinstance(contributors, list) and all(type(c) is int for c in contributors), "'contributors' must be a list of ints")
+    _require(
+        isinstance(contributors, list) and all(type(c) is int for c in contributors),
+        "'contributors' must be a list of ints",
+    )
     _require(_is_number(weight), "'weight' must be a number")
     return ReducedPart(values, tuple(contributors), float(weight))
 
@@ -331,7 +369,16 @@ async def _off_loop(numel: int, fn: Callable, *args: Any) -> Any:
 class PartReducer:
     """Collects ``{member: (weight, values)}`` for one part of one round and reduces them once."""
 
-    def __init__(self, round_id: str, part: int, size: int, codec: str, int8_block: int, expected: set[int] | None, aggregator: str = "mean"):
+    def __init__(
+        self,
+        round_id: str,
+        part: int,
+        size: int,
+        codec: str,
+        int8_block: int,
+        expected: set[int] | None,
+        aggregator: str = "mean",
+    ):
         self.round_id, self.part, self.size, self.codec, self.int8_block = round_id, part, size, codec, int8_block
         self.aggregator = aggregator
         self.expected = expected  # None: not known yet (a backup reducer before its own round reduced)
@@ -374,7 +421,9 @@ class PartReducer:
                 contributions, self.contributions = self.contributions, {}
                 if not contributions:
                     raise RoundConflict(f"nothing arrived for part {self.part} of round {self.round_id!r}")
-                self._reduction = asyncio.ensure_future(_off_loop(self.size * len(contributions), self._reduce, contributions))
+                self._reduction = asyncio.ensure_future(
+                    _off_loop(self.size * len(contributions), self._reduce, contributions)
+                )
         return await asyncio.shield(self._reduction)
 
     def _reduce(self, contributions: dict[int, tuple[float, torch.Tensor]]) -> ReducedPart:
@@ -384,7 +433,9 @@ class PartReducer:
             mean = weighted_mean(contributions)
         contributors, weight = sorted(contributions), sum(w for w, _ in contributions.values())
         wire = encode_tensor(mean, self.codec, int8_block=self.int8_block)
-        body = pack_message({"round_id": self.round_id, "part": self.part, "data": wire, "contributors": contributors, "weight": weight})
+        body = pack_message(
+            {"round_id": self.round_id, "part": self.part, "data": wire, "contributors": contributors, "weight": weight}
+        )
         values = decode_values(unpack_message(body)["data"], self.size)  # what every fetcher will load
         return ReducedPart(values, tuple(contributors), weight, body)
 
@@ -406,14 +457,22 @@ class AveragingRound:
         self.closed = False
         self.parts: list[ReducedPart | None] = []
         self.samples: int | None = None  # a step round: the samples this member's gradient held (else its weight says)
-        self.outcome: dict = {"contributors": [], "part_contributors": [], "parts_failed": [], "seconds": None, "ok": False}
+        self.outcome: dict = {
+            "contributors": [],
+            "part_contributors": [],
+            "parts_failed": [],
+            "seconds": None,
+            "ok": False,
+        }
 
     def at(self, fraction: float) -> float:
         return self.started_at + fraction * self.spec.timeout_s
 
     def _reducer(self, round_id: str, part: int, expected: set[int] | None) -> PartReducer:
         start, stop = self.bounds[part]
-        return PartReducer(round_id, part, stop - start, self.spec.codec, self.int8_block, expected, self.spec.aggregator)
+        return PartReducer(
+            round_id, part, stop - start, self.spec.codec, self.int8_block, expected, self.spec.aggregator
+        )
 
     def reducer(self, round_id: str, part: int) -> tuple[PartReducer, float]:
         """The reducer of ``part`` under ``round_id`` (the round's or one of its retries) and its reduce time."""
@@ -422,7 +481,9 @@ class AveragingRound:
             raise RoundConflict(f"round {spec.round_id!r} is over")
         if round_id == spec.round_id:
             if part != spec.index:
-                raise RoundConflict(f"member {spec.index} reduces part {spec.index} of round {spec.round_id!r}, not part {part}")
+                raise RoundConflict(
+                    f"member {spec.index} reduces part {spec.index} of round {spec.round_id!r}, not part {part}"
+                )
             return self.main, self.at(REDUCE_AT)
         if round_id != retry_round_id(spec.round_id, part) or part >= spec.k or part == spec.index:
             raise RoundConflict(f"{round_id!r} is no retry this member can reduce in round {spec.round_id!r}")
@@ -434,7 +495,10 @@ class AveragingRound:
         return self.retries[part], self.at(RETRY_REDUCE_AT)
 
     def accept(self, msg: PartMessage, values: torch.Tensor) -> None:
-        _require(msg.sender < self.spec.k and msg.sender != self.spec.index, f"'from' must be another member's index in [0, {self.spec.k})")
+        _require(
+            msg.sender < self.spec.k and msg.sender != self.spec.index,
+            f"'from' must be another member's index in [0, {self.spec.k})",
+        )
         reducer, _ = self.reducer(msg.round_id, msg.part)
         reducer.add(msg.sender, msg.weight, values)
 
@@ -474,5 +538,14 @@ class AveragingRound:
 
     def summary(self) -> dict:
         spec = self.spec
-        return {"round_id": spec.round_id, "members": list(spec.members), "index": spec.index, "codec": spec.codec, "aggregator": spec.aggregator,
-                "weight": self.weight, "bytes_sent": self.bytes_sent, **({"samples": self.samples} if self.samples is not None else {}), **self.outcome}
+        return {
+            "round_id": spec.round_id,
+            "members": list(spec.members),
+            "index": spec.index,
+            "codec": spec.codec,
+            "aggregator": spec.aggregator,
+            "weight": self.weight,
+            "bytes_sent": self.bytes_sent,
+            **({"samples": self.samples} if self.samples is not None else {}),
+            **self.outcome,
+        }

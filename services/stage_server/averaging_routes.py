@@ -29,7 +29,14 @@ from shared.errors import BadPayload, WrongStage
 from shared.http import MSGPACK, msgpack_response, post_message, read_message, swarm_session
 from shared.log import get_logger
 from services.stage_server.averager import Averager
-from services.stage_server.averaging import OFF_LOOP_VALUES, PartMessage, RoundConflict, RoundSpec, decode_values, parse_part_request
+from services.stage_server.averaging import (
+    OFF_LOOP_VALUES,
+    PartMessage,
+    RoundConflict,
+    RoundSpec,
+    decode_values,
+    parse_part_request,
+)
 from services.stage_server.routes import RUNTIME, SETTINGS, WORKER
 
 AVERAGER = web.AppKey("averager", Averager)
@@ -123,7 +130,9 @@ def add_averaging_routes(app: web.Application) -> None:
             await averager.close()
 
     async def stop_round(app: web.Application) -> None:
-        if averager.running and averager.round.spec.kind == "step":  # its peers would wait for its parts: finish the step first
+        if (
+            averager.running and averager.round.spec.kind == "step"
+        ):  # its peers would wait for its parts: finish the step first
             rnd = averager.round
             await averager.wait_round(rnd.spec.round_id, max(0.0, rnd.deadline - asyncio.get_running_loop().time()))
         await averager.close()  # before the drain: peers leave this member out of any other round

@@ -65,21 +65,45 @@ from shared.config import StageServerSettings
 from shared.errors import BadPayload, Overloaded, RemoteError, SwarmError, WrongStage
 from shared.http import MICROBATCH_HEADER, post_message, read_message, swarm_session
 from services.stage_server.metrics import STAGE_METRICS
-from services.stage_server.routes import RUNTIME, SETTINGS, StageRequest, _respond, parse_message, run_backward, run_forward
+from services.stage_server.routes import (
+    RUNTIME,
+    SETTINGS,
+    StageRequest,
+    _respond,
+    parse_message,
+    run_backward,
+    run_forward,
+)
 
 MAX_ALTERNATES = 8  # replicas per stage in a route, the preferred one included
 MAX_URL_LEN = 512
 MAX_OVERLOAD_WAITS = 3  # "overloaded" answers of one next hop waited out before trying an alternate
 MAX_OVERLOAD_WAIT_S = 2.0
 MIN_BUDGET_S = 0.5  # a next hop is not tried with less time than this
-PASSED_ON = ("run_id", "microbatch_id", "seed", "codec", "eval", "until_step", "targets")  # what the next hop gets as it came
+PASSED_ON = (
+    "run_id",
+    "microbatch_id",
+    "seed",
+    "codec",
+    "eval",
+    "until_step",
+    "targets",
+)  # what the next hop gets as it came
 
 
 class ChainError(SwarmError):
     """The chain could not complete past this server: 502 ``chain_broken`` naming the replicas
     that failed (``failed``), or an error from further down passed up with its own status."""
 
-    def __init__(self, message: str, *, status: int = 502, code: str = "chain_broken", failed: list[dict] | None = None, retry_after_s: float | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 502,
+        code: str = "chain_broken",
+        failed: list[dict] | None = None,
+        retry_after_s: float | None = None,
+    ):
         super().__init__(message, retry_after_s=retry_after_s)
         self.status, self.code, self.failed = status, code, failed or []
 
@@ -98,7 +122,10 @@ class HeldBudget:
         """Hold ``nbytes`` for the ``with`` block; :class:`Overloaded` if that would pass the
         limit (one chain alone is always admitted, whatever its size)."""
         if self.held and self.held + nbytes > self.limit_bytes:
-            raise Overloaded(f"chains in progress hold {self.held} bytes, the limit is {self.limit_bytes} (setting SWARM_CHAIN_HELD_MB)", retry_after_s=1.0)
+            raise Overloaded(
+                f"chains in progress hold {self.held} bytes, the limit is {self.limit_bytes} (setting SWARM_CHAIN_HELD_MB)",
+                retry_after_s=1.0,
+            )
         self.held += nbytes
         try:
             yield
@@ -133,13 +160,20 @@ def parse_route(msg: dict, stage: int, num_stages: int) -> list[list[str]]:
             raise BadPayload(f"each stage of 'route' must be a list of 1..{MAX_ALTERNATES} replica URLs")
         for url in replicas:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > MAX_URL_LEN:
-                raise BadPayload(f"route entries must be http(s) URLs of at most {MAX_URL_LEN} characters, got {str(url)[:80]!r}")
+                raise BadPayload(
+                    f"route entries must be http(s) URLs of at most {MAX_URL_LEN} characters, got {str(url)[:80]!r}"
+                )
     return route
 
 
 def parse_budget(msg: dict) -> float:
     budget = msg.get("budget_s")
-    if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not math.isfinite(budget) or not 0 < budget <= 86_400:
+    if (
+        not isinstance(budget, (int, float))
+        or isinstance(budget, bool)
+        or not math.isfinite(budget)
+        or not 0 < budget <= 86_400
+    ):
         raise BadPayload("'budget_s' must be a number of seconds in (0, 86400]")
     return float(budget)
 
@@ -159,14 +193,18 @@ async def chain(request: web.Request) -> web.Response:
     settings, runtime = app[SETTINGS], app[RUNTIME]
     received = time.monotonic()
     msg = await read_message(request, int(settings.max_body_mb * 2**20))
-    if msg.get("stage") != settings.stage:  # before the route, whose length depends on the stage: a moved server says 409
+    if (
+        msg.get("stage") != settings.stage
+    ):  # before the route, whose length depends on the stage: a moved server says 409
         raise WrongStage(f"this server holds stage {settings.stage}, not {msg.get('stage')!r}")
     budget_s = parse_budget(msg)
     route = parse_route(msg, settings.stage, settings.num_stages)
     deadline = received + budget_s
     with app[CHAIN].budget.hold(held_bytes(msg)):
         req = await parse_message(request, msg, names=["inputs", "targets"] if runtime.spec.is_last else ["inputs"])
-        reply = await _last_stage(app, req) if runtime.spec.is_last else await _middle_stage(app, req, msg, route, deadline)
+        reply = (
+            await _last_stage(app, req) if runtime.spec.is_last else await _middle_stage(app, req, msg, route, deadline)
+        )
     app[STAGE_METRICS].count_tensors("out", reply)
     return _respond(settings, reply)
 
@@ -179,16 +217,29 @@ async def _last_stage(app: web.Application, req: StageRequest) -> dict:
         return {**reply, "forward_s": round(time.monotonic() - started, 6), "hops": [], "rerouted": []}
     reply = await run_backward(app, req)
     seconds = time.monotonic() - started - reply["step_wait_s"]
-    return {**reply, "loss_step": reply["bucket"], "forward_s": 0.0, "backward_s": round(max(seconds, 0.0), 6), "hops": [], "rerouted": []}
+    return {
+        **reply,
+        "loss_step": reply["bucket"],
+        "forward_s": 0.0,
+        "backward_s": round(max(seconds, 0.0), 6),
+        "hops": [],
+        "rerouted": [],
+    }
 
 
-async def _middle_stage(app: web.Application, req: StageRequest, msg: dict, route: list[list[str]], deadline: float) -> dict:
+async def _middle_stage(
+    app: web.Application, req: StageRequest, msg: dict, route: list[list[str]], deadline: float
+) -> dict:
     """Forward, the rest of the chain, backward."""
     settings = app[SETTINGS]
     started = time.monotonic()
     forward = await run_forward(app, req)
     forward_s = time.monotonic() - started
-    onward = {k: msg[k] for k in PASSED_ON if k in msg} | {"stage": settings.stage + 1, "inputs": forward["outputs"], "route": route[1:]}
+    onward = {k: msg[k] for k in PASSED_ON if k in msg} | {
+        "stage": settings.stage + 1,
+        "inputs": forward["outputs"],
+        "route": route[1:],
+    }
     down, url, rerouted = await send_on(app, route[0], onward, deadline, settings.stage + 1)
     app[STAGE_METRICS].count_tensors("out", {"inputs": forward["outputs"]})  # the activation this server sent on
     app[STAGE_METRICS].count_tensors("in", {"grad_inputs": down.get("grad_inputs")} if "grad_inputs" in down else {})
@@ -196,29 +247,60 @@ async def _middle_stage(app: web.Application, req: StageRequest, msg: dict, rout
     rerouted = rerouted + list(down.get("rerouted", []))
     loss = down.get("loss")
     if req.eval:
-        return {"stage": settings.stage, "microbatch_id": req.microbatch_id, "step": forward["step"], "loss": loss,
-                "forward_s": round(forward_s, 6), "hops": hops, "rerouted": rerouted}  # fmt: skip
+        return {
+            "stage": settings.stage,
+            "microbatch_id": req.microbatch_id,
+            "step": forward["step"],
+            "loss": loss,
+            "forward_s": round(forward_s, 6),
+            "hops": hops,
+            "rerouted": rerouted,
+        }
     try:
         grad_outputs = decode_tensor(down.get("grad_inputs"), name="grad_inputs", device=app[RUNTIME].device)
     except SwarmError as exc:
-        raise ChainError(f"stage {settings.stage + 1} at {url} answered a bad gradient: {exc.message}", failed=[{"stage": settings.stage + 1, "replica": url, "code": "bad_reply"}]) from None
+        raise ChainError(
+            f"stage {settings.stage + 1} at {url} answered a bad gradient: {exc.message}",
+            failed=[{"stage": settings.stage + 1, "replica": url, "code": "bad_reply"}],
+        ) from None
     started = time.monotonic()
     try:
-        reply = await run_backward(app, dataclasses.replace(req, grad_outputs=grad_outputs, forward_step=forward["step"]))
-    except SwarmError as exc:  # refused here (a stale forward): the caller still learns which replicas failed on the way
-        raise ChainError(exc.message, status=exc.status, code=exc.code, failed=rerouted, retry_after_s=exc.retry_after_s) from None
+        reply = await run_backward(
+            app, dataclasses.replace(req, grad_outputs=grad_outputs, forward_step=forward["step"])
+        )
+    except (
+        SwarmError
+    ) as exc:  # refused here (a stale forward): the caller still learns which replicas failed on the way
+        raise ChainError(
+            exc.message, status=exc.status, code=exc.code, failed=rerouted, retry_after_s=exc.retry_after_s
+        ) from None
     backward_s = time.monotonic() - started - reply["step_wait_s"]
-    return {**reply, "loss": loss, "loss_step": down.get("loss_step"), "forward_s": round(forward_s, 6), "backward_s": round(max(backward_s, 0.0), 6),
-            "hops": hops, "rerouted": rerouted}  # fmt: skip
+    return {
+        **reply,
+        "loss": loss,
+        "loss_step": down.get("loss_step"),
+        "forward_s": round(forward_s, 6),
+        "backward_s": round(max(backward_s, 0.0), 6),
+        "hops": hops,
+        "rerouted": rerouted,
+    }
 
 
 def _hop(stage: int, url: str, reply: dict) -> dict:
     """What the trainer learns of the replica that served ``stage``."""
-    return {"stage": stage, "replica": url, "forward_s": reply.get("forward_s"), "backward_s": reply.get("backward_s"), "step": reply.get("step"),
-            "accumulated": reply.get("accumulated")}  # fmt: skip
+    return {
+        "stage": stage,
+        "replica": url,
+        "forward_s": reply.get("forward_s"),
+        "backward_s": reply.get("backward_s"),
+        "step": reply.get("step"),
+        "accumulated": reply.get("accumulated"),
+    }
 
 
-async def send_on(app: web.Application, replicas: list[str], msg: dict, deadline: float, stage: int) -> tuple[dict, str, list[dict]]:
+async def send_on(
+    app: web.Application, replicas: list[str], msg: dict, deadline: float, stage: int
+) -> tuple[dict, str, list[dict]]:
     """POST ``msg`` to the first of ``replicas`` (the route's choice for ``stage``, then its
     alternates) that completes the rest of the chain; returns (answer, replica, failures on
     the way). Raises :class:`ChainError` when none does or the chain must start over."""
@@ -228,21 +310,32 @@ async def send_on(app: web.Application, replicas: list[str], msg: dict, deadline
         waits = 0
         while (remaining := next_budget(deadline - loop.time())) >= MIN_BUDGET_S:
             try:
-                reply = await post_message(app[CHAIN].session, url + "/chain", {**msg, "budget_s": round(remaining, 3)}, timeout_s=remaining,
-                                           headers={MICROBATCH_HEADER: msg["microbatch_id"]})  # fmt: skip
+                reply = await post_message(
+                    app[CHAIN].session,
+                    url + "/chain",
+                    {**msg, "budget_s": round(remaining, 3)},
+                    timeout_s=remaining,
+                    headers={MICROBATCH_HEADER: msg["microbatch_id"]},
+                )
                 return reply, url, rerouted
             except RemoteError as err:
                 if err.code == "stale_forward":  # a stage further down refused: the microbatch runs again from stage 0
                     raise ChainError(err.message, status=409, code="stale_forward", failed=rerouted) from None
                 if err.code == "chain_broken":  # broken further down, not at this replica
-                    raise ChainError(err.message, failed=rerouted + list((err.details or {}).get("failed", []))) from None
+                    raise ChainError(
+                        err.message, failed=rerouted + list((err.details or {}).get("failed", []))
+                    ) from None
                 if err.code == "overloaded" and waits < MAX_OVERLOAD_WAITS and err.retry_after_s is not None:
                     waits += 1
                     await asyncio.sleep(min(MAX_OVERLOAD_WAIT_S, max(0.1, err.retry_after_s)))
                     continue
                 if not err.retryable:  # a refusal no other replica would answer differently (bad payload, auth)
-                    raise ChainError(f"stage {stage} at {url} refused the microbatch: {err.message}", status=err.status or 502, code=err.code,
-                                     failed=rerouted) from None  # fmt: skip
+                    raise ChainError(
+                        f"stage {stage} at {url} refused the microbatch: {err.message}",
+                        status=err.status or 502,
+                        code=err.code,
+                        failed=rerouted,
+                    ) from None
                 rerouted.append({"stage": stage, "replica": url, "code": err.code, "message": err.message[:200]})
                 break
     tried = ", ".join(f"{f['replica']} ({f['code']})" for f in rerouted if f["stage"] == stage) or "none tried in time"

@@ -28,7 +28,9 @@ def peers_to_probe(view: dict, stage: int, own_url: str, limit: int = MAX_PEERS)
     """Replicas of ``stage`` and of its neighbour stages in ``view`` (``GET /swarm``), own stage
     first, without ``own_url``; at most ``limit``."""
     by_stage = {int(s["stage"]): [r["url"] for r in s.get("replicas", [])] for s in view.get("stages", [])}
-    urls = [u for st in (stage, stage - 1, stage + 1) for u in by_stage.get(st, []) if u.rstrip("/") != own_url.rstrip("/")]
+    urls = [
+        u for st in (stage, stage - 1, stage + 1) for u in by_stage.get(st, []) if u.rstrip("/") != own_url.rstrip("/")
+    ]
     return list(dict.fromkeys(urls))[:limit]
 
 
@@ -55,7 +57,9 @@ async def time_health(session: aiohttp.ClientSession, url: str) -> float | None:
     return round((time.perf_counter() - started) * 1000.0, 3)
 
 
-async def probe_swarm(session: aiohttp.ClientSession, coordinator: str, limit: int = MAX_JOIN_PEERS) -> dict[str, float]:
+async def probe_swarm(
+    session: aiohttp.ClientSession, coordinator: str, limit: int = MAX_JOIN_PEERS
+) -> dict[str, float]:
     """Round-trip times (peer URL -> ms) from here to up to ``limit`` of the swarm's replicas,
     for a server about to ask the coordinator for a stage; {} if the swarm cannot be read.
     Each replica is timed twice and the second time kept (the first pays the TCP connect)."""
@@ -76,7 +80,13 @@ async def probe_swarm(session: aiohttp.ClientSession, coordinator: str, limit: i
 
 class LatencyProbe:
     def __init__(self, session: aiohttp.ClientSession, coordinator: str, *, stage: int, own_url: str, every: int = 5):
-        self.session, self.coordinator, self.stage, self.own_url, self.every = session, coordinator, stage, own_url, every
+        self.session, self.coordinator, self.stage, self.own_url, self.every = (
+            session,
+            coordinator,
+            stage,
+            own_url,
+            every,
+        )
         self.rtt_ms: dict[str, float] = {}
         self._beats = 0
 

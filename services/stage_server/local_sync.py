@@ -49,7 +49,9 @@ class OuterOptimizer:
     def reset(self, weights: torch.Tensor, momentum: torch.Tensor | None = None) -> None:
         """Start again from ``weights`` (fp32 flat), e.g. a loaded state; momentum zero unless given."""
         self.anchor = weights.detach().to(torch.float32).clone()
-        self.momentum = torch.zeros_like(self.anchor) if momentum is None else momentum.detach().to(torch.float32).clone()
+        self.momentum = (
+            torch.zeros_like(self.anchor) if momentum is None else momentum.detach().to(torch.float32).clone()
+        )
         self.samples = 0
         self.steps = 0  # outer steps applied here
 
@@ -63,7 +65,9 @@ class OuterOptimizer:
 
     def step(self, delta: torch.Tensor) -> torch.Tensor:
         """Apply the replicas' mean outer gradient ``delta``; returns the new weights (the new anchor)."""
-        assert delta.shape == self.anchor.shape, f"outer gradient of shape {list(delta.shape)}, the anchor has {list(self.anchor.shape)}"
+        assert delta.shape == self.anchor.shape, (
+            f"outer gradient of shape {list(delta.shape)}, the anchor has {list(self.anchor.shape)}"
+        )
         mu = self.cfg.momentum
         update = delta
         if mu:

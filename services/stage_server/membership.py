@@ -22,7 +22,14 @@ from shared.retry import RetryPolicy
 CONTROL_TIMEOUT_S = 5.0
 
 
-async def assign_stage(session: aiohttp.ClientSession, coordinator: str, run_id: str, *, region: str = "", rtt_ms: dict[str, float] | None = None) -> int:
+async def assign_stage(
+    session: aiohttp.ClientSession,
+    coordinator: str,
+    run_id: str,
+    *,
+    region: str = "",
+    rtt_ms: dict[str, float] | None = None,
+) -> int:
     """Ask the coordinator which stage a server started with ``--stage auto`` should serve,
     telling it where the server is (``region``) and its round-trip times to the swarm's
     servers (``rtt_ms``, peer URL -> ms), so that it can place the server by the network."""
@@ -35,10 +42,26 @@ async def assign_stage(session: aiohttp.ClientSession, coordinator: str, run_id:
 
 
 class Membership:
-    def __init__(self, session: aiohttp.ClientSession, coordinator: str, *, run_id: str, stage: int, url: str, version: str, heartbeat_s: float, load: Callable[[], tuple[float, int]], log, probe=None, report: Callable[[], dict] | None = None):
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        coordinator: str,
+        *,
+        run_id: str,
+        stage: int,
+        url: str,
+        version: str,
+        heartbeat_s: float,
+        load: Callable[[], tuple[float, int]],
+        log,
+        probe=None,
+        report: Callable[[], dict] | None = None,
+    ):
         self.session, self.coordinator, self.run_id, self.stage = session, coordinator, run_id, stage
         self.probe = probe  # a LatencyProbe: round-trip times to peers, reported in heartbeats
-        self.report = report or dict  # {region?, workload}: what placement needs, sent with every registration and heartbeat
+        self.report = (
+            report or dict
+        )  # {region?, workload}: what placement needs, sent with every registration and heartbeat
         self.url, self.version, self.heartbeat_s, self.load, self.log = url, version, heartbeat_s, load, log
         self.server_id = f"s{stage}-{uuid.uuid4().hex[:12]}"
         self.registered = asyncio.Event()
@@ -69,7 +92,12 @@ class Membership:
         if not self.registered.is_set():
             return
         try:
-            await post_json(self.session, self.coordinator + "/deregister", {"server_id": self.server_id}, timeout_s=CONTROL_TIMEOUT_S)
+            await post_json(
+                self.session,
+                self.coordinator + "/deregister",
+                {"server_id": self.server_id},
+                timeout_s=CONTROL_TIMEOUT_S,
+            )
             self.registered.clear()
             self.log.info("membership.deregistered", server_id=self.server_id)
         except RemoteError as err:
@@ -79,7 +107,16 @@ class Membership:
         if self.leaving:
             return
         throughput, queue_length = self.load()
-        body = {**self.report(), "run_id": self.run_id, "server_id": self.server_id, "stage": self.stage, "url": self.url, "version": self.version, "throughput": throughput, "queue_length": queue_length}
+        body = {
+            **self.report(),
+            "run_id": self.run_id,
+            "server_id": self.server_id,
+            "stage": self.stage,
+            "url": self.url,
+            "version": self.version,
+            "throughput": throughput,
+            "queue_length": queue_length,
+        }
         await post_json(self.session, self.coordinator + "/register", body, timeout_s=CONTROL_TIMEOUT_S)
         self.registered.set()
         if self.leaving:  # deregister() ran while this registration was on its way

@@ -41,7 +41,9 @@ def free_memory_bytes(device: str | torch.device) -> int | None:
     return None
 
 
-def check_stage_memory(cfg: ModelConfig, spec: StageSpec, device: str | torch.device, *, free_bytes: int | None = None) -> int:
+def check_stage_memory(
+    cfg: ModelConfig, spec: StageSpec, device: str | torch.device, *, free_bytes: int | None = None
+) -> int:
     """The stage's estimated need in bytes; ValueError naming the settings if ``device`` has
     less free (``free_bytes``, default: measured)."""
     params = stage_parameters(cfg, spec)

@@ -19,7 +19,11 @@ class StageMetrics:
 
     def __init__(self, metrics: Metrics, runtime, worker, averager):
         self.runtime, self.worker, self.averager = runtime, worker, averager
-        self.tensor_bytes = metrics.counter("swarm_stage_tensor_bytes", "tensor payload bytes of /forward and /backward, by direction and wire codec", ["direction", "codec"])
+        self.tensor_bytes = metrics.counter(
+            "swarm_stage_tensor_bytes",
+            "tensor payload bytes of /forward and /backward, by direction and wire codec",
+            ["direction", "codec"],
+        )
         # wire bytes per sample of the activation that crosses this stage's boundary (the
         # forward's outputs; the last stage: its inputs), as last seen on a training forward;
         # heartbeats report it so that the coordinator's placement knows the pipeline traffic
@@ -41,22 +45,66 @@ class StageMetrics:
         yield counter("swarm_stage_forwards", "forward passes run (evaluation included)", stats.forwards)
         yield counter("swarm_stage_backwards", "backward passes run", stats.backwards)
         yield counter("swarm_stage_samples", "samples whose backward ran here (rate() = samples/s)", stats.samples)
-        yield counter("swarm_stage_optimizer_steps", "global steps taken (every replica of a stage: the same)", stats.optimizer_steps)
-        yield gauge("swarm_stage_global_step", "the stage's global step: its weights' version in steps", stats.optimizer_steps)
-        yield gauge("swarm_stage_effective_batch", "samples that went into the last step's all-reduced gradient (all replicas)", stats.last_effective_batch)
-        yield counter("swarm_stage_samples_dropped", "accumulated samples that reached no step (a round this replica missed, a resync)", stats.samples_dropped)
-        yield counter("swarm_stage_duplicate_backwards", "backwards of a microbatch already accumulated: answered, not accumulated", stats.duplicate_backwards)
-        yield counter("swarm_stage_stale_backwards", "backwards refused (409): their forward more than SWARM_MAX_STALENESS steps old", stats.stale_backwards)
-        yield counter("swarm_stage_backward_cache_hits", "backwards that reused a cached forward graph", stats.cache_hits)
+        yield counter(
+            "swarm_stage_optimizer_steps",
+            "global steps taken (every replica of a stage: the same)",
+            stats.optimizer_steps,
+        )
+        yield gauge(
+            "swarm_stage_global_step", "the stage's global step: its weights' version in steps", stats.optimizer_steps
+        )
+        yield gauge(
+            "swarm_stage_effective_batch",
+            "samples that went into the last step's all-reduced gradient (all replicas)",
+            stats.last_effective_batch,
+        )
+        yield counter(
+            "swarm_stage_samples_dropped",
+            "accumulated samples that reached no step (a round this replica missed, a resync)",
+            stats.samples_dropped,
+        )
+        yield counter(
+            "swarm_stage_duplicate_backwards",
+            "backwards of a microbatch already accumulated: answered, not accumulated",
+            stats.duplicate_backwards,
+        )
+        yield counter(
+            "swarm_stage_stale_backwards",
+            "backwards refused (409): their forward more than SWARM_MAX_STALENESS steps old",
+            stats.stale_backwards,
+        )
+        yield counter(
+            "swarm_stage_backward_cache_hits", "backwards that reused a cached forward graph", stats.cache_hits
+        )
         yield counter("swarm_stage_compute_seconds", "seconds of forward and backward compute", stats.compute_s)
         yield counter("swarm_stage_busy_seconds", "seconds the compute worker spent on jobs", worker.busy_s)
-        yield gauge("swarm_stage_queue_depth", "jobs accepted by the compute worker and not finished", worker.queue_depth)
-        yield gauge("swarm_stage_throughput_samples_per_second", "samples per busy second: what the heartbeat reports", stats.samples / worker.busy_s if worker.busy_s else 0.0)
-        yield gauge("swarm_stage_activation_bytes_per_sample", "wire bytes per sample of the activation crossing this stage's boundary (last training forward)", self.activation_bytes_per_sample)
+        yield gauge(
+            "swarm_stage_queue_depth", "jobs accepted by the compute worker and not finished", worker.queue_depth
+        )
+        yield gauge(
+            "swarm_stage_throughput_samples_per_second",
+            "samples per busy second: what the heartbeat reports",
+            stats.samples / worker.busy_s if worker.busy_s else 0.0,
+        )
+        yield gauge(
+            "swarm_stage_activation_bytes_per_sample",
+            "wire bytes per sample of the activation crossing this stage's boundary (last training forward)",
+            self.activation_bytes_per_sample,
+        )
         yield gauge("swarm_stage_weights_version", "bumped by every change of the weights", self.runtime.version)
         yield gauge("swarm_stage_draining", "1 while the server drains before it stops", float(worker.draining))
         failed = max(0, averager.rounds_started - averager.rounds_completed - int(averager.running))
-        yield counter("swarm_stage_averaging_bytes_sent", "bytes this server sent in averaging and step rounds (parts and reductions), counted as each round ends", averager.bytes_sent)
-        yield counter("swarm_stage_averaging_rounds", "averaging rounds this server took part in, by outcome", {("completed",): averager.rounds_completed, ("failed",): failed}, ["outcome"])
+        yield counter(
+            "swarm_stage_averaging_bytes_sent",
+            "bytes this server sent in averaging and step rounds (parts and reductions), counted as each round ends",
+            averager.bytes_sent,
+        )
+        yield counter(
+            "swarm_stage_averaging_rounds",
+            "averaging rounds this server took part in, by outcome",
+            {("completed",): averager.rounds_completed, ("failed",): failed},
+            ["outcome"],
+        )
+
 
 STAGE_METRICS = web.AppKey("stage_metrics", StageMetrics)

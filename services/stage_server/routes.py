@@ -49,6 +49,7 @@ from services.stage_server.runtime import NO_BUCKET, StageRuntime
 from services.stage_server.stepping import StepClient
 from services.stage_server.worker import ComputeWorker
 
+
 @dataclass
 class MoveOrder:
     """A move ordered by the coordinator: the server drains, then restarts on ``to_stage``.
@@ -124,7 +125,9 @@ async def parse_message(request: web.Request, msg: dict, *, names: list[str]) ->
     if until_step is not None and (type(until_step) is not int or not 1 <= until_step < 2**53):
         raise BadPayload("'until_step' must be an int >= 1")
     device = request.app[RUNTIME].device
-    body_bytes = request.content_length if request.content_length is not None else OFF_LOOP_BYTES  # chunked: assume large
+    body_bytes = (
+        request.content_length if request.content_length is not None else OFF_LOOP_BYTES
+    )  # chunked: assume large
     tensors = await _off_loop(body_bytes, _decode_all, msg, names, device)
     request.app[STAGE_METRICS].count_tensors("in", msg)
     if not is_eval and not request.app[RUNTIME].spec.is_first:  # the inputs are the previous stage's activations
@@ -152,7 +155,9 @@ async def _off_loop(nbytes: int, fn, *args):
 
 
 async def _encode(t: torch.Tensor, codec: str, int8_block: int) -> dict:
-    return await _off_loop(t.numel() * t.element_size(), functools.partial(encode_tensor, int8_block=int8_block), t, codec)
+    return await _off_loop(
+        t.numel() * t.element_size(), functools.partial(encode_tensor, int8_block=int8_block), t, codec
+    )
 
 
 async def forward(request: web.Request) -> web.Response:
@@ -168,7 +173,9 @@ async def run_forward(app: web.Application, req: StageRequest) -> dict:
     runtime, settings = app[RUNTIME], app[SETTINGS]
 
     def compute():
-        return runtime.forward(req.microbatch_id, req.seed, req.inputs, req.targets, keep_graph=not req.eval), runtime.step
+        return runtime.forward(
+            req.microbatch_id, req.seed, req.inputs, req.targets, keep_graph=not req.eval
+        ), runtime.step
 
     output, step = await app[WORKER].run(compute)
     reply = {"stage": settings.stage, "microbatch_id": req.microbatch_id, "step": step}
@@ -195,16 +202,30 @@ async def run_backward(app: web.Application, req: StageRequest) -> dict:
     work = 3.0 if runtime.spec.is_last else 2.0  # the last stage's backward includes its forward
     stepper = app.get(STEPPER)
     if stepper and req.forward_step is not None:
-        runtime.check_staleness(req.microbatch_id, req.forward_step)  # before a reservation: a stale backward takes none
+        runtime.check_staleness(
+            req.microbatch_id, req.forward_step
+        )  # before a reservation: a stale backward takes none
     waited = time.perf_counter()
     reservation = await stepper.reserve(_samples(req.inputs), req.until_step) if stepper else None
     waited = time.perf_counter() - waited
-    complete = stepper is not None and reservation is None  # the run's steps are all reserved: compute, accumulate nothing
+    complete = (
+        stepper is not None and reservation is None
+    )  # the run's steps are all reserved: compute, accumulate nothing
     bucket = NO_BUCKET if complete else reservation.bucket if reservation else None
     late_to_current = bool(reservation and reservation.alone)  # a step this replica counts alone: never dropped
     try:
-        result = await app[WORKER].run(runtime.backward, req.microbatch_id, req.seed, req.inputs, req.targets, req.grad_outputs, req.forward_step,
-                                       bucket, late_to_current, work=work)  # fmt: skip
+        result = await app[WORKER].run(
+            runtime.backward,
+            req.microbatch_id,
+            req.seed,
+            req.inputs,
+            req.targets,
+            req.grad_outputs,
+            req.forward_step,
+            bucket,
+            late_to_current,
+            work=work,
+        )
     except BaseException:
         if reservation:
             await stepper.settle(reservation, 0, app[WORKER].run)  # the reservation goes back
@@ -213,8 +234,15 @@ async def run_backward(app: web.Application, req: StageRequest) -> dict:
         settled = time.perf_counter()
         await stepper.settle(reservation, _samples(req.inputs) if result.accumulated else 0, app[WORKER].run)
         waited += time.perf_counter() - settled
-    reply: dict = {"stage": settings.stage, "microbatch_id": req.microbatch_id, "step": result.step, "stage_step": runtime.step, "accumulated": result.accumulated,
-                   "bucket": _holder(result, reservation), "step_wait_s": round(waited, 6)}  # fmt: skip
+    reply: dict = {
+        "stage": settings.stage,
+        "microbatch_id": req.microbatch_id,
+        "step": result.step,
+        "stage_step": runtime.step,
+        "accumulated": result.accumulated,
+        "bucket": _holder(result, reservation),
+        "step_wait_s": round(waited, 6),
+    }
     if complete:
         reply["complete"] = True
     if result.grad_inputs is not None:

@@ -66,7 +66,9 @@ class OptimizerConfig:
 
     def __post_init__(self):
         assert self.schedule in LR_SCHEDULES, f"schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}"
-        assert self.schedule != "cosine" or self.total_steps > self.warmup_steps, "a cosine schedule needs total_steps > warmup_steps"
+        assert self.schedule != "cosine" or self.total_steps > self.warmup_steps, (
+            "a cosine schedule needs total_steps > warmup_steps"
+        )
 
     def lr_at(self, step: int) -> float:
         """Learning rate of global step ``step`` (0-based: the step that takes the weights from ``step`` to ``step + 1``)."""
@@ -82,7 +84,9 @@ class OptimizerConfig:
 class StageStats:
     forwards: int = 0
     backwards: int = 0  # backwards whose gradient was accumulated here
-    backwards_run: int = 0  # every backward computed: accumulated, a duplicate, dropped (its step taken) or past the run's last step
+    backwards_run: int = (
+        0  # every backward computed: accumulated, a duplicate, dropped (its step taken) or past the run's last step
+    )
     samples: int = 0  # samples whose gradient was accumulated here
     optimizer_steps: int = 0  # global steps applied: the stage's step
     cache_hits: int = 0
@@ -120,7 +124,9 @@ class BackwardResult:
     loss: float | None  # the microbatch loss, last stage only
     step: int = 0  # the stage's step (weights version in global steps) the backward ran at
     accumulated: bool = True  # False: a duplicate, its gradient was already accumulated
-    bucket: int | None = None  # the step whose batch holds the microbatch (a duplicate's: where it went first); None: in none
+    bucket: int | None = (
+        None  # the step whose batch holds the microbatch (a duplicate's: where it went first); None: in none
+    )
 
 
 @dataclass(frozen=True)
@@ -174,7 +180,9 @@ class StageRuntime:
             betas=optim.betas,
         )
         self._buckets: dict[int, _Bucket] = {}  # global step -> what was accumulated for it
-        self._recent_ids: deque[tuple[int, frozenset[str]]] = deque(maxlen=DEDUP_STEPS)  # (step, its microbatches) of the last steps applied
+        self._recent_ids: deque[tuple[int, frozenset[str]]] = deque(
+            maxlen=DEDUP_STEPS
+        )  # (step, its microbatches) of the last steps applied
         self.version = 0  # bumped by every change of the weights
         self.stats = StageStats()
         self._cache: OrderedDict[str, _CachedForward] = OrderedDict()
@@ -182,7 +190,9 @@ class StageRuntime:
         self.outer = OuterOptimizer(outer, flat_parameters(self.params)) if outer else None
 
     # ---------------------------------------------------------------- validation
-    def validate(self, inputs: torch.Tensor, targets: torch.Tensor | None, grad_outputs: torch.Tensor | None, *, backward: bool) -> None:
+    def validate(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None, grad_outputs: torch.Tensor | None, *, backward: bool
+    ) -> None:
         """Raise :class:`BadPayload` unless the tensors fit this stage exactly."""
         cfg = self.cfg
         self.validate_inputs(inputs)
@@ -190,31 +200,57 @@ class StageRuntime:
         _check(B >= 1 and 1 <= T <= cfg.block_size, f"need batch >= 1 and 1 <= seq <= {cfg.block_size}, got ({B}, {T})")
         if self.spec.is_last:
             _check(targets is not None, "the last stage needs targets")
-            _check(not targets.is_floating_point() and targets.dtype != torch.bool, f"targets must be integers, got {targets.dtype}")
+            _check(
+                not targets.is_floating_point() and targets.dtype != torch.bool,
+                f"targets must be integers, got {targets.dtype}",
+            )
             _check(tuple(targets.shape) == (B, T), f"targets must have shape {[B, T]}, got {list(targets.shape)}")
-            _check(int(targets.min()) >= -1 and int(targets.max()) < cfg.vocab_size, f"targets must lie in [-1, {cfg.vocab_size})")
+            _check(
+                int(targets.min()) >= -1 and int(targets.max()) < cfg.vocab_size,
+                f"targets must lie in [-1, {cfg.vocab_size})",
+            )
             _check(bool((targets != -1).any()), "every target is -1 (ignored): the loss would be undefined")
         elif backward:
             _check(grad_outputs is not None, f"backward of stage {self.spec.index} needs grad_outputs")
             _check(grad_outputs.is_floating_point(), "grad_outputs must be floats")
-            _check(tuple(grad_outputs.shape) == (B, T, cfg.d_model), f"grad_outputs must have shape {[B, T, cfg.d_model]}, got {list(grad_outputs.shape)}")
+            _check(
+                tuple(grad_outputs.shape) == (B, T, cfg.d_model),
+                f"grad_outputs must have shape {[B, T, cfg.d_model]}, got {list(grad_outputs.shape)}",
+            )
             _check(bool(torch.isfinite(grad_outputs).all()), "grad_outputs contain non-finite values")
 
     def validate_inputs(self, inputs: torch.Tensor) -> None:
         """Raise :class:`BadPayload` unless ``inputs`` are this stage's kind: token ids on stage 0, hidden states after."""
         cfg = self.cfg
         if self.spec.is_first:
-            _check(not inputs.is_floating_point() and inputs.dtype != torch.bool, f"stage 0 takes integer token ids, got {inputs.dtype}")
+            _check(
+                not inputs.is_floating_point() and inputs.dtype != torch.bool,
+                f"stage 0 takes integer token ids, got {inputs.dtype}",
+            )
             _check(inputs.dim() == 2, f"token ids must be (batch, seq), got shape {list(inputs.shape)}")
             if inputs.numel():
-                _check(int(inputs.min()) >= 0 and int(inputs.max()) < cfg.vocab_size, f"token ids must lie in [0, {cfg.vocab_size})")
+                _check(
+                    int(inputs.min()) >= 0 and int(inputs.max()) < cfg.vocab_size,
+                    f"token ids must lie in [0, {cfg.vocab_size})",
+                )
         else:
             _check(inputs.is_floating_point(), f"stage {self.spec.index} takes float hidden states, got {inputs.dtype}")
-            _check(inputs.dim() == 3 and inputs.shape[2] == cfg.d_model, f"hidden states must be (batch, seq, {cfg.d_model}), got {list(inputs.shape)}")
+            _check(
+                inputs.dim() == 3 and inputs.shape[2] == cfg.d_model,
+                f"hidden states must be (batch, seq, {cfg.d_model}), got {list(inputs.shape)}",
+            )
             _check(bool(torch.isfinite(inputs).all()), "hidden states contain non-finite values")
 
     # ---------------------------------------------------------------- compute
-    def forward(self, microbatch_id: str, seed: int, inputs: torch.Tensor, targets: torch.Tensor | None, *, keep_graph: bool = True) -> torch.Tensor:
+    def forward(
+        self,
+        microbatch_id: str,
+        seed: int,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None,
+        *,
+        keep_graph: bool = True,
+    ) -> torch.Tensor:
         """Run the stage. Returns hidden states, or the scalar loss on the last stage.
 
         ``keep_graph=False`` (evaluation) never caches: no backward will follow.
@@ -232,7 +268,17 @@ class StageRuntime:
         self.stats.compute_s += time.perf_counter() - started
         return output
 
-    def backward(self, microbatch_id: str, seed: int, inputs: torch.Tensor, targets: torch.Tensor | None, grad_outputs: torch.Tensor | None, forward_step: int | None = None, bucket: int | None = None, late_to_current: bool = False) -> BackwardResult:
+    def backward(
+        self,
+        microbatch_id: str,
+        seed: int,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None,
+        grad_outputs: torch.Tensor | None,
+        forward_step: int | None = None,
+        bucket: int | None = None,
+        late_to_current: bool = False,
+    ) -> BackwardResult:
         """Accumulate this microbatch's parameter gradients (once per microbatch id) for global
         step ``bucket`` (None: the current step); return the input gradient. ``forward_step``:
         the step at which this stage ran the microbatch's forward (None: the caller does not
@@ -244,15 +290,25 @@ class StageRuntime:
         inputs, targets, grad_outputs = self._as_model_types(inputs, targets, grad_outputs)
         started = time.perf_counter()
         cached = self._cache.pop(microbatch_id, None)
-        if cached and cached.version == self.version and cached.seed == seed and _same(cached.inputs, inputs) and _same(cached.targets, targets):
+        if (
+            cached
+            and cached.version == self.version
+            and cached.seed == seed
+            and _same(cached.inputs, inputs)
+            and _same(cached.targets, targets)
+        ):
             leaf, output = cached.leaf, cached.output
             self.stats.cache_hits += 1
         else:
             leaf, output = self._run(seed, inputs, targets, grad=True)
         wrt = self.params + ([] if self.spec.is_first else [leaf])
-        grads = torch.autograd.grad(output, wrt, grad_outputs=None if self.spec.is_last else grad_outputs, allow_unused=True)
+        grads = torch.autograd.grad(
+            output, wrt, grad_outputs=None if self.spec.is_last else grad_outputs, allow_unused=True
+        )
         step, bucket = self.step, self.step if bucket is None else bucket
-        if late_to_current and 0 <= bucket < step:  # a replica counting its own steps: late for its step, the next one takes it
+        if (
+            late_to_current and 0 <= bucket < step
+        ):  # a replica counting its own steps: late for its step, the next one takes it
             bucket = step
         self.stats.backwards_run += 1
         first_bucket = self._accumulated_in(microbatch_id)
@@ -293,7 +349,9 @@ class StageRuntime:
         """:class:`StaleForward` if the forward ran more than ``max_staleness`` steps from now."""
         if abs(self.step - forward_step) > self.max_staleness:
             self.stats.stale_backwards += 1
-            raise StaleForward(f"the forward of {microbatch_id!r} ran at step {forward_step}, this stage is at step {self.step} (SWARM_MAX_STALENESS={self.max_staleness}): run the microbatch again")
+            raise StaleForward(
+                f"the forward of {microbatch_id!r} ran at step {forward_step}, this stage is at step {self.step} (SWARM_MAX_STALENESS={self.max_staleness}): run the microbatch again"
+            )
 
     @property
     def step(self) -> int:
@@ -320,14 +378,20 @@ class StageRuntime:
         if bucket is None:
             return Accumulated(torch.zeros(sum(p.numel() for p in self.params)), 0, frozenset())
         n = bucket.samples
-        mean = torch.cat([(acc / max(n, 1)).reshape(-1).to("cpu", torch.float32) for acc in bucket.grad_sum]) if bucket.grad_sum else torch.empty(0)
+        mean = (
+            torch.cat([(acc / max(n, 1)).reshape(-1).to("cpu", torch.float32) for acc in bucket.grad_sum])
+            if bucket.grad_sum
+            else torch.empty(0)
+        )
         return Accumulated(mean, n, frozenset(bucket.ids))
 
     def give_back(self, taken: Accumulated, step: int | None = None) -> None:
         """A step round failed before anyone stepped: the gradient taken for it accumulates again."""
         bucket, offset = self._bucket(self.step if step is None else step), 0
         for acc in bucket.grad_sum:
-            acc.add_(taken.mean[offset : offset + acc.numel()].view_as(acc).to(acc.device, acc.dtype), alpha=taken.samples)
+            acc.add_(
+                taken.mean[offset : offset + acc.numel()].view_as(acc).to(acc.device, acc.dtype), alpha=taken.samples
+            )
             offset += acc.numel()
         bucket.samples += taken.samples
         bucket.ids |= taken.microbatch_ids
@@ -344,7 +408,9 @@ class StageRuntime:
             p.grad = gradient.mean[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype)
             offset += p.numel()
         assert offset == gradient.mean.numel(), f"a step needs {offset} gradient values, got {gradient.mean.numel()}"
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.max_grad_norm if self.optim_cfg.max_grad_norm > 0 else math.inf)
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.params, self.optim_cfg.max_grad_norm if self.optim_cfg.max_grad_norm > 0 else math.inf
+        )
         self.stats.last_grad_norm = float(norm)
         if 0 < self.optim_cfg.max_grad_norm < self.stats.last_grad_norm:
             self.stats.clipped_steps += 1
@@ -407,7 +473,9 @@ class StageRuntime:
         bucket = self._buckets.get(self.step if step is None else step)
         if bucket is None:
             return {name: torch.zeros_like(p) for name, p in self.model.named_parameters()}
-        return {name: acc / max(bucket.samples, 1) for (name, _), acc in zip(self.model.named_parameters(), bucket.grad_sum)}
+        return {
+            name: acc / max(bucket.samples, 1) for (name, _), acc in zip(self.model.named_parameters(), bucket.grad_sum)
+        }
 
     def weights_changed(self) -> None:
         """Call after the weights were changed from outside (averaging, a loaded state):
@@ -469,6 +537,7 @@ class StageRuntime:
         self._cache.move_to_end(microbatch_id)
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
+
 
 @contextlib.contextmanager
 def _fork_rng(seed: int, device: torch.device):

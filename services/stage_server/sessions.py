@@ -90,7 +90,9 @@ class Session:
 class SessionStore:
     """The sessions of one server, bounded in memory, closed after ``ttl_s`` idle."""
 
-    def __init__(self, *, memory_bytes: int, session_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, *, memory_bytes: int, session_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
+    ):
         self.memory_bytes, self.session_bytes, self.ttl_s, self.clock = memory_bytes, session_bytes, ttl_s, clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self.opened = self.closed = self.expired = self.refused = 0
@@ -109,12 +111,17 @@ class SessionStore:
         if nbytes > self.session_bytes or nbytes > self.memory_bytes:
             self.refused += 1
             limit = min(self.session_bytes, self.memory_bytes)
-            raise BadPayload(f"a session of batch {batch} and {max_length} positions needs {nbytes / 2**20:.1f} MiB of KV cache here, "
-                             f"more than any session may hold ({limit / 2**20:.1f} MiB: SWARM_SESSION_MAX_MB, SWARM_SESSION_MEMORY_MB)")  # fmt: skip
+            raise BadPayload(
+                f"a session of batch {batch} and {max_length} positions needs {nbytes / 2**20:.1f} MiB of KV cache here, "
+                f"more than any session may hold ({limit / 2**20:.1f} MiB: SWARM_SESSION_MAX_MB, SWARM_SESSION_MEMORY_MB)"
+            )
         if self.reserved_bytes + nbytes > self.memory_bytes:
             self.refused += 1
-            raise Overloaded(f"sessions hold {self.reserved_bytes / 2**20:.1f} of {self.memory_bytes / 2**20:.1f} MiB here (SWARM_SESSION_MEMORY_MB); "
-                             f"this one needs {nbytes / 2**20:.1f} MiB", retry_after_s=1.0)  # fmt: skip
+            raise Overloaded(
+                f"sessions hold {self.reserved_bytes / 2**20:.1f} of {self.memory_bytes / 2**20:.1f} MiB here (SWARM_SESSION_MEMORY_MB); "
+                f"this one needs {nbytes / 2**20:.1f} MiB",
+                retry_after_s=1.0,
+            )
         session = Session(session_id, batch, max_length, nbytes, KVCache(max_length), self.clock())
         self._sessions[session_id] = session
         self.opened += 1
@@ -124,7 +131,9 @@ class SessionStore:
         self.expire()
         session = self._sessions.get(session_id)
         if session is None:
-            raise SessionNotFound(f"no session {session_id!r} here (never opened, closed, idle past SWARM_SESSION_TTL_S, or the server restarted)")
+            raise SessionNotFound(
+                f"no session {session_id!r} here (never opened, closed, idle past SWARM_SESSION_TTL_S, or the server restarted)"
+            )
         session.last_used = self.clock()
         self._sessions.move_to_end(session_id)
         return session
@@ -137,8 +146,15 @@ class SessionStore:
 
     def summary(self) -> dict:
         """What ``GET /health`` shows of the sessions."""
-        return {"open": len(self), "reserved_mb": round(self.reserved_bytes / 2**20, 3), "limit_mb": round(self.memory_bytes / 2**20, 3),
-                "opened": self.opened, "closed": self.closed, "expired": self.expired, "refused": self.refused}  # fmt: skip
+        return {
+            "open": len(self),
+            "reserved_mb": round(self.reserved_bytes / 2**20, 3),
+            "limit_mb": round(self.memory_bytes / 2**20, 3),
+            "opened": self.opened,
+            "closed": self.closed,
+            "expired": self.expired,
+            "refused": self.refused,
+        }
 
     def expire(self) -> int:
         """Close the sessions idle for ``ttl_s``; how many."""
@@ -151,7 +167,6 @@ class SessionStore:
             self.expired += 1
             gone += 1
         return gone
-
 
 
 def _check_header(settings: StageServerSettings, msg: dict) -> str:
@@ -178,7 +193,15 @@ async def open_session(request: web.Request) -> web.Response:
     element = torch.finfo(runtime.param_dtype).bits // 8
     nbytes = kv_cache_bytes(runtime.cfg, len(runtime.spec.layers), batch, max_length, element_size=element)
     request.app[SESSIONS].open(session_id, batch, max_length, nbytes)
-    return msgpack_response({"stage": settings.stage, "session_id": session_id, "step": runtime.step, "weights_version": runtime.version, "bytes": nbytes})
+    return msgpack_response(
+        {
+            "stage": settings.stage,
+            "session_id": session_id,
+            "step": runtime.step,
+            "weights_version": runtime.version,
+            "bytes": nbytes,
+        }
+    )
 
 
 async def step_session(request: web.Request) -> web.Response:
@@ -197,11 +220,21 @@ async def step_session(request: web.Request) -> web.Response:
     _validate(runtime, session, inputs, position)
     async with session.lock:  # one step of a session at a time, in order
         if position != session.cache.length:
-            raise SessionOutOfSync(f"session {session_id!r} holds {session.cache.length} positions, the step starts at {position}: replay it")
-        output, step, version = await request.app[WORKER].run(_step, runtime, session.cache, inputs, chunks, work=inputs.shape[1] / 64)
+            raise SessionOutOfSync(
+                f"session {session_id!r} holds {session.cache.length} positions, the step starts at {position}: replay it"
+            )
+        output, step, version = await request.app[WORKER].run(
+            _step, runtime, session.cache, inputs, chunks, work=inputs.shape[1] / 64
+        )
         session.steps += 1
         session.last_used = store.clock()
-    reply = {"stage": settings.stage, "session_id": session_id, "position": session.cache.length, "step": step, "weights_version": version}
+    reply = {
+        "stage": settings.stage,
+        "session_id": session_id,
+        "position": session.cache.length,
+        "step": step,
+        "weights_version": version,
+    }
     if runtime.spec.is_last:
         reply["logits"] = encode_tensor(output[:, -1].float().contiguous(), "fp32")
     else:
@@ -213,7 +246,12 @@ def _chunks(chunks, inputs: torch.Tensor) -> list[int]:
     T = int(inputs.shape[1]) if inputs.dim() >= 2 else 0
     if chunks is None:
         return [T]
-    if not isinstance(chunks, list) or not chunks or any(type(c) is not int or c < 1 for c in chunks) or sum(chunks) != T:
+    if (
+        not isinstance(chunks, list)
+        or not chunks
+        or any(type(c) is not int or c < 1 for c in chunks)
+        or sum(chunks) != T
+    ):
         raise BadPayload(f"'chunks' must be a list of positive ints summing to the {T} positions of 'inputs'")
     return chunks
 
@@ -223,7 +261,9 @@ def _validate(runtime: StageRuntime, session: Session, inputs: torch.Tensor, pos
     if inputs.shape[0] != session.batch or inputs.shape[1] < 1:
         raise BadPayload(f"the session was opened for batch {session.batch}; got inputs of shape {list(inputs.shape)}")
     if position + inputs.shape[1] > session.max_length:
-        raise BadPayload(f"{position} + {inputs.shape[1]} positions exceed the session's max_length {session.max_length}")
+        raise BadPayload(
+            f"{position} + {inputs.shape[1]} positions exceed the session's max_length {session.max_length}"
+        )
 
 
 def _step(runtime: StageRuntime, cache: KVCache, inputs: torch.Tensor, chunks: list[int]):
@@ -247,11 +287,17 @@ async def close_session(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
     msg = await read_message(request, 64 * 1024)
     session_id = _check_header(settings, msg)
-    return msgpack_response({"stage": settings.stage, "session_id": session_id, "closed": request.app[SESSIONS].close(session_id)})
+    return msgpack_response(
+        {"stage": settings.stage, "session_id": session_id, "closed": request.app[SESSIONS].close(session_id)}
+    )
 
 
 def add_session_routes(app: web.Application, settings: StageServerSettings) -> None:
-    app[SESSIONS] = SessionStore(memory_bytes=int(settings.session_memory_mb * 2**20), session_bytes=int(settings.session_max_mb * 2**20), ttl_s=settings.session_ttl_s)
+    app[SESSIONS] = SessionStore(
+        memory_bytes=int(settings.session_memory_mb * 2**20),
+        session_bytes=int(settings.session_max_mb * 2**20),
+        ttl_s=settings.session_ttl_s,
+    )
 
     async def expiry(app: web.Application):
         async def loop():

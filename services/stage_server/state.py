@@ -41,7 +41,10 @@ def stage_state(runtime: StageRuntime) -> tuple[dict[str, torch.Tensor], dict]:
                 tensors[f"{OPTIM_PREFIX}{name}/{moment}"] = _snapshot(state[moment])
             adam_step[name] = int(state["step"])
     if runtime.outer is not None:
-        tensors[OUTER_ANCHOR], tensors[OUTER_MOMENTUM] = _snapshot(runtime.outer.anchor), _snapshot(runtime.outer.momentum)
+        tensors[OUTER_ANCHOR], tensors[OUTER_MOMENTUM] = (
+            _snapshot(runtime.outer.anchor),
+            _snapshot(runtime.outer.momentum),
+        )
     spec = runtime.spec
     metadata = {
         "stage": spec.index,
@@ -74,14 +77,19 @@ def load_stage_state(runtime: StageRuntime, tensors: dict[str, torch.Tensor], me
             # the entries AdamW creates on its first step, holding the peer's values
             runtime.optimizer.state[p] = {
                 "step": torch.tensor(float(adam_step[name]), dtype=torch.float32),
-                **{m: tensors[f"{OPTIM_PREFIX}{name}/{m}"].to(device=p.device, dtype=p.dtype, copy=True) for m in _MOMENTS},
+                **{
+                    m: tensors[f"{OPTIM_PREFIX}{name}/{m}"].to(device=p.device, dtype=p.dtype, copy=True)
+                    for m in _MOMENTS
+                },
             }
     runtime.stats.optimizer_steps = metadata["optimizer_steps"]
     if runtime.outer is not None:
         if OUTER_ANCHOR in tensors:
             runtime.outer.reset(tensors[OUTER_ANCHOR], tensors[OUTER_MOMENTUM])
         else:  # a state of a global-mode run (or a checkpoint): the replicas agree on these weights
-            runtime.outer.reset(torch.cat([tensors[name].reshape(-1).to(torch.float32) for name, _ in _named_params(runtime)]))
+            runtime.outer.reset(
+                torch.cat([tensors[name].reshape(-1).to(torch.float32) for name, _ in _named_params(runtime)])
+            )
     runtime.reset_accumulation()
 
 
@@ -89,7 +97,14 @@ def load_stage_state(runtime: StageRuntime, tensors: dict[str, torch.Tensor], me
 def _validate(runtime: StageRuntime, tensors: dict[str, torch.Tensor], metadata: dict) -> dict[str, int]:
     """Raise unless the state fits this runtime exactly; returns the AdamW step per parameter."""
     spec = runtime.spec
-    for key, kind in (("stage", int), ("num_stages", int), ("layers", list), ("model_config", dict), ("optimizer_steps", int), ("adam_step", dict)):
+    for key, kind in (
+        ("stage", int),
+        ("num_stages", int),
+        ("layers", list),
+        ("model_config", dict),
+        ("optimizer_steps", int),
+        ("adam_step", dict),
+    ):
         _check(type(metadata.get(key)) is kind, f"state metadata needs {key!r} of type {kind.__name__}")
     _check(metadata["optimizer_steps"] >= 0, "'optimizer_steps' must be >= 0")
     try:
@@ -101,7 +116,9 @@ def _validate(runtime: StageRuntime, tensors: dict[str, torch.Tensor], metadata:
     theirs = (metadata["stage"], metadata["num_stages"], metadata["layers"])
     ours = (spec.index, spec.num_stages, [spec.layers.start, spec.layers.stop])
     if theirs != ours:
-        raise WrongStage(f"state is of stage {theirs[0]}/{theirs[1]} (layers {theirs[2]}), this server holds stage {ours[0]}/{ours[1]} (layers {ours[2]})")
+        raise WrongStage(
+            f"state is of stage {theirs[0]}/{theirs[1]} (layers {theirs[2]}), this server holds stage {ours[0]}/{ours[1]} (layers {ours[2]})"
+        )
 
     params = dict(_named_params(runtime))
     adam_step = metadata["adam_step"]
@@ -114,7 +131,10 @@ def _validate(runtime: StageRuntime, tensors: dict[str, torch.Tensor], metadata:
         _check(len(outer) == 2, f"state has {sorted(outer)} of the outer step without its other tensor")
         total = sum(p.numel() for p in params.values())
         for name, t in outer.items():
-            _check(t.shape == (total,) and t.dtype == torch.float32, f"{name!r} must be {total} fp32 values, got {list(t.shape)} {t.dtype}")
+            _check(
+                t.shape == (total,) and t.dtype == torch.float32,
+                f"{name!r} must be {total} fp32 values, got {list(t.shape)} {t.dtype}",
+            )
             _check(bool(torch.isfinite(t).all()), f"{name!r} contains non-finite values")
     tensors = {name: t for name, t in tensors.items() if name not in outer}
     missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)

@@ -35,7 +35,11 @@ async def get_state(request: web.Request) -> web.Response:
         if not step.isdigit() or len(step) > 15:
             raise BadPayload(f"'step' must be a global step (an int >= 0), got {step!r}")
         try:
-            wait = min(float(wait_s), request.app[SETTINGS].join_timeout_s) if wait_s else request.app[SETTINGS].join_timeout_s
+            wait = (
+                min(float(wait_s), request.app[SETTINGS].join_timeout_s)
+                if wait_s
+                else request.app[SETTINGS].join_timeout_s
+            )
         except ValueError:
             raise BadPayload(f"'wait_s' must be a number of seconds, got {wait_s!r}") from None
         await request.app[AVERAGER].wait_step(int(step), max(0.0, wait))
@@ -49,7 +53,9 @@ async def post_state(request: web.Request) -> web.Response:
     data = await read_body(request, OCTET_STREAM, int(settings.max_body_mb * 2**20))
     tensors, metadata = await asyncio.to_thread(state_from_bytes, data)
     await request.app[WORKER].run(load_stage_state, runtime, tensors, metadata)
-    return web.json_response({"stage": settings.stage, "weights_version": runtime.version, "optimizer_steps": runtime.stats.optimizer_steps})
+    return web.json_response(
+        {"stage": settings.stage, "weights_version": runtime.version, "optimizer_steps": runtime.stats.optimizer_steps}
+    )
 
 
 def add_state_routes(app: web.Application) -> None:
@@ -57,7 +63,9 @@ def add_state_routes(app: web.Application) -> None:
     app.router.add_post("/state", post_state)
 
 
-async def download_state(session: aiohttp.ClientSession, url: str, timeout_s: float) -> tuple[dict[str, torch.Tensor], dict]:
+async def download_state(
+    session: aiohttp.ClientSession, url: str, timeout_s: float
+) -> tuple[dict[str, torch.Tensor], dict]:
     """GET ``url``/state of a peer replica; any failure raises :class:`RemoteError`."""
     target = url.rstrip("/") + "/state"
     payload = await request_bytes(session, "GET", target, expect=OCTET_STREAM, timeout_s=timeout_s)

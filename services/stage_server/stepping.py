@@ -58,15 +58,33 @@ class StepClient:
     coordinator; ``resync()`` loads a live replica's state; ``wait_round(round_id,
     timeout_s)`` waits for a step round here to end; ``in_round()``: one runs now."""
 
-    def __init__(self, runtime, *, post: Callable[[str, dict], Awaitable[dict]], resync: Callable[[], Awaitable[None]],
-                 wait_round: Callable[[str, float], Awaitable[None]], identity: dict, round_wait_s: float, log, in_round: Callable[[], bool] = lambda: False):
-        self.runtime, self.post, self.resync, self.wait_round, self.in_round = runtime, post, resync, wait_round, in_round
+    def __init__(
+        self,
+        runtime,
+        *,
+        post: Callable[[str, dict], Awaitable[dict]],
+        resync: Callable[[], Awaitable[None]],
+        wait_round: Callable[[str, float], Awaitable[None]],
+        identity: dict,
+        round_wait_s: float,
+        log,
+        in_round: Callable[[], bool] = lambda: False,
+    ):
+        self.runtime, self.post, self.resync, self.wait_round, self.in_round = (
+            runtime,
+            post,
+            resync,
+            wait_round,
+            in_round,
+        )
         self.identity, self.round_wait_s, self.log = identity, round_wait_s, log
         self.global_batch = int(identity["global_batch"])
         self.replicas = 1  # live replicas of this stage, as the coordinator last said
         self.coordinator_away = False
         self._telling = asyncio.Lock()
-        self._alone_out: dict[int, int] = {}  # the coordinator away: step -> samples of backwards given it, not yet accumulated
+        self._alone_out: dict[
+            int, int
+        ] = {}  # the coordinator away: step -> samples of backwards given it, not yet accumulated
         self._background: set[asyncio.Task] = set()
         self._resyncing: asyncio.Task | None = None
         self.failures = 0
@@ -81,12 +99,20 @@ class StepClient:
             await self._tell_what_is_held()
         for _ in range(3):  # again after a resync, or if this replica stepped while it asked
             sent_at = self.runtime.step
-            body = {**self.identity, "step": sent_at, "samples": samples, **({"until_step": until_step} if until_step is not None else {})}
+            body = {
+                **self.identity,
+                "step": sent_at,
+                "samples": samples,
+                **({"until_step": until_step} if until_step is not None else {}),
+            }
             try:
                 answer = await self.post("/step/reserve", body)
             except RemoteError as exc:
                 if exc.status == 503:
-                    raise Overloaded(f"the coordinator holds this stage's backwards: {exc.message}", retry_after_s=exc.retry_after_s or 1.0) from None
+                    raise Overloaded(
+                        f"the coordinator holds this stage's backwards: {exc.message}",
+                        retry_after_s=exc.retry_after_s or 1.0,
+                    ) from None
                 self._failed(exc)
                 return self._reserve_alone(samples)
             self.coordinator_away = False
@@ -100,7 +126,10 @@ class StepClient:
             if isinstance(answer.get("step"), int) and self.runtime.step < answer["step"]:
                 await self._resync_now(answer["step"])
         else:
-            raise Overloaded(f"this replica is at step {self.runtime.step}, behind its stage, and could not take a live replica's state yet", retry_after_s=1.0)
+            raise Overloaded(
+                f"this replica is at step {self.runtime.step}, behind its stage, and could not take a live replica's state yet",
+                retry_after_s=1.0,
+            )
         if answer.get("complete"):
             return None
         bucket = answer.get("bucket")
@@ -125,7 +154,14 @@ class StepClient:
         async with self._telling:  # one report of what is held, however many backwards come back at once
             if not self.coordinator_away:
                 return
-            body = {**self.identity, "step": self.runtime.step, "bucket": self.runtime.step, "reserved": 0, "samples": self.runtime.pending(), "closes": False}
+            body = {
+                **self.identity,
+                "step": self.runtime.step,
+                "bucket": self.runtime.step,
+                "reserved": 0,
+                "samples": self.runtime.pending(),
+                "closes": False,
+            }
             try:
                 await self.post("/step/done", body)
             except RemoteError:
@@ -149,7 +185,9 @@ class StepClient:
                 break
             step = await run_compute(self._step_alone)
             if step is not None:
-                self.log.info("step.applied", step=step, alone=True, effective_batch=self.runtime.stats.last_effective_batch)
+                self.log.info(
+                    "step.applied", step=step, alone=True, effective_batch=self.runtime.stats.last_effective_batch
+                )
 
     def _step_alone(self) -> int | None:
         if self.runtime.pending() < self.alone_share():
@@ -160,7 +198,14 @@ class StepClient:
     async def done(self, reservation: Reservation, samples: int) -> None:
         """Say what the backward accumulated; in the foreground (waiting for the step round
         it starts) when its reservation completed the step, else in the background."""
-        body = {**self.identity, "step": self.runtime.step, "bucket": reservation.bucket, "reserved": reservation.reserved, "samples": samples, "closes": reservation.closes}
+        body = {
+            **self.identity,
+            "step": self.runtime.step,
+            "bucket": reservation.bucket,
+            "reserved": reservation.reserved,
+            "samples": samples,
+            "closes": reservation.closes,
+        }
         if reservation.closes or not reservation.reserved:
             await self._done(body, wait=True)
             return
@@ -181,7 +226,13 @@ class StepClient:
     def _failed(self, exc: RemoteError) -> None:
         if exc.status is None:  # unreachable or timed out: steps go on alone until it answers again
             if not self.coordinator_away:
-                self.log.warning("step.alone", share=self.alone_share(), global_batch=self.global_batch, replicas=self.replicas, reason=f"the coordinator does not answer: {exc.code}")
+                self.log.warning(
+                    "step.alone",
+                    share=self.alone_share(),
+                    global_batch=self.global_batch,
+                    replicas=self.replicas,
+                    reason=f"the coordinator does not answer: {exc.code}",
+                )
             self.coordinator_away = True
         self.failures += 1
         if self.failures == 1 or self.failures % 100 == 0:
@@ -191,7 +242,13 @@ class StepClient:
         """No live replica holds the stage's step: take its number with these weights."""
         lost = stage_step - self.runtime.step
         if lost > 0:
-            self.log.warning("step.caught_up", step=self.runtime.step, stage_step=stage_step, steps_lost=lost, dropping=self.runtime.pending_samples)
+            self.log.warning(
+                "step.caught_up",
+                step=self.runtime.step,
+                stage_step=stage_step,
+                steps_lost=lost,
+                dropping=self.runtime.pending_samples,
+            )
             self.runtime.catch_up(stage_step)
 
     async def _resync_now(self, stage_step: int) -> None:
@@ -200,7 +257,9 @@ class StepClient:
         if self.in_round():
             return
         if self._resyncing is None or self._resyncing.done():
-            self.log.warning("step.behind", step=self.runtime.step, stage_step=stage_step, dropping=self.runtime.pending_samples)
+            self.log.warning(
+                "step.behind", step=self.runtime.step, stage_step=stage_step, dropping=self.runtime.pending_samples
+            )
             self._resyncing = asyncio.create_task(self._resync(), name="step.resync")
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._resyncing), self.round_wait_s)

@@ -35,13 +35,24 @@ class SwarmMismatch(ValueError):
     """A stage server that does not belong to this run as configured."""
 
 
-async def check_stages(session: aiohttp.ClientSession, stage_urls: list[list[str]], settings: TrainerSettings, log, *, wait_s: float = READY_WAIT_S) -> dict:
+async def check_stages(
+    session: aiohttp.ClientSession,
+    stage_urls: list[list[str]],
+    settings: TrainerSettings,
+    log,
+    *,
+    wait_s: float = READY_WAIT_S,
+) -> dict:
     """GET /info of every replica (waiting up to ``wait_s`` for it to come up) and check
     that it serves the stage, model, cut and run this trainer expects. A replica that does
     not answer is skipped (the balancer routes around it) as long as its stage has another
     that does. Returns the info of a stage-0 replica."""
     # the model by its config: machines may hold a model directory at different paths
-    expected = {"run_id": settings.run_id, "model_config": settings.gpt_config().to_dict(), "num_stages": settings.num_stages}
+    expected = {
+        "run_id": settings.run_id,
+        "model_config": settings.gpt_config().to_dict(),
+        "num_stages": settings.num_stages,
+    }
     first = None
     for stage, urls in enumerate(stage_urls):
         answered = 0
@@ -53,14 +64,18 @@ async def check_stages(session: aiohttp.ClientSession, stage_urls: list[list[str
                 continue
             wrong = {k: info.get(k) for k, v in {**expected, "stage": stage}.items() if info.get(k) != v}
             if wrong:
-                raise SwarmMismatch(f"{url} serves {wrong}, expected {({**expected, 'stage': stage})}")
+                raise SwarmMismatch(f"{url} serves {wrong}, expected { ({**expected, 'stage': stage}) }")
             if settings.routing not in info.get("routings", ["relay"]):
-                raise SwarmMismatch(f"{url} does not serve SWARM_ROUTING={settings.routing} (it serves {info.get('routings', ['relay'])}): upgrade it, or set SWARM_ROUTING=relay")
+                raise SwarmMismatch(
+                    f"{url} does not serve SWARM_ROUTING={settings.routing} (it serves {info.get('routings', ['relay'])}): upgrade it, or set SWARM_ROUTING=relay"
+                )
             answered += 1
             first = first or info
         if not answered:
             raise SwarmMismatch(f"no replica of stage {stage} answered GET /info within {wait_s} s: {urls}")
-    log.info("swarm.checked", stages=len(stage_urls), replicas=sum(map(len, stage_urls)), global_batch=first["global_batch"])
+    log.info(
+        "swarm.checked", stages=len(stage_urls), replicas=sum(map(len, stage_urls)), global_batch=first["global_batch"]
+    )
     return first
 
 
@@ -81,7 +96,9 @@ async def _get_info(session: aiohttp.ClientSession, url: str, timeout_s: float, 
             await asyncio.sleep(policy.delay_s(attempt))
 
 
-async def find_swarm(session: aiohttp.ClientSession, settings: TrainerSettings, balancer: ReplicaBalancer, log) -> SwarmView | None:
+async def find_swarm(
+    session: aiohttp.ClientSession, settings: TrainerSettings, balancer: ReplicaBalancer, log
+) -> SwarmView | None:
     """Static URLs (SWARM_STAGES) or the coordinator's registry (SWARM_COORDINATOR, or mDNS)."""
     if settings.stages:
         for stage, urls in enumerate(settings.stage_urls()):
@@ -89,13 +106,22 @@ async def find_swarm(session: aiohttp.ClientSession, settings: TrainerSettings, 
         return None
     coordinator = settings.coordinator
     if not coordinator and settings.mdns:
-        coordinator = await find_coordinator(settings.run_id, interfaces_spec=settings.mdns_interfaces, timeout_s=settings.mdns_timeout_s) or ""
+        coordinator = (
+            await find_coordinator(
+                settings.run_id, interfaces_spec=settings.mdns_interfaces, timeout_s=settings.mdns_timeout_s
+            )
+            or ""
+        )
     if not coordinator:
-        raise SwarmMismatch("no stage servers: set SWARM_STAGES or SWARM_COORDINATOR (no coordinator found by mDNS either)")
+        raise SwarmMismatch(
+            "no stage servers: set SWARM_STAGES or SWARM_COORDINATOR (no coordinator found by mDNS either)"
+        )
     log.info("coordinator.using", url=coordinator, discovered=not settings.coordinator)
     view = SwarmView(session, coordinator, balancer, refresh_s=settings.heartbeat_s, log=log)
     if not await view.wait_complete(READY_WAIT_S):
-        raise SwarmMismatch(f"the coordinator at {coordinator} lists no replica for some stage after {READY_WAIT_S} s: {view.replicas()}")
+        raise SwarmMismatch(
+            f"the coordinator at {coordinator} lists no replica for some stage after {READY_WAIT_S} s: {view.replicas()}"
+        )
     return view
 
 
@@ -108,9 +134,13 @@ async def train(settings: TrainerSettings) -> int:
         view = await find_swarm(session, settings, balancer, log)
         stage_urls = [list(balancer.estimates(s)) for s in range(settings.num_stages)]
         # registry entries are live servers: a short wait suffices; fixed URLs may still be starting
-        info = await check_stages(session, stage_urls, settings, log, wait_s=settings.info_timeout_s if view else READY_WAIT_S)
+        info = await check_stages(
+            session, stage_urls, settings, log, wait_s=settings.info_timeout_s if view else READY_WAIT_S
+        )
         if settings.seq_len > info["model_config"]["block_size"]:
-            raise SwarmMismatch(f"SWARM_SEQ_LEN={settings.seq_len} exceeds the model's block_size {info['model_config']['block_size']}")
+            raise SwarmMismatch(
+                f"SWARM_SEQ_LEN={settings.seq_len} exceeds the model's block_size {info['model_config']['block_size']}"
+            )
         telemetry = TrainerTelemetry(run_id=settings.run_id, trainer_id=trainer_id, log=log)
         client = PipelineClient(
             session,
@@ -126,7 +156,13 @@ async def train(settings: TrainerSettings) -> int:
             telemetry=telemetry,
             routing=settings.routing,
         )
-        display = ProgressDisplay(choose_display(settings.progress, sys.stderr, log_format=settings.log_format), settings.steps, stream=sys.stderr, initial_steps=settings.start_step, every_steps=settings.log_every)
+        display = ProgressDisplay(
+            choose_display(settings.progress, sys.stderr, log_format=settings.log_format),
+            settings.steps,
+            stream=sys.stderr,
+            initial_steps=settings.start_step,
+            every_steps=settings.log_every,
+        )
         trainer = Trainer(
             client,
             batcher,
@@ -142,11 +178,25 @@ async def train(settings: TrainerSettings) -> int:
             log=log,
             start_step=settings.start_step,
             on_step=lambda record: (display.show_record(record), telemetry.step_done(record)),
-            before_final_eval=(lambda: view.average(settings.final_average_timeout_s)) if view and settings.final_average else None,
+            before_final_eval=(lambda: view.average(settings.final_average_timeout_s))
+            if view and settings.final_average
+            else None,
         )
-        log.info("train.start", steps=settings.steps, global_batch=info["global_batch"], microbatches_per_step=trainer.microbatches_per_step, in_flight=settings.in_flight,
-                 codec=settings.wire_codec, shard=f"{settings.shard_index}/{settings.num_shards}")
-        await telemetry.start(session, coordinator=view.coordinator if view else settings.coordinator, host=settings.metrics_host, port=settings.metrics_port)
+        log.info(
+            "train.start",
+            steps=settings.steps,
+            global_batch=info["global_batch"],
+            microbatches_per_step=trainer.microbatches_per_step,
+            in_flight=settings.in_flight,
+            codec=settings.wire_codec,
+            shard=f"{settings.shard_index}/{settings.num_shards}",
+        )
+        await telemetry.start(
+            session,
+            coordinator=view.coordinator if view else settings.coordinator,
+            host=settings.metrics_host,
+            port=settings.metrics_port,
+        )
         refresher = asyncio.create_task(view.run()) if view else None
         try:
             with display:  # meanwhile log lines go above the bar

@@ -52,11 +52,15 @@ class Microbatch:
 class ByteBatcher:
     """Draws microbatch ``i`` from ``(seed, i)`` alone, so any run can be replayed."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, microbatch_size: int, *, seed: int = 0, eval_fraction: float = 0.05):
+    def __init__(
+        self, tokens: torch.Tensor, seq_len: int, microbatch_size: int, *, seed: int = 0, eval_fraction: float = 0.05
+    ):
         n_eval = int(len(tokens) * eval_fraction)
         self.train, self.eval = tokens[: len(tokens) - n_eval], tokens[len(tokens) - n_eval :]
         if len(self.train) <= seq_len + 1 or len(self.eval) <= seq_len + 1:
-            raise ValueError(f"corpus of {len(tokens)} bytes is too short for seq_len={seq_len} (setting SWARM_SEQ_LEN)")
+            raise ValueError(
+                f"corpus of {len(tokens)} bytes is too short for seq_len={seq_len} (setting SWARM_SEQ_LEN)"
+            )
         self.seq_len, self.microbatch_size, self.seed = seq_len, microbatch_size, seed
 
     def microbatch(self, index: int, *, split: str = "train") -> Microbatch:
@@ -78,8 +82,21 @@ def make_batcher(settings: TrainerSettings, cfg, log=None):
 
     tokenizer = load_tokenizer(settings.model, settings.tokenizer, cfg)
     if isinstance(tokenizer, ByteTokenizer) and not (settings.corpus and is_document_data(settings.corpus)):
-        return ByteBatcher(load_corpus(settings.corpus or None), settings.seq_len, settings.microbatch_size, seed=settings.seed)
-    cache = open_token_cache(settings.corpus or BUNDLED_CORPUS, tokenizer, settings.token_cache_dir or default_cache_root(), log=log)
+        return ByteBatcher(
+            load_corpus(settings.corpus or None), settings.seq_len, settings.microbatch_size, seed=settings.seed
+        )
+    cache = open_token_cache(
+        settings.corpus or BUNDLED_CORPUS, tokenizer, settings.token_cache_dir or default_cache_root(), log=log
+    )
     if log:
-        log.info("tokens.opened", path=str(cache.path), reused=not cache.built, tokens=len(cache.tokens), held_out=cache.n_eval, tokenizer=tokenizer.name)
-    return TokenBatcher(cache, settings.seq_len, settings.microbatch_size, seed=settings.seed, num_shards=settings.num_shards)
+        log.info(
+            "tokens.opened",
+            path=str(cache.path),
+            reused=not cache.built,
+            tokens=len(cache.tokens),
+            held_out=cache.n_eval,
+            tokenizer=tokenizer.name,
+        )
+    return TokenBatcher(
+        cache, settings.seq_len, settings.microbatch_size, seed=settings.seed, num_shards=settings.num_shards
+    )

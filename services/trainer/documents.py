@@ -30,7 +30,9 @@ def data_files(path: str | Path) -> list[Path]:
     path = Path(path)
     if path.is_file():
         if not _kind(path):
-            raise ValueError(f"{path}: unknown data format; a corpus file ends in one of {', '.join(DATA_SUFFIXES)} (setting SWARM_CORPUS)")
+            raise ValueError(
+                f"{path}: unknown data format; a corpus file ends in one of {', '.join(DATA_SUFFIXES)} (setting SWARM_CORPUS)"
+            )
         return [path]
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p))
@@ -61,7 +63,11 @@ def _kind(path: Path) -> str | None:
 
 
 def _open_text(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8", errors="replace") if path.name.endswith(".gz") else open(path, encoding="utf-8", errors="replace")
+    return (
+        gzip.open(path, "rt", encoding="utf-8", errors="replace")
+        if path.name.endswith(".gz")
+        else open(path, encoding="utf-8", errors="replace")
+    )
 
 
 def _read_text(path: Path) -> Iterator[str]:
@@ -79,7 +85,9 @@ def _read_jsonl(path: Path) -> Iterator[str]:
             try:
                 text = json.loads(line)[TEXT_FIELD]
             except (ValueError, KeyError, TypeError):
-                raise ValueError(f"{path}:{number}: not a JSON object with a {TEXT_FIELD!r} string (setting SWARM_CORPUS)") from None
+                raise ValueError(
+                    f"{path}:{number}: not a JSON object with a {TEXT_FIELD!r} string (setting SWARM_CORPUS)"
+                ) from None
             if not isinstance(text, str):
                 raise ValueError(f"{path}:{number}: {TEXT_FIELD!r} is not a string (setting SWARM_CORPUS)")
             if text:
@@ -94,7 +102,9 @@ def _read_parquet(path: Path) -> Iterator[str]:
     except Exception as exc:  # pyarrow raises ArrowInvalid and friends for a file that is not Parquet
         raise ValueError(f"{path} is not a Parquet file: {exc} (setting SWARM_CORPUS)") from None
     if TEXT_FIELD not in f.schema_arrow.names:
-        raise ValueError(f"{path} has no {TEXT_FIELD!r} column (columns: {f.schema_arrow.names}) (setting SWARM_CORPUS)")
+        raise ValueError(
+            f"{path} has no {TEXT_FIELD!r} column (columns: {f.schema_arrow.names}) (setting SWARM_CORPUS)"
+        )
     for batch in f.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[TEXT_FIELD]):
         for text in batch.column(0).to_pylist():
             if text:

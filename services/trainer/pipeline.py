@@ -59,6 +59,7 @@ MAX_OVERLOAD_WAITS = 30  # 503 "overloaded" answers a hop waits out (Retry-After
 MAX_OVERLOAD_WAIT_S = 5.0
 STAGE_POLL_S = 1.0  # during an outage, how often the registry is read again (bans are waited out to the instant)
 
+
 class MicrobatchFailed(Exception):
     """A microbatch whose hop failed on every try; the trainer reports it."""
 
@@ -90,7 +91,9 @@ class TrainResult:
 class HopTimeouts:
     forward_s: float = 30.0
     backward_s: float = 60.0
-    stage_wait_s: float = 0.0  # how long a stage with no usable replica is waited for (0: not at all; see the module docstring)
+    stage_wait_s: float = (
+        0.0  # how long a stage with no usable replica is waited for (0: not at all; see the module docstring)
+    )
 
     def chain_s(self, num_stages: int) -> float:
         """A whole chain's budget: half a hop's forward and backward timeouts per stage (the
@@ -147,7 +150,9 @@ class PipelineClient:
         self.num_stages = balancer.num_stages
         self.telemetry = telemetry  # a TrainerTelemetry: hops, bytes and microbatches counted
         self.routing = routing
-        self._routes: dict[int, list[str]] = {}  # chain routing: a microbatch's replicas of stages 1.., kept for its re-runs
+        self._routes: dict[
+            int, list[str]
+        ] = {}  # chain routing: a microbatch's replicas of stages 1.., kept for its re-runs
 
     async def train(self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None = None) -> TrainResult:
         """Forward and backward one microbatch, again from the start if a stage finds its
@@ -177,7 +182,12 @@ class PipelineClient:
         self._routes.pop(mb.index, None)
         if self.telemetry:
             self.telemetry.microbatch_failed()
-        raise MicrobatchFailed(mb.index, 0, "/backward", [RemoteError("pipeline", 409, "stale_forward", f"{runs} runs were all stale or broken: {error}")])
+        raise MicrobatchFailed(
+            mb.index,
+            0,
+            "/backward",
+            [RemoteError("pipeline", 409, "stale_forward", f"{runs} runs were all stale or broken: {error}")],
+        )
 
     async def _wait_out(self, outage: Outage, stages: list[int], mb: Microbatch) -> bool:
         """Wait while ``stages`` have no usable replica, within ``outage``'s time; True if
@@ -185,7 +195,13 @@ class PipelineClient:
         if not outage.running():
             return False
         if self.log:
-            self.log.warning("stage.outage", microbatch=mb.index, stages=stages, waited_s=round(outage.waited_s(), 1), wait_s=self.timeouts.stage_wait_s)
+            self.log.warning(
+                "stage.outage",
+                microbatch=mb.index,
+                stages=stages,
+                waited_s=round(outage.waited_s(), 1),
+                wait_s=self.timeouts.stage_wait_s,
+            )
         for stage in stages:
             await self._await_stage(stage, outage)
         return True
@@ -199,9 +215,13 @@ class PipelineClient:
                 if self.balancer.has_usable(stage):
                     return
             ban_left = self.balancer.next_usable_in(stage)
-            await asyncio.sleep(max(0.0, min(outage.left_s(), STAGE_POLL_S, STAGE_POLL_S if ban_left is None else ban_left)))
+            await asyncio.sleep(
+                max(0.0, min(outage.left_s(), STAGE_POLL_S, STAGE_POLL_S if ban_left is None else ban_left))
+            )
 
-    async def _train_once(self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None, outage: Outage) -> tuple[float, int, int, bool]:
+    async def _train_once(
+        self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None, outage: Outage
+    ) -> tuple[float, int, int, bool]:
         mb_id = f"{self.run_id}:{self.client_id}:{mb.index}"
         base = {"run_id": self.run_id, "microbatch_id": mb_id, "seed": seed, "codec": self.codec}
         if self.until_step is not None:
@@ -216,18 +236,35 @@ class PipelineClient:
             stage_inputs.append(outputs)
             forward_steps.append(step)
         msg = {**base, "stage": last, "inputs": stage_inputs[last], "targets": targets}
-        loss, grad, loss_step, swarm_step, complete = await self._call(mb, last, "/backward", msg, _loss_and_grad if last else _loss_only, outage=outage)
+        loss, grad, loss_step, swarm_step, complete = await self._call(
+            mb, last, "/backward", msg, _loss_and_grad if last else _loss_only, outage=outage
+        )
         if on_loss:
             on_loss(loss_step)
         for stage in range(last - 1, -1, -1):
             stage_inputs[stage + 1] = None  # no longer needed: free it early
-            msg = {**base, "stage": stage, "inputs": stage_inputs[stage], "grad_outputs": grad, "forward_step": forward_steps[stage]}
-            grad, swarm_step, complete = await self._call(mb, stage, "/backward", msg, _grad_inputs if stage else _nothing, outage=outage)
+            msg = {
+                **base,
+                "stage": stage,
+                "inputs": stage_inputs[stage],
+                "grad_outputs": grad,
+                "forward_step": forward_steps[stage],
+            }
+            grad, swarm_step, complete = await self._call(
+                mb, stage, "/backward", msg, _grad_inputs if stage else _nothing, outage=outage
+            )
         return loss, loss_step, swarm_step, complete
 
-    async def _train_chain(self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None, outage: Outage) -> tuple[float, int, int, bool]:
+    async def _train_chain(
+        self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None, outage: Outage
+    ) -> tuple[float, int, int, bool]:
         """One run of the microbatch down a chain of stage servers and back (see the module's docstring)."""
-        msg = {"run_id": self.run_id, "microbatch_id": f"{self.run_id}:{self.client_id}:{mb.index}", "seed": seed, "codec": self.codec}
+        msg = {
+            "run_id": self.run_id,
+            "microbatch_id": f"{self.run_id}:{self.client_id}:{mb.index}",
+            "seed": seed,
+            "codec": self.codec,
+        }
         if self.until_step is not None:
             msg["until_step"] = self.until_step
         reply = await self._chain(mb, msg, _chain_trained, outage)
@@ -241,17 +278,29 @@ class PipelineClient:
         batch = mb.inputs.shape[0]
         preferred = self._routes.get(mb.index) or []
         down = [stage for stage in range(1, self.num_stages) if not self.balancer.has_usable(stage)]
-        if down:  # every replica of a later stage failed lately: wait for one (bounded), rather than send a chain that breaks
+        if (
+            down
+        ):  # every replica of a later stage failed lately: wait for one (bounded), rather than send a chain that breaks
             await self._wait_out(outage or Outage(self.timeouts.stage_wait_s), down, mb)
         route = []
         for stage in range(1, self.num_stages):
             keep = preferred[stage - 1] if stage - 1 < len(preferred) else None
-            url = keep if keep in self.balancer.usable(stage) else self.balancer.choose(stage, kind="chain", batch_size=batch)
+            url = (
+                keep
+                if keep in self.balancer.usable(stage)
+                else self.balancer.choose(stage, kind="chain", batch_size=batch)
+            )
             route.append([url, *self.balancer.alternates(stage, url, CHAIN_ALTERNATES)])
         if not msg.get("eval"):
             self._routes[mb.index] = [replicas[0] for replicas in route]
-        body = {**msg, "stage": 0, "inputs": encode_tensor(mb.inputs, "raw"), "targets": encode_tensor(mb.targets, "raw"), "route": route,
-                "budget_s": self.timeouts.chain_s(self.num_stages)}  # fmt: skip
+        body = {
+            **msg,
+            "stage": 0,
+            "inputs": encode_tensor(mb.inputs, "raw"),
+            "targets": encode_tensor(mb.targets, "raw"),
+            "route": route,
+            "budget_s": self.timeouts.chain_s(self.num_stages),
+        }
         reply = await self._call(mb, 0, "/chain", body, lambda r: (r, read(r)), measure=False, outage=outage)
         answer, result = reply
         self._learn(answer, batch)
@@ -261,7 +310,12 @@ class PipelineClient:
         """The chain's timings per replica into the wiring, its failures as bans."""
         hops = reply.get("hops") if isinstance(reply.get("hops"), list) else []
         for hop in hops:
-            if not isinstance(hop, dict) or type(hop.get("stage")) is not int or not 0 < hop["stage"] < self.num_stages or not isinstance(hop.get("replica"), str):
+            if (
+                not isinstance(hop, dict)
+                or type(hop.get("stage")) is not int
+                or not 0 < hop["stage"] < self.num_stages
+                or not isinstance(hop.get("replica"), str)
+            ):
                 continue
             for kind in ("forward", "backward"):
                 seconds = hop.get(f"{kind}_s")
@@ -273,7 +327,12 @@ class PipelineClient:
         """Ban the replicas a chain's answer names as failed; returns their stages."""
         stages = []
         for f in failed if isinstance(failed, list) else []:
-            if isinstance(f, dict) and type(f.get("stage")) is int and 0 <= f["stage"] < self.num_stages and isinstance(f.get("replica"), str):
+            if (
+                isinstance(f, dict)
+                and type(f.get("stage")) is int
+                and 0 <= f["stage"] < self.num_stages
+                and isinstance(f.get("replica"), str)
+            ):
                 self.balancer.report_failure(f["stage"], f["replica"])
                 stages.append(f["stage"])
                 if self.log:
@@ -282,7 +341,13 @@ class PipelineClient:
 
     async def evaluate(self, mb: Microbatch, seed: int) -> float:
         """Forward only (no gradients, nothing cached on the servers); returns the loss."""
-        base = {"run_id": self.run_id, "microbatch_id": f"{self.run_id}:{self.client_id}:eval:{mb.index}", "seed": seed, "codec": self.codec, "eval": True}
+        base = {
+            "run_id": self.run_id,
+            "microbatch_id": f"{self.run_id}:{self.client_id}:eval:{mb.index}",
+            "seed": seed,
+            "codec": self.codec,
+            "eval": True,
+        }
         if self.routing == "chain":
             return await self._chain(mb, base, _loss)
         x = encode_tensor(mb.inputs, "raw")
@@ -292,13 +357,24 @@ class PipelineClient:
         loss, *_ = await self._call(mb, self.num_stages - 1, "/forward", msg, _loss_only)
         return loss
 
-    async def _call(self, mb: Microbatch, stage: int, path: str, msg: dict, read: Callable[[dict], Any], measure: bool = True, outage: Outage | None = None) -> Any:
+    async def _call(
+        self,
+        mb: Microbatch,
+        stage: int,
+        path: str,
+        msg: dict,
+        read: Callable[[dict], Any],
+        measure: bool = True,
+        outage: Outage | None = None,
+    ) -> Any:
         """One hop, retried on other replicas of the stage; ``read`` checks the reply and picks
         out what the caller needs. Raises :class:`MicrobatchFailed` when every try failed.
         ``measure``: the call's time is the replica's (not so for a whole chain). ``outage``:
         the microbatch's time to wait for a stage with no usable replica (default: the hop's own)."""
         kind = {"/forward": "forward", "/backward": "backward", "/chain": "chain"}[path]
-        timeout_s = {"forward": self.timeouts.forward_s, "backward": self.timeouts.backward_s}.get(kind) or msg["budget_s"]
+        timeout_s = {"forward": self.timeouts.forward_s, "backward": self.timeouts.backward_s}.get(kind) or msg[
+            "budget_s"
+        ]
         batch = mb.inputs.shape[0]
         body = pack_message(msg)  # packed once, resent as is on a retry
         headers = {MICROBATCH_HEADER: msg["microbatch_id"]}  # the servers bind it in their log lines
@@ -328,7 +404,9 @@ class PipelineClient:
                 continue
             started = time.monotonic()
             try:
-                reply = await post_message(self.session, url + path, msg, timeout_s=timeout_s, body=body, headers=headers)
+                reply = await post_message(
+                    self.session, url + path, msg, timeout_s=timeout_s, body=body, headers=headers
+                )
                 result = read(reply)
             except RemoteError as err:
                 err.url = url
@@ -336,12 +414,24 @@ class PipelineClient:
                     self.telemetry.hop(stage, kind, time.monotonic() - started, err.code, msg)
                 errors.append(err)
                 tried.append(url)
-                if err.code in ("stale_forward", "chain_broken"):  # no replica can take this backward, or the chain broke further down: start over
+                if err.code in (
+                    "stale_forward",
+                    "chain_broken",
+                ):  # no replica can take this backward, or the chain broke further down: start over
                     raise StaleMicrobatch(str(err), self._ban(err.details.get("failed"))) from None
                 if err.retryable:  # the replica's fault (down, overloaded, moved): ban it for a while
                     self.balancer.report_failure(stage, url)
                 if self.log:
-                    self.log.warning("hop.failed", microbatch=msg["microbatch_id"], stage=stage, path=path, replica=url, status=err.status, code=err.code, attempt=attempt)
+                    self.log.warning(
+                        "hop.failed",
+                        microbatch=msg["microbatch_id"],
+                        stage=stage,
+                        path=path,
+                        replica=url,
+                        status=err.status,
+                        code=err.code,
+                        attempt=attempt,
+                    )
                 if not err.retryable:
                     break
                 if err.code == "overloaded" and overloads < MAX_OVERLOAD_WAITS:
@@ -356,7 +446,13 @@ class PipelineClient:
             seconds = time.monotonic() - started
             waited = reply.get("step_wait_s", 0.0)  # waiting for the swarm's global step: not this replica's speed
             if measure:
-                self.balancer.report_success(stage, url, max(seconds - waited, 1e-6) if isinstance(waited, (int, float)) else seconds, batch, kind)
+                self.balancer.report_success(
+                    stage,
+                    url,
+                    max(seconds - waited, 1e-6) if isinstance(waited, (int, float)) else seconds,
+                    batch,
+                    kind,
+                )
             else:  # a chain: stage 0's own share of it, as the server measured it
                 for k in ("forward", "backward"):
                     if isinstance(reply.get(f"{k}_s"), (int, float)) and reply[f"{k}_s"] > 0:
@@ -364,7 +460,14 @@ class PipelineClient:
             if self.telemetry:
                 self.telemetry.hop(stage, kind, seconds, "ok", msg, reply)
             if self.log:
-                self.log.debug("hop.done", microbatch=msg["microbatch_id"], stage=stage, path=path, replica=url, seconds=round(seconds, 6))
+                self.log.debug(
+                    "hop.done",
+                    microbatch=msg["microbatch_id"],
+                    stage=stage,
+                    path=path,
+                    replica=url,
+                    seconds=round(seconds, 6),
+                )
             return result
         if self.telemetry and not msg.get("eval"):
             self.telemetry.microbatch_failed()
@@ -404,12 +507,24 @@ def _grad_inputs(reply: dict) -> tuple[dict, int, bool]:
 
 def _loss_and_grad(reply: dict) -> tuple[float, dict, int, int, bool]:
     """The last stage's backward: loss, input gradient, the step of its batch, its step now, complete."""
-    return _loss(reply), _tensor(reply, "grad_inputs"), _batch_step(reply), _step(reply, "stage_step"), reply.get("complete") is True
+    return (
+        _loss(reply),
+        _tensor(reply, "grad_inputs"),
+        _batch_step(reply),
+        _step(reply, "stage_step"),
+        reply.get("complete") is True,
+    )
 
 
 def _loss_only(reply: dict) -> tuple[float, None, int, int, bool]:
     """A one-stage pipeline's backward, or the last stage's evaluation forward."""
-    return _loss(reply), None, _batch_step(reply), _step(reply, "stage_step") if "stage_step" in reply else _step(reply), reply.get("complete") is True
+    return (
+        _loss(reply),
+        None,
+        _batch_step(reply),
+        _step(reply, "stage_step") if "stage_step" in reply else _step(reply),
+        reply.get("complete") is True,
+    )
 
 
 def _batch_step(reply: dict) -> int:

@@ -50,7 +50,16 @@ class ProgressDisplay:
     between, lines written to ``sys.stderr`` (the logs) appear above the bar, whole.
     """
 
-    def __init__(self, display: Display, total_steps: int, *, stream: TextIO, initial_steps: int = 0, every_steps: int = 10, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        display: Display,
+        total_steps: int,
+        *,
+        stream: TextIO,
+        initial_steps: int = 0,
+        every_steps: int = 10,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         assert every_steps >= 1, f"every_steps must be >= 1, got {every_steps}"
         self.display, self.total, self.stream, self.every = display, total_steps, stream, every_steps
         self.initial = self.done = min(initial_steps, total_steps)  # a run resumed past its end has none left
@@ -62,7 +71,9 @@ class ProgressDisplay:
     def __enter__(self) -> ProgressDisplay:
         self._started = self._clock()
         if self.display == "bar":
-            self._bar = tqdm(total=self.total, initial=self.done, file=self.stream, desc="train", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(
+                total=self.total, initial=self.done, file=self.stream, desc="train", unit="step", dynamic_ncols=True
+            )
             self._bar.set_postfix_str(format_fields(None, 0.0))
             if sys.stderr is self.stream:
                 logs = LinesAboveBar(self.stream)
@@ -81,7 +92,11 @@ class ProgressDisplay:
         if self._bar is not None:
             self._bar.set_postfix_str(format_fields(loss, tokens_per_s), refresh=False)
             self._bar.update(done - self._bar.n)  # refreshes (at most every 0.1 s)
-        elif self.display == "lines" and done > self.done and (done // self.every > self.done // self.every or done == self.total):
+        elif (
+            self.display == "lines"
+            and done > self.done
+            and (done // self.every > self.done // self.every or done == self.total)
+        ):
             print(self.line(done, loss, tokens_per_s), file=self.stream, flush=True)
         self.done = max(self.done, done)
 
@@ -94,8 +109,10 @@ class ProgressDisplay:
         elapsed = self._clock() - self._started
         rate = (done - self.initial) / elapsed if elapsed > 0 else 0.0
         eta = tqdm.format_interval((self.total - done) / rate) if rate > 0 else "?"
-        return (f"progress: {done}/{self.total} steps ({100 * done / self.total:.0f}%), {format_fields(loss, tokens_per_s)}, "
-                f"elapsed {tqdm.format_interval(elapsed)}, eta {eta}")
+        return (
+            f"progress: {done}/{self.total} steps ({100 * done / self.total:.0f}%), {format_fields(loss, tokens_per_s)}, "
+            f"elapsed {tqdm.format_interval(elapsed)}, eta {eta}"
+        )
 
 
 class LinesAboveBar:
@@ -170,6 +187,8 @@ def _record_or_none(line: bytes) -> dict | None:
         return None
     if not isinstance(record, dict) or not isinstance(record.get("step"), int):
         return None
-    if not isinstance(record.get("loss"), (int, float, type(None))) or not isinstance(record.get("tokens_per_s"), (int, float)):
+    if not isinstance(record.get("loss"), (int, float, type(None))) or not isinstance(
+        record.get("tokens_per_s"), (int, float)
+    ):
         return None
     return record

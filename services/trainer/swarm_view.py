@@ -21,7 +21,9 @@ REFRESH_TIMEOUT_S = 5.0
 
 
 class SwarmView:
-    def __init__(self, session: aiohttp.ClientSession, coordinator: str, balancer: ReplicaBalancer, *, refresh_s: float, log=None):
+    def __init__(
+        self, session: aiohttp.ClientSession, coordinator: str, balancer: ReplicaBalancer, *, refresh_s: float, log=None
+    ):
         self.session, self.coordinator, self.balancer = session, coordinator, balancer
         self.refresh_s, self.log = refresh_s, log
         self.refreshes = 0
@@ -32,11 +34,15 @@ class SwarmView:
         """Fetch GET /swarm and hand every stage's replicas to the balancer; False if unreachable."""
         async with self._lock:
             try:
-                stages = (await get_json(self.session, self.coordinator + "/swarm", timeout_s=REFRESH_TIMEOUT_S))["stages"]
+                stages = (await get_json(self.session, self.coordinator + "/swarm", timeout_s=REFRESH_TIMEOUT_S))[
+                    "stages"
+                ]
             except (RemoteError, KeyError) as exc:
                 self.failures += 1
                 if self.log:
-                    self.log.warning("registry.unreachable", coordinator=self.coordinator, error=repr(exc), keeping="last view")
+                    self.log.warning(
+                        "registry.unreachable", coordinator=self.coordinator, error=repr(exc), keeping="last view"
+                    )
                 return False
             for entry in stages[: self.balancer.num_stages]:
                 if urls := [r["url"] for r in entry["replicas"]]:  # listed empty: keep the last known
@@ -54,7 +60,9 @@ class SwarmView:
                 self.log.warning("averaging.final.failed", coordinator=self.coordinator, error=repr(exc))
             return None
         if self.log:
-            self.log.info("averaging.final", stages=[r.get("stage") for r in rounds], ended=[r.get("ended") for r in rounds])
+            self.log.info(
+                "averaging.final", stages=[r.get("stage") for r in rounds], ended=[r.get("ended") for r in rounds]
+            )
         return rounds
 
     def replicas(self) -> list[list[str]]:

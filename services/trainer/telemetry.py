@@ -29,19 +29,48 @@ from shared.metrics import Metrics, MetricsServer, tensor_bytes
 REPORT_EVERY_S = 1.0
 REPORT_TIMEOUT_S = 2.0
 MAX_PENDING_RECORDS = 256  # the coordinator takes at most this many per report
-HOP_OUTCOMES = frozenset({"ok", "timeout", "unreachable", "overloaded", "draining", "wrong_stage", "bad_payload", "bad_reply", "no_replica", "stale_forward"})
+HOP_OUTCOMES = frozenset(
+    {
+        "ok",
+        "timeout",
+        "unreachable",
+        "overloaded",
+        "draining",
+        "wrong_stage",
+        "bad_payload",
+        "bad_reply",
+        "no_replica",
+        "stale_forward",
+    }
+)
 
 
 class TrainerTelemetry:
     def __init__(self, *, run_id: str, trainer_id: str, log=None):
         self.run_id, self.trainer_id, self.log = run_id, trainer_id, log
         self.metrics = m = Metrics("trainer", run_id=run_id, trainer=trainer_id, version=package_version())
-        self.hops = m.counter("swarm_trainer_hops", "hops (one stage's /forward or /backward) by stage, kind and outcome", ["stage", "kind", "outcome"])
-        self.hop_latency = m.histogram("swarm_trainer_hop_duration_seconds", "time of a hop that succeeded, by stage and kind", ["stage", "kind"])
-        self.bytes = m.counter("swarm_trainer_tensor_bytes", "tensor payload bytes sent to and received from stage servers, by codec", ["direction", "codec"])
-        self.microbatches = m.counter("swarm_trainer_microbatches", "training microbatches by outcome (rerun: run again from the start after a stale backward)", ["outcome"])
+        self.hops = m.counter(
+            "swarm_trainer_hops",
+            "hops (one stage's /forward or /backward) by stage, kind and outcome",
+            ["stage", "kind", "outcome"],
+        )
+        self.hop_latency = m.histogram(
+            "swarm_trainer_hop_duration_seconds", "time of a hop that succeeded, by stage and kind", ["stage", "kind"]
+        )
+        self.bytes = m.counter(
+            "swarm_trainer_tensor_bytes",
+            "tensor payload bytes sent to and received from stage servers, by codec",
+            ["direction", "codec"],
+        )
+        self.microbatches = m.counter(
+            "swarm_trainer_microbatches",
+            "training microbatches by outcome (rerun: run again from the start after a stale backward)",
+            ["outcome"],
+        )
         self.tokens = m.counter("swarm_trainer_tokens", "tokens of the microbatches that completed")
-        self.step = m.gauge("swarm_trainer_step", "the swarm's global step as this trainer saw it last (stage 0's step)")
+        self.step = m.gauge(
+            "swarm_trainer_step", "the swarm's global step as this trainer saw it last (stage 0's step)"
+        )
         self.loss = m.gauge("swarm_trainer_loss", "mean loss of this trainer's microbatches of the latest global step")
         self.tokens_per_s = m.gauge("swarm_trainer_tokens_per_second", "tokens per second since training started")
         for outcome in ("completed", "failed", "rerun"):
@@ -53,7 +82,9 @@ class TrainerTelemetry:
         self.report_failures = 0
 
     # ------------------------------------------------------------ what the trainer observes
-    def hop(self, stage: int, kind: str, seconds: float, outcome: str, sent: Mapping, reply: Mapping | None = None) -> None:
+    def hop(
+        self, stage: int, kind: str, seconds: float, outcome: str, sent: Mapping, reply: Mapping | None = None
+    ) -> None:
         """One hop: ``sent`` is the request message, ``reply`` the decoded answer (if any)."""
         self.hops.labels(str(stage), kind, outcome if outcome in HOP_OUTCOMES else "error").inc()
         if outcome == "ok":
@@ -89,7 +120,9 @@ class TrainerTelemetry:
             try:
                 url = await server.start(host, port)
             except OSError as exc:
-                raise ValueError(f"cannot serve metrics on {host}:{port} (SWARM_METRICS_HOST, SWARM_METRICS_PORT): {exc}") from None
+                raise ValueError(
+                    f"cannot serve metrics on {host}:{port} (SWARM_METRICS_HOST, SWARM_METRICS_PORT): {exc}"
+                ) from None
             self._server = server
             if self.log:
                 self.log.info("metrics.serving", url=url)
@@ -124,7 +157,9 @@ class TrainerTelemetry:
         except RemoteError as exc:
             self.report_failures += 1
             if self.log and (self.report_failures in (1, 10) or self.report_failures % 100 == 0):
-                self.log.warning("progress.report_failed", coordinator=coordinator, error=str(exc), failures=self.report_failures)
+                self.log.warning(
+                    "progress.report_failed", coordinator=coordinator, error=str(exc), failures=self.report_failures
+                )
             return False
         sent = {id(r) for r in records}  # steps that completed meanwhile stay pending
         while self._pending and id(self._pending[0]) in sent:

@@ -65,11 +65,15 @@ class TokenCache:
 
 def cache_key(files: list[Path], tokenizer, eval_fraction: float) -> str:
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    blob = json.dumps({"version": CACHE_VERSION, "tokenizer": tokenizer.fingerprint, "files": stats, "eval_fraction": eval_fraction})
+    blob = json.dumps(
+        {"version": CACHE_VERSION, "tokenizer": tokenizer.fingerprint, "files": stats, "eval_fraction": eval_fraction}
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def open_token_cache(corpus: str | Path, tokenizer, root: str | Path, *, eval_fraction: float = DEFAULT_EVAL_FRACTION, log=None) -> TokenCache:
+def open_token_cache(
+    corpus: str | Path, tokenizer, root: str | Path, *, eval_fraction: float = DEFAULT_EVAL_FRACTION, log=None
+) -> TokenCache:
     """The cache of ``corpus`` tokenized by ``tokenizer`` under ``root``: opened if it exists, else built."""
     files = data_files(corpus)
     root = Path(root)
@@ -103,9 +107,19 @@ def _build(path: Path, corpus, files: list[Path], tokenizer, eval_fraction: floa
                 n_docs += len(batch)
                 batch = []
     n_eval = int(n_tokens * eval_fraction)
-    meta = {"version": CACHE_VERSION, "tokenizer": tokenizer.name, "tokenizer_fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
-            "eos_id": tokenizer.eos_id, "dtype": np.dtype(dtype).name, "documents": n_docs, "tokens": n_tokens, "train_tokens": n_tokens - n_eval,
-            "files": [str(f) for f in files], "eval_fraction": eval_fraction}  # fmt: skip
+    meta = {
+        "version": CACHE_VERSION,
+        "tokenizer": tokenizer.name,
+        "tokenizer_fingerprint": tokenizer.fingerprint,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "dtype": np.dtype(dtype).name,
+        "documents": n_docs,
+        "tokens": n_tokens,
+        "train_tokens": n_tokens - n_eval,
+        "files": [str(f) for f in files],
+        "eval_fraction": eval_fraction,
+    }
     (tmp / META).write_text(json.dumps(meta, indent=1))
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
@@ -115,7 +129,11 @@ def _build(path: Path, corpus, files: list[Path], tokenizer, eval_fraction: floa
 
 def _open(path: Path, *, built: bool) -> TokenCache:
     meta = json.loads((path / META).read_text())
-    tokens = np.memmap(path / TOKENS, dtype=np.dtype(meta["dtype"]), mode="r") if meta["tokens"] else np.zeros(0, dtype=np.uint16)
+    tokens = (
+        np.memmap(path / TOKENS, dtype=np.dtype(meta["dtype"]), mode="r")
+        if meta["tokens"]
+        else np.zeros(0, dtype=np.uint16)
+    )
     return TokenCache(path, tokens, int(meta["train_tokens"]), meta, built)
 
 
@@ -128,8 +146,10 @@ class TokenBatcher:
         num_samples = max(0, (cache.n_train - 1) // seq_len)
         self.num_eval_samples = max(0, (cache.n_eval - 1) // seq_len)
         if num_samples < num_shards * microbatch_size or self.num_eval_samples < 1:
-            raise ValueError(f"the corpus' {cache.meta['tokens']} tokens are too few for seq_len={seq_len} x microbatch_size={microbatch_size} "
-                             f"per trainer ({num_shards}) and one held-out window (settings SWARM_SEQ_LEN, SWARM_CORPUS)")  # fmt: skip
+            raise ValueError(
+                f"the corpus' {cache.meta['tokens']} tokens are too few for seq_len={seq_len} x microbatch_size={microbatch_size} "
+                f"per trainer ({num_shards}) and one held-out window (settings SWARM_SEQ_LEN, SWARM_CORPUS)"
+            )
         order = np.random.default_rng([seed, 0x5EED]).permutation(num_samples)
         self.shards = [order[t::num_shards] for t in range(num_shards)]  # sample numbers of each trainer
 
@@ -140,7 +160,11 @@ class TokenBatcher:
         passes, within = positions // len(shard), positions % len(shard)
         out = np.empty(self.microbatch_size, dtype=np.int64)
         for p in np.unique(passes):  # every pass over the shard after the first in a new order
-            order = shard if p == 0 else shard[np.random.default_rng([self.seed, index % self.num_shards, int(p)]).permutation(len(shard))]
+            order = (
+                shard
+                if p == 0
+                else shard[np.random.default_rng([self.seed, index % self.num_shards, int(p)]).permutation(len(shard))]
+            )
             out[passes == p] = order[within[passes == p]]
         return out
 
@@ -148,6 +172,12 @@ class TokenBatcher:
         if split == "train":
             starts = self.sample_numbers(index) * self.seq_len
         else:
-            starts = self.cache.n_train + ((index * self.microbatch_size + np.arange(self.microbatch_size)) % self.num_eval_samples) * self.seq_len
-        windows = torch.from_numpy(np.stack([self.cache.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64))
+            starts = (
+                self.cache.n_train
+                + ((index * self.microbatch_size + np.arange(self.microbatch_size)) % self.num_eval_samples)
+                * self.seq_len
+            )
+        windows = torch.from_numpy(
+            np.stack([self.cache.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        )
         return Microbatch(index, windows[:, :-1].contiguous(), windows[:, 1:].contiguous())

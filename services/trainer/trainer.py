@@ -31,15 +31,21 @@ class TrainSummary:
     microbatches_completed: int = 0
     microbatches_failed: int = 0
     microbatch_reruns: int = 0  # runs again from the start after a stale backward
-    microbatches_surplus: int = 0  # completed after stage 0 had every step of the run: nothing accumulated there (in flight at the end)
+    microbatches_surplus: int = (
+        0  # completed after stage 0 had every step of the run: nothing accumulated there (in flight at the end)
+    )
     tokens: int = 0
     elapsed_s: float = 0.0
     tokens_per_s: float = 0.0
     eval_loss_before: float | None = None
     eval_loss_after: float | None = None
-    step_losses: list[float] = field(default_factory=list)  # this trainer's mean loss of each global step (NaN: it fed none)
+    step_losses: list[float] = field(
+        default_factory=list
+    )  # this trainer's mean loss of each global step (NaN: it fed none)
     step_elapsed_s: list[float] = field(default_factory=list)  # when the trainer saw each step done
-    eval_curve: list[dict] = field(default_factory=list)  # held-out loss every eval_every steps: {step, samples, elapsed_s, loss}
+    eval_curve: list[dict] = field(
+        default_factory=list
+    )  # held-out loss every eval_every steps: {step, samples, elapsed_s, loss}
     failures: list[str] = field(default_factory=list)
 
 
@@ -88,7 +94,26 @@ class StepLosses:
 
 
 class Trainer:
-    def __init__(self, client: PipelineClient, batcher: ByteBatcher, *, steps: int, global_batch: int, in_flight: int, seed: int = 0, log_every: int = 10, eval_microbatches: int = 4, metrics_file: str = "", log=None, start_step: int = 0, before_final_eval=None, on_step: Callable[[dict], None] | None = None, shard_index: int = 0, num_shards: int = 1, eval_every: int = 0):
+    def __init__(
+        self,
+        client: PipelineClient,
+        batcher: ByteBatcher,
+        *,
+        steps: int,
+        global_batch: int,
+        in_flight: int,
+        seed: int = 0,
+        log_every: int = 10,
+        eval_microbatches: int = 4,
+        metrics_file: str = "",
+        log=None,
+        start_step: int = 0,
+        before_final_eval=None,
+        on_step: Callable[[dict], None] | None = None,
+        shard_index: int = 0,
+        num_shards: int = 1,
+        eval_every: int = 0,
+    ):
         """Trains global steps ``start_step`` .. ``steps - 1`` (a resumed run starts past 0).
         ``before_final_eval``: an async callable awaited after the last step, before the
         final evaluation (e.g. the coordinator checks that replicas are one model).
@@ -118,8 +143,12 @@ class Trainer:
         return self.shard_index + self.num_shards * k
 
     async def run(self) -> TrainSummary:
-        budget = max(0, self.steps - self.start_step) * self.microbatches_per_step  # microbatches enough to finish alone, unless steps overshoot
-        first = -(-self.start_step * self.microbatches_per_step // self.num_shards)  # where a resumed run picks up its share
+        budget = (
+            max(0, self.steps - self.start_step) * self.microbatches_per_step
+        )  # microbatches enough to finish alone, unless steps overshoot
+        first = -(
+            -self.start_step * self.microbatches_per_step // self.num_shards
+        )  # where a resumed run picks up its share
         summary = TrainSummary(steps=self.start_step)
         summary.eval_loss_before = await self.evaluate()
         self._emit("train.eval", when="before", loss=round(summary.eval_loss_before, 4))
@@ -138,12 +167,21 @@ class Trainer:
                 index = self.microbatch_index(k)
                 mb = self.batcher.microbatch(index)
                 try:
-                    result = await self.client.train(mb, seed=self.seed * 1_000_003 + index, on_loss=functools.partial(losses.hold, index))
+                    result = await self.client.train(
+                        mb, seed=self.seed * 1_000_003 + index, on_loss=functools.partial(losses.hold, index)
+                    )
                 except MicrobatchFailed as exc:
                     losses.forget(index)
                     summary.microbatches_failed += 1
                     summary.failures.append(str(exc))
-                    self._emit("microbatch.failed", level="error", microbatch=index, stage=exc.stage, path=exc.path, error=str(exc.errors[-1]))
+                    self._emit(
+                        "microbatch.failed",
+                        level="error",
+                        microbatch=index,
+                        stage=exc.stage,
+                        path=exc.path,
+                        error=str(exc.errors[-1]),
+                    )
                     continue
                 summary.microbatches_completed += 1
                 summary.microbatch_reruns += result.reruns
@@ -156,7 +194,9 @@ class Trainer:
                 self._release(losses, min(state["swarm_step"], self.steps), summary, started)
 
         await asyncio.gather(*(worker() for _ in range(self.in_flight)))
-        for _ in range(MAX_TOP_UPS):  # steps that held more than the global batch (the coordinator's return) left the run short
+        for _ in range(
+            MAX_TOP_UPS
+        ):  # steps that held more than the global batch (the coordinator's return) left the run short
             if state["swarm_step"] >= self.steps or state["complete"]:
                 break
             before, missing = state["swarm_step"], (self.steps - state["swarm_step"]) * self.microbatches_per_step
@@ -166,11 +206,23 @@ class Trainer:
             if state["swarm_step"] == before:
                 break  # the swarm does not step (no coordinator, no replica): no use feeding it
         # the end: every microbatch completed or failed; stage 0 holding every step of the run means its last ones are being taken
-        self._release(losses, self.steps if state["complete"] else min(state["swarm_step"], self.steps), summary, started, final=True)
+        self._release(
+            losses,
+            self.steps if state["complete"] else min(state["swarm_step"], self.steps),
+            summary,
+            started,
+            final=True,
+        )
         summary.elapsed_s = time.perf_counter() - started
         summary.tokens_per_s = summary.tokens / summary.elapsed_s if summary.elapsed_s else 0.0
         if state["swarm_step"] < self.steps:
-            self._emit("train.short", level="warning", swarm_step=state["swarm_step"], steps=self.steps, reason="this trainer fed the samples of every step left, and the swarm did not step that far (other trainers gone, failed microbatches, dropped samples)")
+            self._emit(
+                "train.short",
+                level="warning",
+                swarm_step=state["swarm_step"],
+                steps=self.steps,
+                reason="this trainer fed the samples of every step left, and the swarm did not step that far (other trainers gone, failed microbatches, dropped samples)",
+            )
         await asyncio.gather(*self._evaluations)
         if self.before_final_eval is not None:
             await self.before_final_eval()
@@ -178,14 +230,22 @@ class Trainer:
         self._emit("train.eval", when="after", loss=round(summary.eval_loss_after, 4))
         return summary
 
-    def _release(self, losses: StepLosses, upto: int, summary: TrainSummary, started: float, final: bool = False) -> None:
+    def _release(
+        self, losses: StepLosses, upto: int, summary: TrainSummary, started: float, final: bool = False
+    ) -> None:
         for step, step_loss in losses.release_all(upto) if final else losses.release(upto):
             summary.steps = step + 1
             summary.step_losses.append(step_loss)
             summary.step_elapsed_s.append(time.perf_counter() - started)
             self._step_done(step, step_loss, summary, summary.step_elapsed_s[-1])
-            if self.eval_every and (step + 1) % self.eval_every == 0 and step + 1 < self.steps:  # the last step gets the final evaluation
-                self._evaluations.append(asyncio.create_task(self._evaluate_at(step + 1, summary, summary.step_elapsed_s[-1]), name=f"eval-{step + 1}"))
+            if (
+                self.eval_every and (step + 1) % self.eval_every == 0 and step + 1 < self.steps
+            ):  # the last step gets the final evaluation
+                self._evaluations.append(
+                    asyncio.create_task(
+                        self._evaluate_at(step + 1, summary, summary.step_elapsed_s[-1]), name=f"eval-{step + 1}"
+                    )
+                )
 
     async def _evaluate_at(self, steps_done: int, summary: TrainSummary, elapsed_s: float) -> None:
         """The held-out loss once ``steps_done`` steps are done (seen done ``elapsed_s`` into the run)."""
@@ -194,13 +254,23 @@ class Trainer:
         except MicrobatchFailed as exc:  # an evaluation is a measurement: the run goes on without it
             self._emit("train.eval.failed", level="warning", step=steps_done, error=str(exc))
             return
-        point = {"step": steps_done, "samples": steps_done * self.global_batch, "elapsed_s": round(elapsed_s, 3), "loss": round(loss, 4)}
+        point = {
+            "step": steps_done,
+            "samples": steps_done * self.global_batch,
+            "elapsed_s": round(elapsed_s, 3),
+            "loss": round(loss, 4),
+        }
         summary.eval_curve.append(point)
         self._emit("train.eval", when="during", **point)
 
     def _step_done(self, step: int, loss: float, summary: TrainSummary, elapsed_s: float) -> None:
         tokens_per_s = summary.tokens / elapsed_s if elapsed_s else 0.0
-        record = {"step": step + 1, "loss": _json_number(loss, 4), "tokens_per_s": round(tokens_per_s, 1), "elapsed_s": round(elapsed_s, 2)}
+        record = {
+            "step": step + 1,
+            "loss": _json_number(loss, 4),
+            "tokens_per_s": round(tokens_per_s, 1),
+            "elapsed_s": round(elapsed_s, 2),
+        }
         if self.metrics_file:
             with open(self.metrics_file, "a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -14,7 +14,22 @@ from .network import INTRA_REGION, Link, Network, Peer, regional_network, world_
 from .planner import Placement, Replan, StageMove, place_joiners, placement_cost, plan, replan
 
 __all__ = [
-    "DTFM_GPT3_XL", "INTRA_REGION", "Link", "Network", "Peer", "Placement", "Replan", "StageMove", "StepCost",
-    "Workload", "dtfm_cost", "place_joiners", "placement_cost", "plan", "regional_network", "replan", "step_cost",
+    "DTFM_GPT3_XL",
+    "INTRA_REGION",
+    "Link",
+    "Network",
+    "Peer",
+    "Placement",
+    "Replan",
+    "StageMove",
+    "StepCost",
+    "Workload",
+    "dtfm_cost",
+    "place_joiners",
+    "placement_cost",
+    "plan",
+    "regional_network",
+    "replan",
+    "step_cost",
     "world_network",
 ]

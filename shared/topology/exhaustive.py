@@ -37,7 +37,9 @@ def _sub_multisets(counts: Sequence[int], size: int | None, ceiling: Sequence[in
     return walk(0, size, True)
 
 
-def _multiset_partitions(counts: tuple[int, ...], groups: int, size: int | None, ceiling: tuple) -> Iterator[list[tuple]]:
+def _multiset_partitions(
+    counts: tuple[int, ...], groups: int, size: int | None, ceiling: tuple
+) -> Iterator[list[tuple]]:
     """Unordered partitions of a multiset (class counts) into ``groups`` non-empty parts
     (of ``size`` each if given), each part a count vector; parts in non-increasing
     lexicographic order (each at most ``ceiling``) so each partition comes once."""
@@ -75,7 +77,9 @@ def exhaustive(obj: Objective) -> State:
     return best
 
 
-def _labels_from_parts(parts: Sequence[tuple[int, ...]], class_ids: list[int], peers_of: dict[int, list[int]], n: int) -> list[int]:
+def _labels_from_parts(
+    parts: Sequence[tuple[int, ...]], class_ids: list[int], peers_of: dict[int, list[int]], n: int
+) -> list[int]:
     labels = [0] * n
     taken = dict.fromkeys(class_ids, 0)
     for g, part in enumerate(parts):

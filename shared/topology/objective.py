@@ -51,7 +51,9 @@ class Score:
         tie = eps * max(1.0, abs(other.total))
         if self.total < other.total - tie:
             return True
-        return self.total <= other.total + tie and self.secondary < other.secondary - eps * max(1.0, abs(other.secondary))
+        return self.total <= other.total + tie and self.secondary < other.secondary - eps * max(
+            1.0, abs(other.secondary)
+        )
 
 
 REJECTED = Score(float("inf"), float("inf"), ())  # what combine returns when a bound proves it no better
@@ -74,8 +76,15 @@ SMALL_BLOCK = 144  # pair terms over at most this many links are computed in pla
 class Objective:
     """A cost over labellings; subclasses give the group term, the pair term and how they combine."""
 
-    def __init__(self, classes: Sequence[int], num_groups: int, *, equal_sizes: bool, order_free: bool,
-                 clusters: Sequence[int] | None = None):
+    def __init__(
+        self,
+        classes: Sequence[int],
+        num_groups: int,
+        *,
+        equal_sizes: bool,
+        order_free: bool,
+        clusters: Sequence[int] | None = None,
+    ):
         n = len(classes)
         if not 1 <= num_groups <= n:
             raise ValueError(f"{n} peers cannot fill {num_groups} stages (num_stages)")
@@ -123,8 +132,9 @@ class Objective:
         return value
 
     # --- combining -------------------------------------------------------------------
-    def path(self, pairs: np.ndarray, ordered: bool, rest: float = 0.0,
-             incumbent: Score | None = None) -> tuple[float, tuple[int, ...]] | None:
+    def path(
+        self, pairs: np.ndarray, ordered: bool, rest: float = 0.0, incumbent: Score | None = None
+    ) -> tuple[float, tuple[int, ...]] | None:
         """The pipeline's one-way sum of pair times ``pairs[..., 0]``: in group order, or
         the cheapest order. None when ``rest + 2 * path`` provably exceeds the incumbent's
         total (a spanning tree weighs no more than any path)."""
@@ -139,8 +149,9 @@ class Objective:
         cost, order = shortest_path(times)
         return cost, tuple(order)
 
-    def combine(self, values: Sequence[GroupTerm], pairs: np.ndarray, ordered: bool,
-                incumbent: Score | None = None) -> Score:
+    def combine(
+        self, values: Sequence[GroupTerm], pairs: np.ndarray, ordered: bool, incumbent: Score | None = None
+    ) -> Score:
         """The score of these terms (pipeline in group order if ``ordered``, else the
         cheapest order), or :data:`REJECTED` when a bound shows it cannot beat ``incumbent``."""
         self.evaluations += 1
@@ -162,9 +173,18 @@ class Objective:
 class DTFMObjective(Objective):
     """DT-FM's cost: equal groups, max butterfly time + 2 x cheapest path of bottleneck matchings."""
 
-    def __init__(self, rtt: np.ndarray, bw: np.ndarray, classes: Sequence[int], num_groups: int,
-                 activation_gb: float, gradient_gb: float, *, order_free: bool = True,
-                 clusters: Sequence[int] | None = None):
+    def __init__(
+        self,
+        rtt: np.ndarray,
+        bw: np.ndarray,
+        classes: Sequence[int],
+        num_groups: int,
+        activation_gb: float,
+        gradient_gb: float,
+        *,
+        order_free: bool = True,
+        clusters: Sequence[int] | None = None,
+    ):
         super().__init__(classes, num_groups, equal_sizes=True, order_free=order_free, clusters=clusters)
         self.rtt, self.bw, self.gradient_gb = rtt, bw, gradient_gb
         self.transfer = dtfm_pair_cost(rtt, bw, activation_gb)
@@ -189,8 +209,18 @@ class SwarmObjective(Objective):
     """The SWARM step cost with stochastic wiring: weakest-stage compute + 2 x pipeline +
     amortized averaging (see :func:`shared.topology.cost.step_cost`)."""
 
-    def __init__(self, rtt: np.ndarray, bw: np.ndarray, throughput: np.ndarray, classes: Sequence[int],
-                 num_groups: int, workload: Workload, *, order_free: bool, clusters: Sequence[int] | None = None):
+    def __init__(
+        self,
+        rtt: np.ndarray,
+        bw: np.ndarray,
+        throughput: np.ndarray,
+        classes: Sequence[int],
+        num_groups: int,
+        workload: Workload,
+        *,
+        order_free: bool,
+        clusters: Sequence[int] | None = None,
+    ):
         super().__init__(classes, num_groups, equal_sizes=False, order_free=order_free, clusters=clusters)
         self.rtt, self.bw, self.throughput, self.workload = rtt, bw, throughput, workload
         self.transfer = 8.0 * workload.boundary_gb / bw  # seconds to send the whole boundary over each link
@@ -285,7 +315,9 @@ class State:
         for a in range(s):
             for b in range(a + 1, s):
                 if all_pairs or b == a + 1:
-                    pairs[a, b] = pairs[b, a] = obj.pair_term(self.members[a], self.keys[a], self.members[b], self.keys[b])
+                    pairs[a, b] = pairs[b, a] = obj.pair_term(
+                        self.members[a], self.keys[a], self.members[b], self.keys[b]
+                    )
         return pairs
 
     def needs_pair(self, a: int, b: int) -> bool:
@@ -319,13 +351,20 @@ class State:
         pairs = self.pairs.copy()
         s = obj.num_groups
         for g, m in touched.items():
-            for other in ((g - 1, g + 1) if self.ordered else range(s)):
+            for other in (g - 1, g + 1) if self.ordered else range(s):
                 if not 0 <= other < s or other == g or (other in touched and other < g):
                     continue
                 om, ok = (touched[other], keys[other]) if other in touched else (self.members[other], self.keys[other])
                 pairs[g, other] = pairs[other, g] = obj.pair_term(m, keys[g], om, ok)
         score = obj.combine(values, pairs, self.ordered, incumbent)
-        return score, {"changes": changes, "members": touched, "keys": keys, "values": values, "pairs": pairs, "score": score}
+        return score, {
+            "changes": changes,
+            "members": touched,
+            "keys": keys,
+            "values": values,
+            "pairs": pairs,
+            "score": score,
+        }
 
     def apply(self, evaluated: dict) -> None:
         for peer, group in evaluated["changes"]:

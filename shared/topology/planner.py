@@ -85,10 +85,13 @@ def build_objective(
     clusters = [region_ids.setdefault(p.region, len(region_ids)) for p in peers]
     if model == "dtfm":
         if len(peers) % num_stages:
-            raise ValueError(f"DT-FM's cost needs equal stages: {len(peers)} peers do not split into num_stages={num_stages}")
+            raise ValueError(
+                f"DT-FM's cost needs equal stages: {len(peers)} peers do not split into num_stages={num_stages}"
+            )
         activation = workload.tasklet_activation_gb(len(peers) // num_stages)
-        return DTFMObjective(rtt, bw, classes, num_stages, activation, workload.gradient_gb, order_free=order_free,
-                             clusters=clusters)
+        return DTFMObjective(
+            rtt, bw, classes, num_stages, activation, workload.gradient_gb, order_free=order_free, clusters=clusters
+        )
     throughput = np.array([p.throughput for p in peers], dtype=float)
     return SwarmObjective(rtt, bw, throughput, classes, num_stages, workload, order_free=order_free, clusters=clusters)
 
@@ -123,8 +126,13 @@ def plan(
 
 
 def placement_cost(
-    assignment: Mapping[str, int], peers: Sequence[Peer], network: Network, workload: Workload, num_stages: int,
-    *, model: str = "swarm",
+    assignment: Mapping[str, int],
+    peers: Sequence[Peer],
+    network: Network,
+    workload: Workload,
+    num_stages: int,
+    *,
+    model: str = "swarm",
 ) -> float:
     """Seconds per step of ``assignment``: stages in their numbered order (DT-FM's cost
     picks its own order, as the paper defines it)."""
@@ -174,8 +182,16 @@ def _initial_labels(
 
 
 def place_joiners(
-    current: Mapping[str, int], peers: Sequence[Peer], network: Network, workload: Workload, num_stages: int,
-    *, model: str = "swarm", time_budget_s: float = 1.0, max_evaluations: float = math.inf, seed: int = 0,
+    current: Mapping[str, int],
+    peers: Sequence[Peer],
+    network: Network,
+    workload: Workload,
+    num_stages: int,
+    *,
+    model: str = "swarm",
+    time_budget_s: float = 1.0,
+    max_evaluations: float = math.inf,
+    seed: int = 0,
 ) -> dict[str, int]:
     """Stages for the ``peers`` not in ``current``: an empty stage first, else where the
     cost is lowest (local search that moves joiners only, within the budget); nobody
@@ -241,21 +257,27 @@ def replan(
     # Without max_moves nothing bounds how many servers a reshuffle that only noise favours moves: its gain,
     # spread over many moves, must survive undoing them on to tolerance of the best.
     tolerated, worth = best.score.total * (1 + tolerance), start.score.total / (1 + min_gain)
-    bounds = [(max(best.score.total, min(tolerated, fresh_cost)), worth)] + ([(tolerated, math.inf)] if max_moves is None else [])
+    bounds = [(max(best.score.total, min(tolerated, fresh_cost)), worth)] + (
+        [(tolerated, math.inf)] if max_moves is None else []
+    )
     final, *check = _prune(best, limit, bounds, budget, move_cost * start.score.total)
     final = local_search(final, rng, budget=budget, limit=dataclasses.replace(limit, max_away=limit.away(final.labels)))
     final = State(obj, limit.fewest_moves(obj, final.labels))
     if not start.score.total > max([final.score.total] + [c.score.total for c in check]) * (1 + min_gain):
         final = start
     assignment = {p.peer_id: final.labels[i] for i, p in enumerate(peers)}
-    moves = [StageMove(peers[i].peer_id, current[peers[i].peer_id], final.labels[i])
-             for i in kept if final.labels[i] != current[peers[i].peer_id]]
+    moves = [
+        StageMove(peers[i].peer_id, current[peers[i].peer_id], final.labels[i])
+        for i in kept
+        if final.labels[i] != current[peers[i].peer_id]
+    ]
     joined = {p.peer_id: final.labels[i] for i, p in enumerate(peers) if p.peer_id not in current}
     return Replan(assignment, moves, joined, start.score.total, final.score.total)
 
 
-def _search_within(start: State, fresh_obj: Objective, peers: Sequence[Peer], limit: MoveLimit, rng: random.Random,
-                   budget: Budget) -> tuple[State, float]:
+def _search_within(
+    start: State, fresh_obj: Objective, peers: Sequence[Peer], limit: MoveLimit, rng: random.Random, budget: Budget
+) -> tuple[State, float]:
     """The cheapest placement found with at most ``limit.max_away`` servers away from
     home, and the cost of the cheapest fresh plan (inf if none was made): iterated local
     search from ``start``; fresh plans; towards each, walks from ``start`` and from the
@@ -274,8 +296,13 @@ def _search_within(start: State, fresh_obj: Objective, peers: Sequence[Peer], li
         cut += [c for c in [_cut(start, target, limit, _Share(budget, budget.spent() + 0.03))] if c is not None]
     origins = [min(walked, key=_by_cost)] + ([min(cut, key=_by_cost)] if cut else [])
     begin = budget.spent()
-    best = min((_iterated_local_search(origin, rng, _Share(budget, begin + (0.95 - begin) * (k + 1) / len(origins)), limit)
-                for k, origin in enumerate(origins)), key=_by_cost)
+    best = min(
+        (
+            _iterated_local_search(origin, rng, _Share(budget, begin + (0.95 - begin) * (k + 1) / len(origins)), limit)
+            for k, origin in enumerate(origins)
+        ),
+        key=_by_cost,
+    )
     return best, fresh[0].score.total
 
 
@@ -311,8 +338,9 @@ class _Share(Budget):
         return 1.0 if span <= 0 else (self.whole.spent() - self.begin) / span
 
 
-def _iterated_local_search(start: State, rng: random.Random, budget: Budget, limit: MoveLimit,
-                           descended: bool = False) -> State:
+def _iterated_local_search(
+    start: State, rng: random.Random, budget: Budget, limit: MoveLimit, descended: bool = False
+) -> State:
     """Local search from ``start`` within the ``limit``, then kicks (a few random swaps
     within it) of the best and local search again while the budget lasts, keeping the
     best: a local search alone stops at the first local optimum near the current
@@ -388,8 +416,14 @@ def _cut(start: State, fresh: State, limit: MoveLimit, budget: Budget) -> State 
     return cut if limit.away(cut.labels) <= limit.max_away else None
 
 
-def _prune(state: State, limit: MoveLimit, bounds: Sequence[tuple[float, float]], budget: Budget, move_price: float,
-           past_budget: bool = True) -> list[State]:
+def _prune(
+    state: State,
+    limit: MoveLimit,
+    bounds: Sequence[tuple[float, float]],
+    budget: Budget,
+    move_price: float,
+    past_budget: bool = True,
+) -> list[State]:
     """Undo moves of kept servers (interchangeable servers first traded to move the
     fewest), the one whose undoing costs least first, while the undoing costs less than
     ``move_price`` (seconds a moved server must earn) per server sent home or the cost
@@ -412,7 +446,8 @@ def _prune(state: State, limit: MoveLimit, bounds: Sequence[tuple[float, float]]
         for i in moved:
             if obj.equal_sizes:
                 partners = [j for j in moved if state.labels[j] == home[i]] or [
-                    j for j in range(obj.n) if state.labels[j] == home[i] and j not in limit.counted]
+                    j for j in range(obj.n) if state.labels[j] == home[i] and j not in limit.counted
+                ]
                 changes = [[(i, home[i]), (j, state.labels[i])] for j in partners]
             else:
                 changes = [[(i, home[i])]] if len(state.members[state.labels[i]]) > 1 else []

@@ -184,8 +184,9 @@ def kick(obj: Objective, labels: Sequence[int], rng: random.Random, strength: in
 # --- local search --------------------------------------------------------------------------
 
 
-def _candidates(state: State, rng: random.Random, allow_moves: bool, frozen: frozenset[int],
-                limit: MoveLimit | None = None) -> list[tuple]:
+def _candidates(
+    state: State, rng: random.Random, allow_moves: bool, frozen: frozenset[int], limit: MoveLimit | None = None
+) -> list[tuple]:
     """Distinct swaps and moves (one per (group, class) -> (group, class): swapping
     interchangeable peers changes nothing), and block moves: all peers of one cluster
     (region) in a group go to another group, or two such blocks trade places. A block
@@ -367,8 +368,15 @@ def local_search(
         current = free.reorder(ordered=True)
 
 
-def _descend(state: State, rng: random.Random, stop: Callable[[], bool], left: list[float], allow_moves: bool,
-             frozen: frozenset[int], limit: MoveLimit | None) -> None:
+def _descend(
+    state: State,
+    rng: random.Random,
+    stop: Callable[[], bool],
+    left: list[float],
+    allow_moves: bool,
+    frozen: frozenset[int],
+    limit: MoveLimit | None,
+) -> None:
     """Passes over the candidates until one pass improves nothing. A pass goes on after an
     improvement (its candidates are still valid changes, only drawn from an older state):
     cheaper than drawing and shuffling a fresh list after every improvement."""
@@ -501,7 +509,9 @@ def evolve(
         admit(local_search(State(obj, labels), rng, budget=budget, until=breed_until, max_evals=offspring_evals))
     while len(population) >= 2 and not budget.over(breed_until):
         a = min(rng.sample(population, 2), key=lambda s: s.score.total)
-        b = min(rng.sample([s for s in population if s is not a], min(2, len(population) - 1)), key=lambda s: s.score.total)
+        b = min(
+            rng.sample([s for s in population if s is not a], min(2, len(population) - 1)), key=lambda s: s.score.total
+        )
         child = State(obj, crossover(obj, a.labels, b.labels, rng))
         admit(local_search(child, rng, budget=budget, until=breed_until, max_evals=offspring_evals))
     best = min(population, key=lambda s: (s.score.total, s.score.secondary))

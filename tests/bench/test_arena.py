@@ -46,7 +46,13 @@ def cgroups() -> list[Path]:
 def test_quick_arena_trains_every_side_on_shaped_links_and_leaves_nothing(tmp_path):
     before_ns, before_cg = set(namespaces()), set(cgroups())
     assert not arena_processes()
-    run = subprocess.run([sys.executable, "-m", "bench.arena", "quick", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.arena", "quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     print(run.stdout[-3000:])
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "arena-quick.json").read_text())

@@ -67,4 +67,6 @@ def test_an_error_inside_the_arena_still_removes_it():
             arena.popen("a", [sys.executable, "-c", "import time; time.sleep(60)"])
             raise RuntimeError("boom")
     assert set(namespaces()) == before
-    assert all(p.poll() is not None for peer in arena.peers.values() for p in peer.processes) and not any(peer.processes for peer in arena.peers.values())
+    assert all(p.poll() is not None for peer in arena.peers.values() for p in peer.processes) and not any(
+        peer.processes for peer in arena.peers.values()
+    )

@@ -21,13 +21,20 @@ BENCHES = ("codec", "hop", "square_cube", "pipelining", "churn", "rebalancing", 
 def processes_of_invocation(pid: int) -> list[int]:
     """Live processes whose SWARM_RUN_ID says a bench of invocation ``pid`` started them."""
     suffix = f"-{pid}".encode()
-    return live_processes_where(lambda env: any(e.startswith(b"SWARM_RUN_ID=bench-") and e.endswith(suffix) for e in env))
+    return live_processes_where(
+        lambda env: any(e.startswith(b"SWARM_RUN_ID=bench-") and e.endswith(suffix) for e in env)
+    )
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.Popen([*SWARM, "bench", "all", "--quick", "--out", str(out), "--markdown", str(out / "tables.md")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [*SWARM, "bench", "all", "--quick", "--out", str(out), "--markdown", str(out / "tables.md")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         output, _ = proc.communicate(timeout=400)
     finally:
@@ -80,7 +87,9 @@ def test_square_cube(results):
     for r in rows(results, "square_cube"):
         assert positive(r["mesh tok/s"]) and positive(r["1 process tok/s"]) and positive(r["mesh / 1 process"])
         shares = [r[f"{part} share"] for part in ("compute", "recompute", "comm", "idle", "others")]
-        assert all(s >= 0 for s in shares) and (0.99 < sum(shares) < 1.01 or r["idle share"] == r["others share"] == 0), r  # all of the cores, or more (CPU clock ticks in a tiny window)
+        assert all(s >= 0 for s in shares) and (
+            0.99 < sum(shares) < 1.01 or r["idle share"] == r["others share"] == 0
+        ), r  # all of the cores, or more (CPU clock ticks in a tiny window)
 
 
 def test_pipelining(results):
@@ -96,7 +105,9 @@ def test_churn(results):
     calm, faulty = rows(results, "churn")
     assert positive(calm["tokens/s"]) and positive(faulty["tokens/s"]) and positive(faulty["vs no faults"])
     assert faulty["kills"] >= 1
-    assert calm["lost microbatches"] == faulty["lost microbatches"] == 0  # a killed replica's microbatches are re-run, never lost
+    assert (
+        calm["lost microbatches"] == faulty["lost microbatches"] == 0
+    )  # a killed replica's microbatches are re-run, never lost
     assert results["churn"]["summary"]["lost_microbatches"] == faulty["lost microbatches"]
 
 
@@ -110,20 +121,34 @@ def test_rebalancing(results):
 def test_convergence(results):
     table = rows(results, "convergence")
     assert [(r["wire"], r["replicas/stage"], r["trainers"], r["sync"]) for r in table] == [
-        ("fp32", 1, 1, "global"), ("fp32 (again)", 1, 1, "global"), ("fp32", 2, 2, "global"), ("fp32", 2, 2, "local"), ("fp16", 1, 1, "global"), ("int8", 1, 1, "global"), ("int8", 2, 2, "global"), ("int4", 1, 1, "global")]
+        ("fp32", 1, 1, "global"),
+        ("fp32 (again)", 1, 1, "global"),
+        ("fp32", 2, 2, "global"),
+        ("fp32", 2, 2, "local"),
+        ("fp16", 1, 1, "global"),
+        ("int8", 1, 1, "global"),
+        ("int8", 2, 2, "global"),
+        ("int4", 1, 1, "global"),
+    ]
     by = {(r["wire"], r["replicas/stage"], r["sync"]): r for r in table}
     assert by[("fp32", 1, "global")]["sync bytes/sample"] == 0  # one replica per stage: nothing to all-reduce
     # local mode (an outer step every 2 of the quick plan's 4 steps) sends fewer bytes than an all-reduce every step
     assert 0 < by[("fp32", 2, "local")]["sync bytes/sample"] < by[("fp32", 2, "global")]["sync bytes/sample"]
-    assert len({r["global steps"] for r in table}) == 1  # every swarm took the same global steps of the same global batch
-    assert all(r["samples"] >= table[0]["samples"] for r in table)  # two trainers may compute a few microbatches past the last step
+    assert (
+        len({r["global steps"] for r in table}) == 1
+    )  # every swarm took the same global steps of the same global batch
+    assert all(
+        r["samples"] >= table[0]["samples"] for r in table
+    )  # two trainers may compute a few microbatches past the last step
     for r in table:
         assert positive(r["loss after"]) and r["loss after"] < r["loss before"]
 
 
 def test_generation(results):
     table = rows(results, "generation")
-    assert {(r["context"], r["way"]) for r in table} == {(c, w) for c in (8, 64) for w in ("session (KV cache)", "no cache (whole prefix)")}
+    assert {(r["context"], r["way"]) for r in table} == {
+        (c, w) for c in (8, 64) for w in ("session (KV cache)", "no cache (whole prefix)")
+    }
     for r in table:
         assert positive(r["ms/token"]) and positive(r["tokens/s"]) and r["steps"] == 3
     at_64 = {r["way"]: r for r in table if r["context"] == 64}

@@ -19,7 +19,11 @@ from services.local_swarm import free_port, wait_healthy
 from tests.e2e.conftest import Processes, get_json, wait_until
 
 START_S = 120  # several children import torch at once on 2 busy cores
-MODEL = {"SWARM_MODEL": "tiny", "SWARM_WIRE_CODEC": "fp32", "SWARM_LOG_FORMAT": "json"}  # fp32: no int8 warm-up at each (re)start
+MODEL = {
+    "SWARM_MODEL": "tiny",
+    "SWARM_WIRE_CODEC": "fp32",
+    "SWARM_LOG_FORMAT": "json",
+}  # fp32: no int8 warm-up at each (re)start
 
 
 @dataclass
@@ -64,7 +68,12 @@ def read_events(log: Path) -> list[dict]:
 class ChaosSwarm:
     def __init__(self, processes: Processes, *, num_stages: int, heartbeat_s: float):
         self.processes, self.num_stages, self.heartbeat_s = processes, num_stages, heartbeat_s
-        self.common = {**MODEL, "SWARM_NUM_STAGES": str(num_stages), "SWARM_MDNS": "false", "SWARM_HEARTBEAT_S": str(heartbeat_s)}
+        self.common = {
+            **MODEL,
+            "SWARM_NUM_STAGES": str(num_stages),
+            "SWARM_MDNS": "false",
+            "SWARM_HEARTBEAT_S": str(heartbeat_s),
+        }
         self.coordinator: Member | None = None
         self.servers: list[Member] = []
         self.trainers: list[Member] = []
@@ -90,9 +99,13 @@ class ChaosSwarm:
     def start_coordinator(self, extra: dict | None = None) -> str:
         """Averaging and rebalancing off unless ``extra`` turns them on."""
         env = {
-            **self.common, "SWARM_PORT": str(free_port()), "SWARM_STATE_DB": str(self.processes.log_dir / "coordinator.sqlite"),
-            "SWARM_AVERAGE_EVERY_S": "0", "SWARM_REBALANCE_EVERY_S": "0", **(extra or {}),
-        }  # fmt: skip
+            **self.common,
+            "SWARM_PORT": str(free_port()),
+            "SWARM_STATE_DB": str(self.processes.log_dir / "coordinator.sqlite"),
+            "SWARM_AVERAGE_EVERY_S": "0",
+            "SWARM_REBALANCE_EVERY_S": "0",
+            **(extra or {}),
+        }
         self.coordinator = self._start("coordinator", "services.coordinator", env)
         self.wait_coordinator()
         return self.coordinator.url
@@ -102,7 +115,13 @@ class ChaosSwarm:
 
     def add_server(self, stage: int, extra: dict | None = None) -> Member:
         port = free_port()
-        env = {**self.common, "SWARM_STAGE": str(stage), "SWARM_PORT": str(port), "SWARM_COORDINATOR": self.coordinator.url, **(extra or {})}
+        env = {
+            **self.common,
+            "SWARM_STAGE": str(stage),
+            "SWARM_PORT": str(port),
+            "SWARM_COORDINATOR": self.coordinator.url,
+            **(extra or {}),
+        }
         server = self._start(f"server-{stage}-{port}", "services.stage_server", env)
         self.servers.append(server)
         return server
@@ -117,9 +136,14 @@ class ChaosSwarm:
             now, more = self.global_step(), int(extra["SWARM_STEPS"]) - int(extra.get("SWARM_START_STEP", 0))
             extra = {**extra, "SWARM_START_STEP": str(now), "SWARM_STEPS": str(now + more)}
         env = {
-            **self.common, "SWARM_COORDINATOR": self.coordinator.url, "SWARM_PROGRESS": "off", "SWARM_LOG_EVERY": "1000",
-            "SWARM_SUMMARY_FILE": str(log_dir / f"{name}-summary.json"), "SWARM_METRICS_FILE": str(log_dir / f"{name}-metrics.jsonl"), **extra,
-        }  # fmt: skip
+            **self.common,
+            "SWARM_COORDINATOR": self.coordinator.url,
+            "SWARM_PROGRESS": "off",
+            "SWARM_LOG_EVERY": "1000",
+            "SWARM_SUMMARY_FILE": str(log_dir / f"{name}-summary.json"),
+            "SWARM_METRICS_FILE": str(log_dir / f"{name}-metrics.jsonl"),
+            **extra,
+        }
         trainer = self._start(name, "services.trainer", env)
         self.trainers.append(trainer)
         return trainer

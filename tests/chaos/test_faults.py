@@ -44,7 +44,12 @@ def swarm(tmp_path_factory):
     processes = Processes(f"chaos-faults-{os.getpid()}", tmp_path_factory.mktemp("faults"))
     try:
         swarm = ChaosSwarm(processes, num_stages=2, heartbeat_s=HEARTBEAT_S)
-        swarm.start_coordinator({"SWARM_CHECKPOINT_DIR": str(processes.log_dir / "checkpoints"), "SWARM_CHECKPOINT_EVERY_S": str(CHECKPOINT_EVERY_S)})
+        swarm.start_coordinator(
+            {
+                "SWARM_CHECKPOINT_DIR": str(processes.log_dir / "checkpoints"),
+                "SWARM_CHECKPOINT_EVERY_S": str(CHECKPOINT_EVERY_S),
+            }
+        )
         for stage in (0, 1):
             swarm.add_server(stage, SERVER)
         swarm.wait_serving()
@@ -98,8 +103,12 @@ def check_none_lost(trainer: Member, steps: int) -> dict:
 # ---------------------------------------------------------------- a slow and a garbage replica
 def test_a_slow_replica_gets_less_work_and_a_garbage_replica_is_banned(swarm):
     fast0, fast1 = shared_servers(swarm)
-    slow0 = swarm.add_server(0, {**SERVER, "SWARM_INJECT_DELAY_S": "0.2"})  # +0.2 s a forward, 0.4 s a backward: ~10x a hop here
-    garbage1 = swarm.add_server(1, {**SERVER, "SWARM_INJECT_GARBAGE": "1"})  # every /forward, /backward reply is random bytes
+    slow0 = swarm.add_server(
+        0, {**SERVER, "SWARM_INJECT_DELAY_S": "0.2"}
+    )  # +0.2 s a forward, 0.4 s a backward: ~10x a hop here
+    garbage1 = swarm.add_server(
+        1, {**SERVER, "SWARM_INJECT_GARBAGE": "1"}
+    )  # every /forward, /backward reply is random bytes
     try:
         swarm.wait_serving([slow0, garbage1])
         before = {s.name: hops(s) for s in (fast0, fast1)}
@@ -109,8 +118,12 @@ def test_a_slow_replica_gets_less_work_and_a_garbage_replica_is_banned(swarm):
         work = {s.name: hops(s) - before.get(s.name, 0) for s in (fast0, fast1, slow0, garbage1)}
     finally:
         stop(swarm, [slow0, garbage1])
-    failures = trainer.events("hop.failed") + trainer.events("chain.rerouted")  # stage 0's hops, and the later stages' (chain routing)
-    print(f"\nfaulty replicas: hops served {work}; {len(failures)} hops failed: {sorted({(e['code'], e['replica']) for e in failures})}")
+    failures = trainer.events("hop.failed") + trainer.events(
+        "chain.rerouted"
+    )  # stage 0's hops, and the later stages' (chain routing)
+    print(
+        f"\nfaulty replicas: hops served {work}; {len(failures)} hops failed: {sorted({(e['code'], e['replica']) for e in failures})}"
+    )
 
     # the trainer measured the slow replica and sent it a fraction of the work
     assert 0 < work[slow0.name] < work[fast0.name] / 2, work
@@ -130,25 +143,43 @@ def test_servers_keep_serving_when_a_trainer_is_killed_mid_step(swarm):
     killed = swarm.start_trainer("trainer-killed", {**TRAINER, "SWARM_STEPS": "100000", "SWARM_IN_FLIGHT": "8"})
     wait_until(lambda: steps_done(killed) >= 5, 120, "the trainer's 5th step", poll_s=0.1)
     # kill it while the servers hold its work: requests queued or computing
-    wait_until(lambda: sum(h["queue_depth"] for s in servers if (h := health(s.url))) >= 2, 30, "work queued on the servers", poll_s=0.005)
+    wait_until(
+        lambda: sum(h["queue_depth"] for s in servers if (h := health(s.url))) >= 2,
+        30,
+        "work queued on the servers",
+        poll_s=0.005,
+    )
     killed.proc.kill()
     assert killed.proc.wait(timeout=10) == -signal.SIGKILL
     trained = steps_done(killed)
 
     # the servers finish or drop the orphaned work: queues back to 0, every server alive
-    wait_until(lambda: all((h := health(s.url)) and h["queue_depth"] == 0 for s in servers), 30, "the servers' queues to drain", poll_s=0.1)
+    wait_until(
+        lambda: all((h := health(s.url)) and h["queue_depth"] == 0 for s in servers),
+        30,
+        "the servers' queues to drain",
+        poll_s=0.1,
+    )
     for s in servers:
         assert s.alive, f"{s.name} exited with {s.proc.returncode}"
         assert not s.events("request.crashed"), s.events("request.crashed")[:2]
-        assert not [e for e in s.events() if e.get("level") in ("error", "critical")], [e for e in s.events() if e.get("level") in ("error", "critical")][:2]
+        assert not [e for e in s.events() if e.get("level") in ("error", "critical")], [
+            e for e in s.events() if e.get("level") in ("error", "critical")
+        ][:2]
 
     # a trainer restarted where the killed one was trains on: nothing failed, no hop but a 503
     steps = trained + 20
-    trainer = swarm.start_trainer("trainer-after-kill", {**TRAINER, "SWARM_STEPS": str(steps), "SWARM_START_STEP": str(trained)})
+    trainer = swarm.start_trainer(
+        "trainer-after-kill", {**TRAINER, "SWARM_STEPS": str(steps), "SWARM_START_STEP": str(trained)}
+    )
     check_none_lost(trainer, steps - trained)
     # (a 503 may come: the checkpointer's GET /state shares the queue of 4 with 4 microbatches in flight)
-    assert {e["code"] for e in trainer.events("hop.failed") + trainer.events("chain.rerouted")} <= {"overloaded"}, trainer.events("hop.failed")[:3]
-    print(f"\ntrainer killed after {trained} steps with work queued; the next trained steps {trained}..{steps - 1}, {len(trainer.events('hop.failed'))} hops retried after a 503")
+    assert {e["code"] for e in trainer.events("hop.failed") + trainer.events("chain.rerouted")} <= {"overloaded"}, (
+        trainer.events("hop.failed")[:3]
+    )
+    print(
+        f"\ntrainer killed after {trained} steps with work queued; the next trained steps {trained}..{steps - 1}, {len(trainer.events('hop.failed'))} hops retried after a 503"
+    )
 
 
 # ---------------------------------------------------------------- load: 32 streams
@@ -165,7 +196,7 @@ def metric_counts(url: str, endpoint: str) -> dict[str, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
         text = resp.read().decode()
     counts: dict[str, float] = {}
-    for found in re.finditer(r'^swarm_http_requests_total\{([^}]*)\} (\S+)$', text, re.M):
+    for found in re.finditer(r"^swarm_http_requests_total\{([^}]*)\} (\S+)$", text, re.M):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', found[1]))
         if labels.get("endpoint") == endpoint:
             counts[labels["status"]] = counts.get(labels["status"], 0) + float(found[2])
@@ -174,7 +205,16 @@ def metric_counts(url: str, endpoint: str) -> dict[str, float]:
 
 def probe_forward(url: str, run_id: str) -> tuple[int, dict]:
     """One eval forward to stage 0 (nothing cached): (status, headers)."""
-    body = pack_message({"run_id": run_id, "stage": 0, "microbatch_id": "probe", "seed": 0, "eval": True, "inputs": encode_tensor(torch.zeros(8, 64, dtype=torch.long), "raw")})
+    body = pack_message(
+        {
+            "run_id": run_id,
+            "stage": 0,
+            "microbatch_id": "probe",
+            "seed": 0,
+            "eval": True,
+            "inputs": encode_tensor(torch.zeros(8, 64, dtype=torch.long), "raw"),
+        }
+    )
     request = urllib.request.Request(url + "/forward", data=body, headers={"Content-Type": MSGPACK}, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=30) as resp:
@@ -193,7 +233,16 @@ def test_32_concurrent_streams_get_503_beyond_the_queue_and_none_is_lost(swarm):
     # trainer retries a 503 after its backoff (0.05 s doubling to 2 s): 40 retries give
     # a microbatch over a minute of patience, however the streams interleave.
     # relay routing: the 503s of the queues are the trainer's own to wait out, on /forward and /backward
-    trainer = swarm.start_trainer("trainer-load", {**TRAINER, "SWARM_STEPS": str(LOAD_STEPS), "SWARM_IN_FLIGHT": "32", "SWARM_MAX_RETRIES": "40", "SWARM_ROUTING": "relay"})
+    trainer = swarm.start_trainer(
+        "trainer-load",
+        {
+            **TRAINER,
+            "SWARM_STEPS": str(LOAD_STEPS),
+            "SWARM_IN_FLIGHT": "32",
+            "SWARM_MAX_RETRIES": "40",
+            "SWARM_ROUTING": "relay",
+        },
+    )
 
     # meanwhile: a probe until it meets a 503 (to see its Retry-After), and the RSS of each server
     overloaded: list[dict] = []
@@ -224,7 +273,13 @@ def test_32_concurrent_streams_get_503_beyond_the_queue_and_none_is_lost(swarm):
     refused = sum(n for counts in answered.values() for status, n in counts.items() if status == "503")
     retried = trainer.events("hop.failed")
     peaks = {name: max(m for _, m in samples) for name, samples in rss.items()}
-    halves = {name: (max(m for t, m in samples if t < samples[-1][0] / 2), max(m for t, m in samples if t >= samples[-1][0] / 2)) for name, samples in rss.items()}
+    halves = {
+        name: (
+            max(m for t, m in samples if t < samples[-1][0] / 2),
+            max(m for t, m in samples if t >= samples[-1][0] / 2),
+        )
+        for name, samples in rss.items()
+    }
     print(
         f"\nload: 32 streams, {summary['microbatches_completed']}/{summary['microbatches_scheduled']} microbatches in {summary['elapsed_s']:.1f} s; "
         f"answers by server and endpoint {answered}; RSS MiB before {idle_rss}, peak {peaks}, peak in first/second half {halves}, {sum(map(len, rss.values()))} samples"
@@ -235,22 +290,42 @@ def test_32_concurrent_streams_get_503_beyond_the_queue_and_none_is_lost(swarm):
     # forward more than a step old by its backward (409 stale_forward): each such microbatch
     # ran again from the start, counted by the trainer, and was not lost (check_none_lost)
     assert refused > 0, f"no 503: 32 streams never filled a queue of 4 ({answered})"
-    others = {key: {status: n for status, n in counts.items() if n and status not in ("200", "503") and not (status == "409" and key[1] == "/backward")}
-              for key, counts in answered.items()}  # fmt: skip
+    others = {
+        key: {
+            status: n
+            for status, n in counts.items()
+            if n and status not in ("200", "503") and not (status == "409" and key[1] == "/backward")
+        }
+        for key, counts in answered.items()
+    }
     assert not any(others.values()), others
-    stale = sum(n for (_, path), counts in answered.items() for status, n in counts.items() if path == "/backward" and status == "409")
-    assert stale == summary["microbatch_reruns"], (stale, summary["microbatch_reruns"])  # every refusal re-ran its microbatch, once
-    assert retried and all(e["status"] == 503 and e["code"] == "overloaded" for e in retried), {(e["status"], e["code"]) for e in retried}
+    stale = sum(
+        n
+        for (_, path), counts in answered.items()
+        for status, n in counts.items()
+        if path == "/backward" and status == "409"
+    )
+    assert stale == summary["microbatch_reruns"], (
+        stale,
+        summary["microbatch_reruns"],
+    )  # every refusal re-ran its microbatch, once
+    assert retried and all(e["status"] == 503 and e["code"] == "overloaded" for e in retried), {
+        (e["status"], e["code"]) for e in retried
+    }
     assert overloaded and int(overloaded[0].get("Retry-After", "0")) >= 1, overloaded[:1]
     # memory stays bounded: the load adds little, and it does not grow from the first half to the second
     for name, (first, second) in halves.items():
-        assert peaks[name] < idle_rss[name] + RSS_LOAD_MIB, f"{name}: RSS {idle_rss[name]:.0f} MiB idle, {peaks[name]:.0f} MiB under load"
+        assert peaks[name] < idle_rss[name] + RSS_LOAD_MIB, (
+            f"{name}: RSS {idle_rss[name]:.0f} MiB idle, {peaks[name]:.0f} MiB under load"
+        )
         assert second <= first + RSS_GROWTH_MIB, f"{name}: RSS grew from {first:.0f} to {second:.0f} MiB"
 
 
 # ---------------------------------------------------------------- the coordinator killed mid-run
 def post_checkpoint(coordinator: str) -> dict:
-    request = urllib.request.Request(coordinator + "/checkpoint", data=b"{}", headers={"Content-Type": "application/json"}, method="POST")
+    request = urllib.request.Request(
+        coordinator + "/checkpoint", data=b"{}", headers={"Content-Type": "application/json"}, method="POST"
+    )
     with urllib.request.urlopen(request, timeout=60) as resp:
         return json.loads(resp.read())
 
@@ -273,16 +348,22 @@ def test_training_goes_on_while_the_coordinator_is_killed_and_restarted(swarm):
 
     swarm.kill(coordinator)
     killed_at, steps_at_kill = time.monotonic(), steps_done(trainer)
-    assert steps_at_kill <= steps - 30, f"the trainer is at step {steps_at_kill} of {steps} already: too close to its end"
+    assert steps_at_kill <= steps - 30, (
+        f"the trainer is at step {steps_at_kill} of {steps} already: too close to its end"
+    )
     # down for longer than a lease: the servers' heartbeats fail and their leases run out;
     # the trainer keeps training on its last view of the swarm
     lease_s = 3 * HEARTBEAT_S
     wait_until(
-        lambda: time.monotonic() - killed_at > lease_s + HEARTBEAT_S
-        and steps_done(trainer) >= steps_at_kill + 10
-        and all(len(s.events("membership.failed")) > failed_before[s.name] for s in servers),
-        60, "training and failed heartbeats while the coordinator is down", poll_s=0.1,
-    )  # fmt: skip
+        lambda: (
+            time.monotonic() - killed_at > lease_s + HEARTBEAT_S
+            and steps_done(trainer) >= steps_at_kill + 10
+            and all(len(s.events("membership.failed")) > failed_before[s.name] for s in servers)
+        ),
+        60,
+        "training and failed heartbeats while the coordinator is down",
+        poll_s=0.1,
+    )
     assert trainer.alive
     trained_while_down = steps_done(trainer) - steps_at_kill
     swarm.restart(coordinator)
@@ -297,8 +378,17 @@ def test_training_goes_on_while_the_coordinator_is_killed_and_restarted(swarm):
         assert (after["step"], after["checkpoint"]) == (before["step"], before["checkpoint"])
     assert after["step"] >= before["step"] and Path(after["checkpoint"]).is_dir()
     # ...and its assignment, as the servers heartbeat again (404: the lease ran out) and re-register
-    wait_until(lambda: get_json(coordinator.url + "/run")["assignment"] == before["assignment"], 30, f"the assignment {before['assignment']}", poll_s=0.1)
-    wait_until(lambda: all(len(s.events("membership.registered")) == registered_before[s.name] + 1 for s in servers), 10, "each server to log its new registration")
+    wait_until(
+        lambda: get_json(coordinator.url + "/run")["assignment"] == before["assignment"],
+        30,
+        f"the assignment {before['assignment']}",
+        poll_s=0.1,
+    )
+    wait_until(
+        lambda: all(len(s.events("membership.registered")) == registered_before[s.name] + 1 for s in servers),
+        10,
+        "each server to log its new registration",
+    )
 
     # training went on through the restart without losing a microbatch (a stage listed
     # empty before its server heartbeats again does not empty the trainer's view)
@@ -306,7 +396,10 @@ def test_training_goes_on_while_the_coordinator_is_killed_and_restarted(swarm):
     assert trainer.events("registry.unreachable"), "the trainer never noticed the coordinator was down"
     # and the restarted coordinator checkpoints the run on, the steps trained since the kill included
     saved = post_checkpoint(coordinator.url)
-    assert saved["step"] > before["step"] and get_json(coordinator.url + "/run")["checkpoint"] == saved["path"], (before, saved)
+    assert saved["step"] > before["step"] and get_json(coordinator.url + "/run")["checkpoint"] == saved["path"], (
+        before,
+        saved,
+    )
     print(
         f"\ncoordinator killed at step {steps_at_kill}, down {down_s:.1f} s while the trainer trained {trained_while_down} steps; "
         f"/run before {before}, right after the restart {after}; training ended {summary['microbatches_completed']}/{summary['microbatches_scheduled']}"

@@ -20,7 +20,14 @@ async def test_a_garbage_reply_is_a_failed_hop(start_stages, http_session):
     _, urls = await start_stages([[stage_settings(0, num_stages=1, inject_garbage=1.0)]])
     batcher = ByteBatcher(load_corpus(), seq_len=16, microbatch_size=2)
     mb = batcher.microbatch(0)
-    msg = {"run_id": "test", "stage": 0, "microbatch_id": "mb", "seed": 0, "inputs": encode_tensor(mb.inputs, "raw"), "targets": encode_tensor(mb.targets, "raw")}
+    msg = {
+        "run_id": "test",
+        "stage": 0,
+        "microbatch_id": "mb",
+        "seed": 0,
+        "inputs": encode_tensor(mb.inputs, "raw"),
+        "targets": encode_tensor(mb.targets, "raw"),
+    }
     for path in ("/forward", "/backward"):
         with pytest.raises(RemoteError) as err:
             await post_message(http_session, urls[0][0] + path, msg, timeout_s=10)
@@ -28,9 +35,21 @@ async def test_a_garbage_reply_is_a_failed_hop(start_stages, http_session):
 
 
 async def test_a_garbage_replica_is_routed_around_and_banned(start_stages, http_session):
-    apps, urls = await start_stages([[stage_settings(0, num_stages=2)], [stage_settings(1, num_stages=2, inject_garbage=1.0), stage_settings(1, num_stages=2)]])
+    apps, urls = await start_stages(
+        [
+            [stage_settings(0, num_stages=2)],
+            [stage_settings(1, num_stages=2, inject_garbage=1.0), stage_settings(1, num_stages=2)],
+        ]
+    )
     balancer = balancer_for(urls)
-    client = PipelineClient(http_session, balancer, run_id="test", codec="fp32", timeouts=HopTimeouts(10, 10), retry=RetryPolicy(max_retries=3, base_delay_s=0.01))
+    client = PipelineClient(
+        http_session,
+        balancer,
+        run_id="test",
+        codec="fp32",
+        timeouts=HopTimeouts(10, 10),
+        retry=RetryPolicy(max_retries=3, base_delay_s=0.01),
+    )
     batcher = ByteBatcher(load_corpus(), seq_len=16, microbatch_size=2)
     losses = [(await client.train(batcher.microbatch(i), seed=i)).loss for i in range(8)]
     assert len(losses) == 8

@@ -33,8 +33,17 @@ SEED = 6
 # Every server works like a device slower than these cores (+0.05 s per forward pass of
 # work): the run's length then depends little on how busy the 2 shared cores are, and the
 # cores have time left for the restarts (each imports torch).
-SERVER = {"SWARM_GLOBAL_BATCH": "32", "SWARM_INJECT_DELAY_S": "0.05"}  # 32 >= in_flight x microbatch: see "Staleness" in docs/architecture.md
-TRAINER = {"SWARM_STEPS": str(STEPS), "SWARM_MICROBATCH_SIZE": "8", "SWARM_SEQ_LEN": "64", "SWARM_IN_FLIGHT": "4", "SWARM_SEED": "1"}
+SERVER = {
+    "SWARM_GLOBAL_BATCH": "32",
+    "SWARM_INJECT_DELAY_S": "0.05",
+}  # 32 >= in_flight x microbatch: see "Staleness" in docs/architecture.md
+TRAINER = {
+    "SWARM_STEPS": str(STEPS),
+    "SWARM_MICROBATCH_SIZE": "8",
+    "SWARM_SEQ_LEN": "64",
+    "SWARM_IN_FLIGHT": "4",
+    "SWARM_SEED": "1",
+}
 
 
 def serving(server: Member, listed: set[str]) -> bool:
@@ -59,7 +68,9 @@ def kill_and_restart_every(swarm: ChaosSwarm, trainer: Member, rng: random.Rando
         next_kill += KILL_EVERY_S
         listed = swarm.listed()
         up = {s.name for s in swarm.servers if serving(s, listed)}
-        candidates = [s for s in swarm.servers if all(p.name in up for p in swarm.servers if p.stage == s.stage and p is not s)]
+        candidates = [
+            s for s in swarm.servers if all(p.name in up for p in swarm.servers if p.stage == s.stage and p is not s)
+        ]
         if not candidates:  # (only if /health of both replicas of every stage was too slow to answer)
             continue
         victim = rng.choice(candidates)
@@ -87,7 +98,9 @@ def test_training_survives_a_server_killed_and_restarted_every_10_s(processes):
 
     summary = summary_of(trainer)
     failed_events = trainer.events("microbatch.failed")
-    hop_failures = trainer.events("hop.failed") + trainer.events("chain.rerouted")  # stage 0's hops, and the later stages' (chain routing)
+    hop_failures = trainer.events("hop.failed") + trainer.events(
+        "chain.rerouted"
+    )  # stage 0's hops, and the later stages' (chain routing)
     losses = [x for x in summary["step_losses"] if x is not None]
     print(
         f"\nchaos: {len(victims)} kills in {trained_s:.0f} s of training, "
@@ -97,9 +110,15 @@ def test_training_survives_a_server_killed_and_restarted_every_10_s(processes):
     )
 
     # none lost: every scheduled microbatch completed or was reported, one line each
-    assert status == (1 if summary["microbatches_failed"] else 0), f"trainer exited with {status}; log: {trainer.logs[-1]}"
+    assert status == (1 if summary["microbatches_failed"] else 0), (
+        f"trainer exited with {status}; log: {trainer.logs[-1]}"
+    )
     assert summary["steps"] == steps_done(trainer) == STEPS  # every step complete: each of its microbatches resolved
-    assert summary["microbatches_completed"] + summary["microbatches_failed"] == summary["microbatches_scheduled"] == STEPS * 32 // 8  # samples per step / microbatch size
+    assert (
+        summary["microbatches_completed"] + summary["microbatches_failed"]
+        == summary["microbatches_scheduled"]
+        == STEPS * 32 // 8
+    )  # samples per step / microbatch size
     assert len(summary["failures"]) == len(failed_events) == summary["microbatches_failed"]
     assert summary["microbatches_failed"] <= summary["microbatches_scheduled"] // 50, summary["failures"][:5]
 
@@ -127,5 +146,7 @@ def test_training_survives_a_server_killed_and_restarted_every_10_s(processes):
     means = [sum(t) / len(t) for t in thirds]
     # Falling, not flat-lined: the middle third well below the first, the last not above the
     # middle beyond noise (past ~2.8 the tiny model falls slowly: a third can tie the one before).
-    assert means[1] < means[0] - 0.5 and means[2] < means[1] + 0.05, f"the loss stopped falling: mean per third of the run {means}"
+    assert means[1] < means[0] - 0.5 and means[2] < means[1] + 0.05, (
+        f"the loss stopped falling: mean per third of the run {means}"
+    )
     assert summary["eval_loss_after"] < summary["eval_loss_before"] - 1.0

@@ -15,7 +15,11 @@ import pytest
 
 from services.local_swarm import free_port, wait_healthy
 
-SWARM = [str(Path(sys.executable).with_name("swarm"))] if Path(sys.executable).with_name("swarm").exists() else [sys.executable, "-m", "services.cli"]
+SWARM = (
+    [str(Path(sys.executable).with_name("swarm"))]
+    if Path(sys.executable).with_name("swarm").exists()
+    else [sys.executable, "-m", "services.cli"]
+)
 
 
 def processes_of_run(run_id: str) -> list[int]:
@@ -77,23 +81,49 @@ class Processes:
     def start(self, name: str, module: str, env: dict[str, str]) -> subprocess.Popen:
         clean = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
         log = open(self.log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", module], env={**clean, "SWARM_RUN_ID": self.run_id, **env}, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            env={**clean, "SWARM_RUN_ID": self.run_id, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         log.close()
         self.procs.append(proc)
         return proc
 
-    def coordinator(self, *, heartbeat_s: float, mdns: bool = False, num_stages: int = 4, extra: dict | None = None) -> tuple[subprocess.Popen, str]:
+    def coordinator(
+        self, *, heartbeat_s: float, mdns: bool = False, num_stages: int = 4, extra: dict | None = None
+    ) -> tuple[subprocess.Popen, str]:
         """A coordinator; averaging and rebalancing are off unless ``extra`` turns them on."""
         port = free_port()
-        env = {"SWARM_PORT": str(port), "SWARM_HEARTBEAT_S": str(heartbeat_s), "SWARM_NUM_STAGES": str(num_stages), "SWARM_STATE_DB": str(self.log_dir / "coordinator.sqlite"), "SWARM_MDNS": str(mdns).lower(), "SWARM_MDNS_INTERFACES": "127.0.0.1", "SWARM_AVERAGE_EVERY_S": "0", "SWARM_REBALANCE_EVERY_S": "0", **(extra or {})}
+        env = {
+            "SWARM_PORT": str(port),
+            "SWARM_HEARTBEAT_S": str(heartbeat_s),
+            "SWARM_NUM_STAGES": str(num_stages),
+            "SWARM_STATE_DB": str(self.log_dir / "coordinator.sqlite"),
+            "SWARM_MDNS": str(mdns).lower(),
+            "SWARM_MDNS_INTERFACES": "127.0.0.1",
+            "SWARM_AVERAGE_EVERY_S": "0",
+            "SWARM_REBALANCE_EVERY_S": "0",
+            **(extra or {}),
+        }
         proc = self.start("coordinator", "services.coordinator", env)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, 60)
         return proc, url
 
-    def server(self, stage: int | str, *, coordinator: str = "", heartbeat_s: float = 1.0, extra: dict | None = None) -> tuple[subprocess.Popen, str]:
+    def server(
+        self, stage: int | str, *, coordinator: str = "", heartbeat_s: float = 1.0, extra: dict | None = None
+    ) -> tuple[subprocess.Popen, str]:
         port = free_port()
-        env = {"SWARM_STAGE": str(stage), "SWARM_PORT": str(port), "SWARM_HEARTBEAT_S": str(heartbeat_s), "SWARM_COORDINATOR": coordinator, "SWARM_MDNS": "false", **(extra or {})}
+        env = {
+            "SWARM_STAGE": str(stage),
+            "SWARM_PORT": str(port),
+            "SWARM_HEARTBEAT_S": str(heartbeat_s),
+            "SWARM_COORDINATOR": coordinator,
+            "SWARM_MDNS": "false",
+            **(extra or {}),
+        }
         proc = self.start(f"server-{stage}-{port}", "services.stage_server", env)
         return proc, f"http://127.0.0.1:{port}"
 

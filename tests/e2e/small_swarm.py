@@ -23,13 +23,24 @@ class SmallSwarm:
     trainer: subprocess.Popen
 
 
-def start_small_swarm(processes: Processes, *, trainer_env: dict | None = None, log_format: str = "console") -> SmallSwarm:
+def start_small_swarm(
+    processes: Processes, *, trainer_env: dict | None = None, log_format: str = "console"
+) -> SmallSwarm:
     common = {**MODEL, "SWARM_LOG_FORMAT": log_format}
-    _, coordinator = processes.coordinator(heartbeat_s=0.5, num_stages=len(REPLICAS), extra={**common, "SWARM_AVERAGE_EVERY_S": "3"})
+    _, coordinator = processes.coordinator(
+        heartbeat_s=0.5, num_stages=len(REPLICAS), extra={**common, "SWARM_AVERAGE_EVERY_S": "3"}
+    )
     started = []
     for stage, count in enumerate(REPLICAS):
         for _ in range(count):
-            started.append((stage, *processes.server(stage, coordinator=coordinator, heartbeat_s=0.5, extra={**common, "SWARM_GLOBAL_BATCH": "8"})))
+            started.append(
+                (
+                    stage,
+                    *processes.server(
+                        stage, coordinator=coordinator, heartbeat_s=0.5, extra={**common, "SWARM_GLOBAL_BATCH": "8"}
+                    ),
+                )
+            )
     urls = {url for _, _, url in started}
 
     def all_listed() -> bool:
@@ -42,9 +53,18 @@ def start_small_swarm(processes: Processes, *, trainer_env: dict | None = None, 
     for _, proc, url in started:
         wait_healthy(url, proc, START_S)
     env = {
-        **common, "SWARM_COORDINATOR": coordinator, "SWARM_MDNS": "false", "SWARM_HEARTBEAT_S": "0.5", "SWARM_STEPS": "100000",
-        "SWARM_MICROBATCH_SIZE": "4", "SWARM_SEQ_LEN": "32", "SWARM_IN_FLIGHT": "4", "SWARM_LOG_EVERY": "1000", "SWARM_PROGRESS": "off", **(trainer_env or {}),
-    }  # fmt: skip
+        **common,
+        "SWARM_COORDINATOR": coordinator,
+        "SWARM_MDNS": "false",
+        "SWARM_HEARTBEAT_S": "0.5",
+        "SWARM_STEPS": "100000",
+        "SWARM_MICROBATCH_SIZE": "4",
+        "SWARM_SEQ_LEN": "32",
+        "SWARM_IN_FLIGHT": "4",
+        "SWARM_LOG_EVERY": "1000",
+        "SWARM_PROGRESS": "off",
+        **(trainer_env or {}),
+    }
     trainer = processes.start("trainer", "services.trainer", env)
     return SmallSwarm(coordinator, [(stage, url) for stage, _, url in started], trainer)
 

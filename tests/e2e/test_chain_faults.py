@@ -30,7 +30,13 @@ from tests.e2e.conftest import get_json, wait_until
 pytestmark = pytest.mark.e2e
 
 START_S = 120  # six children import torch at once on 2 cores
-COMMON = {"SWARM_MODEL": "tiny", "SWARM_NUM_STAGES": "4", "SWARM_WIRE_CODEC": "fp32", "SWARM_GLOBAL_BATCH": str(10**6), "SWARM_SEED": "0"}
+COMMON = {
+    "SWARM_MODEL": "tiny",
+    "SWARM_NUM_STAGES": "4",
+    "SWARM_WIRE_CODEC": "fp32",
+    "SWARM_GLOBAL_BATCH": str(10**6),
+    "SWARM_SEED": "0",
+}
 SLOW_S = 1.0  # injected delay per forward pass of work on the replicas killed mid-work, and on the last stage
 
 
@@ -46,8 +52,17 @@ def stats(url: str) -> dict:
 async def send_chain(run_id: str, stage0: str, route: list[list[str]], mb) -> dict:
     import aiohttp
 
-    msg = {"run_id": run_id, "stage": 0, "microbatch_id": f"{run_id}:test:{mb.index}", "seed": 0, "codec": "fp32", "budget_s": 120.0, "route": route,
-           "inputs": encode_tensor(mb.inputs, "raw"), "targets": encode_tensor(mb.targets, "raw")}  # fmt: skip
+    msg = {
+        "run_id": run_id,
+        "stage": 0,
+        "microbatch_id": f"{run_id}:test:{mb.index}",
+        "seed": 0,
+        "codec": "fp32",
+        "budget_s": 120.0,
+        "route": route,
+        "inputs": encode_tensor(mb.inputs, "raw"),
+        "targets": encode_tensor(mb.targets, "raw"),
+    }
     async with aiohttp.ClientSession() as session:
         return await post_message(session, stage0 + "/chain", msg, timeout_s=120)
 
@@ -65,7 +80,13 @@ async def test_a_chain_reroutes_around_a_downstream_killed_mid_forward_and_an_up
     # 1. stage 2's choice dies while it computes the forward: stage 1 sends its output to the alternate
     first = batcher.microbatch(0)
     chain = asyncio.create_task(send_chain(processes.run_id, s0[1], [[s1a[1]], [s2a[1], s2b[1]], [s3[1]]], first))
-    await asyncio.to_thread(wait_until, lambda: get_json(s2a[1] + "/health")["queue_depth"] >= 1, 60, "stage 2's choice to start the forward", 0.02)
+    await asyncio.to_thread(
+        wait_until,
+        lambda: get_json(s2a[1] + "/health")["queue_depth"] >= 1,
+        60,
+        "stage 2's choice to start the forward",
+        0.02,
+    )
     s2a[0].kill()
     s2a[0].wait(10)
     reply = await chain
@@ -79,7 +100,9 @@ async def test_a_chain_reroutes_around_a_downstream_killed_mid_forward_and_an_up
     #    alternate, whose chain reaches the same stage-2 and stage-3 replicas again
     second = batcher.microbatch(1)
     chain = asyncio.create_task(send_chain(processes.run_id, s0[1], [[s1a[1], s1b[1]], [s2b[1]], [s3[1]]], second))
-    await asyncio.to_thread(wait_until, lambda: get_json(s3[1] + "/health")["queue_depth"] >= 1, 60, "the last stage to start", 0.02)
+    await asyncio.to_thread(
+        wait_until, lambda: get_json(s3[1] + "/health")["queue_depth"] >= 1, 60, "the last stage to start", 0.02
+    )
     s1a[0].kill()
     s1a[0].wait(10)
     reply = await chain

@@ -59,18 +59,33 @@ def browser_or_skip() -> tuple[object, str]:
 def test_dashboard_shows_every_replica_marks_the_weakest_stage_and_updates_live(processes, tmp_path):
     sync_playwright, chromium = browser_or_skip()
     swarm = start_small_swarm(processes)
-    wait_until(lambda: swarm.trainer.poll() is None and trainer_step(swarm.coordinator) >= 1, START_S, "the trainer's first progress report", poll_s=0.2)
-    registry = {r["url"]: (s["stage"], r["server_id"]) for s in get_json(swarm.coordinator + "/swarm")["stages"] for r in s["replicas"]}
+    wait_until(
+        lambda: swarm.trainer.poll() is None and trainer_step(swarm.coordinator) >= 1,
+        START_S,
+        "the trainer's first progress report",
+        poll_s=0.2,
+    )
+    registry = {
+        r["url"]: (s["stage"], r["server_id"])
+        for s in get_json(swarm.coordinator + "/swarm")["stages"]
+        for r in s["replicas"]
+    }
     assert set(registry) == {url for _, url in swarm.servers}
 
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"], timeout=BROWSER_TIMEOUT_MS)
+        browser = pw.chromium.launch(
+            executable_path=chromium,
+            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+            timeout=BROWSER_TIMEOUT_MS,
+        )
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1100})
             page.set_default_timeout(BROWSER_TIMEOUT_MS)
             page.goto(swarm.coordinator + "/", wait_until="load")
             page.evaluate("() => { window.loadedOnce = 'this document' }")  # gone if the page reloads
-            page.wait_for_function("() => Number(document.body.dataset.updates) >= 1 && document.querySelectorAll('tr.trainer').length >= 1")
+            page.wait_for_function(
+                "() => Number(document.body.dataset.updates) >= 1 && document.querySelectorAll('tr.trainer').length >= 1"
+            )
             first = page.evaluate(READ_DOM)
 
             # Every replica, under its stage, with its server id; stage 1 (one replica against two) marked weakest.
@@ -79,11 +94,18 @@ def test_dashboard_shows_every_replica_marks_the_weakest_stage_and_updates_live(
             assert first["events"].count("registry.registered") >= 3 and "trainer.joined" in first["events"]
 
             # Live: later polls redraw the same document with newer data (the trainer's step moves on).
-            page.wait_for_function(f"() => Number(document.body.dataset.updates) > {first['updates']} && Math.max(0, ...[...document.querySelectorAll('tr.trainer')].map(t => Number(t.dataset.step))) > {first['step']}")
+            page.wait_for_function(
+                f"() => Number(document.body.dataset.updates) > {first['updates']} && Math.max(0, ...[...document.querySelectorAll('tr.trainer')].map(t => Number(t.dataset.step))) > {first['step']}"
+            )
             second = page.evaluate(READ_DOM)
-            assert page.evaluate("() => window.loadedOnce") == "this document", "the page reloaded instead of updating itself"
+            assert page.evaluate("() => window.loadedOnce") == "this document", (
+                "the page reloaded instead of updating itself"
+            )
             assert second["updates"] > first["updates"] and second["step"] > first["step"]
-            assert page.evaluate(INKED_PIXELS, "#loss-chart") > 500 and page.evaluate(INKED_PIXELS, "#throughput-chart") > 500, "a chart is blank"
+            assert (
+                page.evaluate(INKED_PIXELS, "#loss-chart") > 500
+                and page.evaluate(INKED_PIXELS, "#throughput-chart") > 500
+            ), "a chart is blank"
             assert page.locator("#status").inner_text() == "live"
 
             shot = tmp_path / "dashboard.png"
@@ -92,5 +114,7 @@ def test_dashboard_shows_every_replica_marks_the_weakest_stage_and_updates_live(
             browser.close()
     ARTIFACT.parent.mkdir(exist_ok=True)
     shutil.copyfile(shot, ARTIFACT)
-    print(f"dashboard: {len(second['replicas'])} replicas, weakest stage {second['weakest'][0]['stage']}, step {first['step']} -> {second['step']} "
-          f"over {second['updates'] - first['updates']} updates; screenshot {ARTIFACT}")  # fmt: skip
+    print(
+        f"dashboard: {len(second['replicas'])} replicas, weakest stage {second['weakest'][0]['stage']}, step {first['step']} -> {second['step']} "
+        f"over {second['updates'] - first['updates']} updates; screenshot {ARTIFACT}"
+    )

@@ -40,12 +40,18 @@ async def test_the_prompt_box_streams_the_greedy_completion(start_swarm, tmp_pat
     expected, finish, _ = await greedy(PROMPT, MAX_TOKENS)
     shot = tmp_path / "dashboard-prompt.png"
     async with async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"], timeout=BROWSER_TIMEOUT_MS)
+        browser = await pw.chromium.launch(
+            executable_path=chromium,
+            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+            timeout=BROWSER_TIMEOUT_MS,
+        )
         try:
             page = await browser.new_page(viewport={"width": 1280, "height": 1300})
             page.set_default_timeout(BROWSER_TIMEOUT_MS)
             await page.goto(swarm.url + "/", wait_until="load")
-            await page.wait_for_function("() => Number(document.body.dataset.updates) >= 1 && document.querySelectorAll('tr.replica').length === 4")
+            await page.wait_for_function(
+                "() => Number(document.body.dataset.updates) >= 1 && document.querySelectorAll('tr.replica').length === 4"
+            )
             await page.fill("#prompt", PROMPT)
             await page.fill("#max-tokens", str(MAX_TOKENS))
             await page.fill("#temperature", "0")

@@ -43,7 +43,12 @@ async def test_generation_through_the_swarm_equals_the_exported_model_and_surviv
     run_dir = tmp_path / f"e2e-gen-{os.getpid()}"
     swarm_up(run_dir, 10)
     model_file = tmp_path / "model.safetensors"
-    export = subprocess.run([*SWARM, "export", "--checkpoint-dir", str(run_dir / "checkpoints"), "--out", str(model_file)], capture_output=True, text=True, timeout=120)
+    export = subprocess.run(
+        [*SWARM, "export", "--checkpoint-dir", str(run_dir / "checkpoints"), "--out", str(model_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert export.returncode == 0, export.stderr
 
     common = {"SWARM_NUM_STAGES": "4", "SWARM_WIRE_CODEC": "fp32", "SWARM_CHECKPOINT_DIR": str(run_dir / "checkpoints")}
@@ -54,13 +59,24 @@ async def test_generation_through_the_swarm_equals_the_exported_model_and_surviv
         servers[url] = proc
     for url, proc in servers.items():
         wait_healthy(url, proc, START_S)
-    wait_until(lambda: sum(len(s["replicas"]) for s in get_json(coordinator + "/swarm")["stages"]) == 5, START_S, "five servers registered", poll_s=0.2)
+    wait_until(
+        lambda: sum(len(s["replicas"]) for s in get_json(coordinator + "/swarm")["stages"]) == 5,
+        START_S,
+        "five servers registered",
+        poll_s=0.2,
+    )
     assert {get_json(url + "/health")["step"] for url in servers} == {10}  # every server resumed the trained weights
 
     prompt = list(PROMPT.encode())
     expected = await one_process(model_file, prompt)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
-    cli = subprocess.run([*SWARM, "generate", "--coordinator", coordinator, "--max-tokens", str(TOKENS), "--json", PROMPT], capture_output=True, text=True, timeout=120, env=env)
+    cli = subprocess.run(
+        [*SWARM, "generate", "--coordinator", coordinator, "--max-tokens", str(TOKENS), "--json", PROMPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert cli.returncode == 0, cli.stderr
     result = json.loads(cli.stdout)
     assert result["token_ids"] == expected and result["weights_steps"] == [10] and result["failovers"] == 0

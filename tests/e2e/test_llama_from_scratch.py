@@ -40,32 +40,79 @@ def test_a_llama_from_scratch_trains_exports_to_hugging_face_and_loads_with_the_
     assert "2048 tokens" in trained.stdout
 
     run_dir = tmp_path / f"e2e-llama-{os.getpid()}"
-    up = run([*SWARM, "up", "--model", "llama-tiny", "--tokenizer", str(tok), "--stages", "4", "--steps", str(STEPS), "--wire-codec", "fp32",
-              "--seq-len", "64", "--run-dir", str(run_dir)], env, 500)  # fmt: skip
+    up = run(
+        [
+            *SWARM,
+            "up",
+            "--model",
+            "llama-tiny",
+            "--tokenizer",
+            str(tok),
+            "--stages",
+            "4",
+            "--steps",
+            str(STEPS),
+            "--wire-codec",
+            "fp32",
+            "--seq-len",
+            "64",
+            "--run-dir",
+            str(run_dir),
+        ],
+        env,
+        500,
+    )
     assert up.returncode == 0, up.stderr[-3000:]
     assert processes_of_run(run_dir.name) == []
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["microbatches_failed"] == 0
     assert summary["eval_loss_before"] > 7.0  # about ln(2048): untrained
-    assert summary["eval_loss_after"] < summary["eval_loss_before"] - 1.0, summary  # it learns (measured: 7.62 -> 6.15 in 30 steps)
+    assert summary["eval_loss_after"] < summary["eval_loss_before"] - 1.0, (
+        summary
+    )  # it learns (measured: 7.62 -> 6.15 in 30 steps)
 
     out = tmp_path / "hf"
-    export = run([*SWARM, "export", "--checkpoint-dir", str(run_dir / "checkpoints"), "--format", "hf", "--out", str(out), "--tokenizer", str(tok)], env, 120)
+    export = run(
+        [
+            *SWARM,
+            "export",
+            "--checkpoint-dir",
+            str(run_dir / "checkpoints"),
+            "--format",
+            "hf",
+            "--out",
+            str(out),
+            "--tokenizer",
+            str(tok),
+        ],
+        env,
+        120,
+    )
     assert export.returncode == 0, export.stderr
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= {p.name for p in out.iterdir()}
 
     # the swarm's held-out microbatches, as its trainer drew them
-    settings = TrainerSettings(model="llama-tiny", tokenizer=str(tok), token_cache_dir=env["SWARM_TOKEN_CACHE_DIR"], seq_len=64)
+    settings = TrainerSettings(
+        model="llama-tiny", tokenizer=str(tok), token_cache_dir=env["SWARM_TOKEN_CACHE_DIR"], seq_len=64
+    )
     batcher = make_batcher(settings, settings.gpt_config())
     batches = [batcher.microbatch(i, split="eval") for i in range(EVAL_MICROBATCHES)]
-    torch.save({"inputs": [mb.inputs for mb in batches], "targets": [mb.targets for mb in batches]}, tmp_path / "eval.pt")
+    torch.save(
+        {"inputs": [mb.inputs for mb in batches], "targets": [mb.targets for mb in batches]}, tmp_path / "eval.pt"
+    )
 
     # a fresh process that knows nothing of this project: transformers alone
     script = textwrap.dedent(f"""
         import json, torch, transformers
         model = transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}, dtype=torch.float32).eval()
         tok = transformers.AutoTokenizer.from_pretrained({str(out)!r})
-        data = torch.load({str(tmp_path / 'eval.pt')!r})
+        data = torch.load({str(tmp_path / "eval.pt")!r})
         with torch.no_grad():
             losses = [torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item() for x, y in zip(data["inputs"], data["targets"])]
         ids = tok({TEXT!r}, add_special_tokens=False)["input_ids"]
@@ -92,7 +139,11 @@ def _model_dir(path: Path, *, arch: str = "LlamaForCausalLM", shards: bool = Fal
 
 @pytest.mark.parametrize("case", ["missing shard", "unsupported architecture", "tokenizer too large"])
 def test_bad_model_or_tokenizer_stops_swarm_up_before_any_process_starts(case, tmp_path):
-    model = _model_dir(tmp_path / "model", arch="FalconForCausalLM" if case == "unsupported architecture" else "LlamaForCausalLM", shards=case == "missing shard")
+    model = _model_dir(
+        tmp_path / "model",
+        arch="FalconForCausalLM" if case == "unsupported architecture" else "LlamaForCausalLM",
+        shards=case == "missing shard",
+    )
     args, named = ["--model", str(model)], ""
     if case == "missing shard":
         index = json.loads((model / "model.safetensors.index.json").read_text())
@@ -109,7 +160,11 @@ def test_bad_model_or_tokenizer_stops_swarm_up_before_any_process_starts(case, t
         args += ["--tokenizer", str(tmp_path / "big-tok")]
         named = "SWARM_TOKENIZER"
     run_dir = tmp_path / f"e2e-bad-{os.getpid()}"
-    up = run([*SWARM, "up", *args, "--stages", "2", "--steps", "2", "--seq-len", "32", "--run-dir", str(run_dir)], {"SWARM_TOKEN_CACHE_DIR": str(tmp_path / "tokens")}, 120)
+    up = run(
+        [*SWARM, "up", *args, "--stages", "2", "--steps", "2", "--seq-len", "32", "--run-dir", str(run_dir)],
+        {"SWARM_TOKEN_CACHE_DIR": str(tmp_path / "tokens")},
+        120,
+    )
     assert up.returncode == 2, (up.stdout[-2000:], up.stderr[-2000:])
     assert named in up.stderr, up.stderr
     assert "Traceback" not in up.stderr

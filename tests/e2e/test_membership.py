@@ -47,7 +47,9 @@ def wait_registered(coordinator: str, servers: list[tuple[subprocess.Popen, str]
 
 def forward_body(run_id: str, stage: int, microbatch_id: str) -> bytes:
     inputs = encode_tensor(torch.randn(1, 8, 128), "fp32")
-    return pack_message({"run_id": run_id, "stage": stage, "microbatch_id": microbatch_id, "seed": 0, "codec": "fp32", "inputs": inputs})
+    return pack_message(
+        {"run_id": run_id, "stage": stage, "microbatch_id": microbatch_id, "seed": 0, "codec": "fp32", "inputs": inputs}
+    )
 
 
 def post_forward(url: str, body: bytes, timeout_s: float = 30.0) -> tuple[int, bytes]:
@@ -177,7 +179,9 @@ def test_swarm_status_prints_the_live_swarm(processes):
     servers = [processes.server(stage, coordinator=coord, extra=FAST) for stage in (0, 1)]
     wait_registered(coord, servers)
 
-    table = subprocess.run([*SWARM, "status", "--coordinator", coord], capture_output=True, text=True, timeout=60, check=False)
+    table = subprocess.run(
+        [*SWARM, "status", "--coordinator", coord], capture_output=True, text=True, timeout=60, check=False
+    )
     assert table.returncode == 0, table.stderr[-2000:]
     out = table.stdout
     for _, url in servers:
@@ -186,13 +190,21 @@ def test_swarm_status_prints_the_live_swarm(processes):
         assert re.search(rf"^\s*{stage}\s+{count}\s+\d", out, re.MULTILINE), (stage, out)
     assert "lease age" in out and "weakest" in out, out
 
-    raw = subprocess.run([*SWARM, "status", "--coordinator", coord, "--json"], capture_output=True, text=True, timeout=60, check=False)
+    raw = subprocess.run(
+        [*SWARM, "status", "--coordinator", coord, "--json"], capture_output=True, text=True, timeout=60, check=False
+    )
     assert raw.returncode == 0, raw.stderr[-2000:]
     view = json.loads(raw.stdout)
     listed = {r["url"]: s["stage"] for s in view["stages"] for r in s["replicas"]}
     assert listed == {servers[0][1]: 0, servers[1][1]: 1}
 
-    nobody = subprocess.run([*SWARM, "status", "--coordinator", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60, check=False)
+    nobody = subprocess.run(
+        [*SWARM, "status", "--coordinator", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert nobody.returncode == 2, (nobody.stdout, nobody.stderr)
     assert "cannot read http://127.0.0.1:9/swarm" in nobody.stderr, nobody.stderr
 
@@ -203,19 +215,35 @@ def test_mdns_server_and_trainer_find_the_coordinator(processes, tmp_path):
     run_id = processes.run_id = f"mdns-{os.getpid()}"
     try:
         _, coord = processes.coordinator(heartbeat_s=1.0, mdns=True, num_stages=2)
-        discover = {"SWARM_COORDINATOR": "", "SWARM_MDNS": "true", "SWARM_MDNS_INTERFACES": "127.0.0.1", "SWARM_NUM_STAGES": "2", **FAST}
+        discover = {
+            "SWARM_COORDINATOR": "",
+            "SWARM_MDNS": "true",
+            "SWARM_MDNS_INTERFACES": "127.0.0.1",
+            "SWARM_NUM_STAGES": "2",
+            **FAST,
+        }
         servers = [processes.server(stage, extra={**discover, "SWARM_GLOBAL_BATCH": "8"}) for stage in (0, 1)]
         summary_file = tmp_path / "summary.json"
         trainer = processes.start(
             "trainer",
             "services.trainer",
-            {**discover, "SWARM_STEPS": "5", "SWARM_MICROBATCH_SIZE": "4", "SWARM_SEQ_LEN": "32", "SWARM_HEARTBEAT_S": "1.0", "SWARM_SUMMARY_FILE": str(summary_file)},
+            {
+                **discover,
+                "SWARM_STEPS": "5",
+                "SWARM_MICROBATCH_SIZE": "4",
+                "SWARM_SEQ_LEN": "32",
+                "SWARM_HEARTBEAT_S": "1.0",
+                "SWARM_SUMMARY_FILE": str(summary_file),
+            },
         )
         assert trainer.wait(timeout=180) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
 
         summary = json.loads(summary_file.read_text())
         assert summary["steps"] == 5
-        assert summary["microbatches_failed"] == 0 and summary["microbatches_completed"] == summary["microbatches_scheduled"] > 0
+        assert (
+            summary["microbatches_failed"] == 0
+            and summary["microbatches_completed"] == summary["microbatches_scheduled"] > 0
+        )
         assert replicas(coord) == {servers[0][1]: 0, servers[1][1]: 1}  # they registered where mDNS led them
         for _, url in servers:
             port = url.rsplit(":", 1)[1]
@@ -229,8 +257,16 @@ def test_mdns_server_and_trainer_find_the_coordinator(processes, tmp_path):
 
 
 def test_mdns_discovery_works_with_a_long_valid_run_id(processes):
-    assert 45 < len(processes.run_id) <= 64, processes.run_id  # valid (the fixture's, ~50 characters), too long for the names
+    assert 45 < len(processes.run_id) <= 64, (
+        processes.run_id
+    )  # valid (the fixture's, ~50 characters), too long for the names
     _, coord = processes.coordinator(heartbeat_s=1.0, mdns=True, num_stages=1)
-    discover = {"SWARM_COORDINATOR": "", "SWARM_MDNS": "true", "SWARM_MDNS_INTERFACES": "127.0.0.1", "SWARM_NUM_STAGES": "1", **FAST}
+    discover = {
+        "SWARM_COORDINATOR": "",
+        "SWARM_MDNS": "true",
+        "SWARM_MDNS_INTERFACES": "127.0.0.1",
+        "SWARM_NUM_STAGES": "1",
+        **FAST,
+    }
     proc, url = processes.server(0, extra=discover)
     wait_registered(coord, [(proc, url)])

@@ -21,7 +21,11 @@ from tests.e2e.conftest import SWARM, processes_of_run
 
 pytestmark = pytest.mark.e2e
 
-STEPS, GLOBAL_BATCH, IN_FLIGHT = 80, 32, 4  # 2,560 samples: the loss near 2.7, where two runs of one swarm differ by well under 1%
+STEPS, GLOBAL_BATCH, IN_FLIGHT = (
+    80,
+    32,
+    4,
+)  # 2,560 samples: the loss near 2.7, where two runs of one swarm differ by well under 1%
 LOCAL_STEPS = 10  # sync=local: an outer step every 10 global steps (the run ends on one)
 
 
@@ -34,9 +38,34 @@ def two_by_two(tmp_path_factory):
 
 
 def train(run_dir, *, replicas: int, trainers: int, sync: str = "global") -> tuple[list[dict], str]:
-    args = [*SWARM, "up", "--stages", "4", "--replicas", str(replicas), "--trainers", str(trainers), "--global-batch", str(GLOBAL_BATCH), "--steps", str(STEPS),
-            "--in-flight", str(IN_FLIGHT // trainers), "--wire-codec", "fp32", "--average-every-s", "2", "--rebalance-every-s", "0", "--run-dir", str(run_dir),
-            "--sync", sync, "--local-steps", str(LOCAL_STEPS)]
+    args = [
+        *SWARM,
+        "up",
+        "--stages",
+        "4",
+        "--replicas",
+        str(replicas),
+        "--trainers",
+        str(trainers),
+        "--global-batch",
+        str(GLOBAL_BATCH),
+        "--steps",
+        str(STEPS),
+        "--in-flight",
+        str(IN_FLIGHT // trainers),
+        "--wire-codec",
+        "fp32",
+        "--average-every-s",
+        "2",
+        "--rebalance-every-s",
+        "0",
+        "--run-dir",
+        str(run_dir),
+        "--sync",
+        sync,
+        "--local-steps",
+        str(LOCAL_STEPS),
+    ]
     result = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert processes_of_run(run_dir.name) == []
@@ -66,13 +95,19 @@ def test_two_replicas_and_two_trainers_train_the_same_model_as_one(tmp_path, two
     (one,), _ = train(one_dir, replicas=1, trainers=1)
     two_dir, two, logs = two_by_two
     assert one["microbatches_failed"] == 0 and all(t["microbatches_failed"] == 0 for t in two)
-    assert stage_steps(one_dir) == stage_steps(two_dir) == {STEPS}  # every stage took the run's steps, whatever the swarm
+    assert (
+        stage_steps(one_dir) == stage_steps(two_dir) == {STEPS}
+    )  # every stage took the run's steps, whatever the swarm
     assert len({t["eval_loss_after"] for t in two}) == 1  # both trainers evaluate one model
     identical = len(re.findall(r"averaging\.check\.identical", logs))
-    assert identical >= 1 and "averaging.check.drifted" not in logs, "the coordinator's digest checks never found the replicas identical"
+    assert identical >= 1 and "averaging.check.drifted" not in logs, (
+        "the coordinator's digest checks never found the replicas identical"
+    )
     ratio = two[0]["eval_loss_after"] / one["eval_loss_after"]
-    print(f"\none model: held-out loss {one['eval_loss_after']:.4f} (1 replica x 1 trainer) vs {two[0]['eval_loss_after']:.4f} (2 x 2), ratio {ratio:.4f}; "
-          f"re-runs {one['microbatch_reruns']} vs {sum(t['microbatch_reruns'] for t in two)}; digest checks identical: {identical}")
+    print(
+        f"\none model: held-out loss {one['eval_loss_after']:.4f} (1 replica x 1 trainer) vs {two[0]['eval_loss_after']:.4f} (2 x 2), ratio {ratio:.4f}; "
+        f"re-runs {one['microbatch_reruns']} vs {sum(t['microbatch_reruns'] for t in two)}; digest checks identical: {identical}"
+    )
     assert abs(ratio - 1) <= 0.02, (one["eval_loss_after"], two[0]["eval_loss_after"])
 
 
@@ -91,7 +126,9 @@ def test_local_mode_trains_as_well_per_sample_with_far_fewer_bytes(tmp_path, two
     assert "outer.missed" not in "".join(log.read_text() for log in local_dir.glob("stage*.log"))
     ratio = local_runs[0]["eval_loss_after"] / global_runs[0]["eval_loss_after"]
     global_bytes, local_bytes = step_round_bytes(global_dir), step_round_bytes(local_dir)
-    print(f"\nlocal mode: held-out loss {local_runs[0]['eval_loss_after']:.4f} (local, H={LOCAL_STEPS}) vs {global_runs[0]['eval_loss_after']:.4f} (global), "
-          f"ratio {ratio:.4f}; step-round bytes {local_bytes:,} vs {global_bytes:,} ({global_bytes / max(local_bytes, 1):.1f}x fewer)")
+    print(
+        f"\nlocal mode: held-out loss {local_runs[0]['eval_loss_after']:.4f} (local, H={LOCAL_STEPS}) vs {global_runs[0]['eval_loss_after']:.4f} (global), "
+        f"ratio {ratio:.4f}; step-round bytes {local_bytes:,} vs {global_bytes:,} ({global_bytes / max(local_bytes, 1):.1f}x fewer)"
+    )
     assert abs(ratio - 1) <= 0.05, (local_runs[0]["eval_loss_after"], global_runs[0]["eval_loss_after"])
     assert local_bytes > 0 and global_bytes >= 8 * local_bytes, (global_bytes, local_bytes)

@@ -17,8 +17,12 @@ pytestmark = pytest.mark.e2e
 
 def test_swarm_up_with_the_bar_forced_shows_it_and_plots_the_run(tmp_path):
     run_dir = tmp_path / f"e2e-progress-{os.getpid()}"
-    proc = subprocess.Popen([*SWARM, "up", "--stages", "2", "--steps", "10", "--run-dir", str(run_dir)], env={**os.environ, "SWARM_PROGRESS": "bar"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # bytes: text mode would turn the bar's \r into \n
+    proc = subprocess.Popen(
+        [*SWARM, "up", "--stages", "2", "--steps", "10", "--run-dir", str(run_dir)],
+        env={**os.environ, "SWARM_PROGRESS": "bar"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )  # bytes: text mode would turn the bar's \r into \n
     try:
         stdout, stderr = (out.decode() for out in proc.communicate(timeout=120))
     finally:

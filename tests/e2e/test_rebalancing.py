@@ -31,20 +31,41 @@ def steps_per_s(metrics_file, since_s: float, until_s: float) -> float:
 
 
 def test_coordinator_moves_a_replica_to_the_weak_stage_and_throughput_rises(processes, tmp_path):
-    _, coordinator = processes.coordinator(heartbeat_s=0.5, num_stages=2, extra={"SWARM_REBALANCE_EVERY_S": "5", "SWARM_AVERAGE_EVERY_S": "0"})
-    server_env = {"SWARM_NUM_STAGES": "2", "SWARM_INJECT_DELAY_S": str(DELAY_S), "SWARM_GLOBAL_BATCH": "32", "SWARM_WIRE_CODEC": "fp32"}
+    _, coordinator = processes.coordinator(
+        heartbeat_s=0.5, num_stages=2, extra={"SWARM_REBALANCE_EVERY_S": "5", "SWARM_AVERAGE_EVERY_S": "0"}
+    )
+    server_env = {
+        "SWARM_NUM_STAGES": "2",
+        "SWARM_INJECT_DELAY_S": str(DELAY_S),
+        "SWARM_GLOBAL_BATCH": "32",
+        "SWARM_WIRE_CODEC": "fp32",
+    }
     for stage in (0, 0, 0, 1):
         processes.server(stage, coordinator=coordinator, heartbeat_s=0.5, extra=server_env)
     wait_until(lambda: replicas_per_stage(coordinator) == [3, 1], 120, "3 replicas on stage 0 and 1 on stage 1")
     metrics = tmp_path / "metrics.jsonl"
-    trainer_env = {"SWARM_NUM_STAGES": "2", "SWARM_COORDINATOR": coordinator, "SWARM_MDNS": "false", "SWARM_STEPS": "100000", "SWARM_MICROBATCH_SIZE": "4", "SWARM_SEQ_LEN": "32", "SWARM_IN_FLIGHT": "16", "SWARM_HEARTBEAT_S": "0.5", "SWARM_METRICS_FILE": str(metrics), "SWARM_LOG_EVERY": "1000", "SWARM_WIRE_CODEC": "fp32"}
+    trainer_env = {
+        "SWARM_NUM_STAGES": "2",
+        "SWARM_COORDINATOR": coordinator,
+        "SWARM_MDNS": "false",
+        "SWARM_STEPS": "100000",
+        "SWARM_MICROBATCH_SIZE": "4",
+        "SWARM_SEQ_LEN": "32",
+        "SWARM_IN_FLIGHT": "16",
+        "SWARM_HEARTBEAT_S": "0.5",
+        "SWARM_METRICS_FILE": str(metrics),
+        "SWARM_LOG_EVERY": "1000",
+        "SWARM_WIRE_CODEC": "fp32",
+    }
     processes.start("trainer", "services.trainer", trainer_env)
     wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) > 0, 120, "the trainer's first step")
     started = time.monotonic() - json.loads(metrics.read_text().splitlines()[0])["elapsed_s"]
 
     wait_until(lambda: replicas_per_stage(coordinator) == [2, 2], 90, "the coordinator to move a replica to stage 1")
     moved_at = time.monotonic() - started
-    wait_until(lambda: time.monotonic() - started > moved_at + 8, 30, "eight seconds of training after the move", poll_s=0.5)
+    wait_until(
+        lambda: time.monotonic() - started > moved_at + 8, 30, "eight seconds of training after the move", poll_s=0.5
+    )
     before = steps_per_s(metrics, 0.0, moved_at - 3.0)
     after = steps_per_s(metrics, moved_at + 1.0, moved_at + 8.0)
     print(f"\nrebalancing: {before:.2f} -> {after:.2f} steps/s after the move at {moved_at:.1f} s")

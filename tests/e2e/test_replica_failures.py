@@ -39,7 +39,22 @@ def stage_server_pids(run_id: str) -> dict[int, list[int]]:
 
 def test_training_goes_on_when_a_replica_of_every_stage_is_killed(tmp_path):
     run_dir = tmp_path / f"e2e-kill-{os.getpid()}"
-    args = [*SWARM, "up", "--stages", "4", "--replicas", "2", "--trainers", "2", "--steps", str(STEPS), "--heartbeat-s", "1", "--run-dir", str(run_dir)]
+    args = [
+        *SWARM,
+        "up",
+        "--stages",
+        "4",
+        "--replicas",
+        "2",
+        "--trainers",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--heartbeat-s",
+        "1",
+        "--run-dir",
+        str(run_dir),
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
     output: list[str] = []
@@ -59,7 +74,11 @@ def test_training_goes_on_when_a_replica_of_every_stage_is_killed(tmp_path):
         for stage, pids in servers.items():
             os.kill(pids[0], signal.SIGKILL)
         # the registry drops the killed replicas (leases of 3 heartbeats of 1 s)
-        wait_until(lambda: all(len(s["replicas"]) == 1 for s in get_json(coordinator + "/swarm")["stages"]), 15, "the registry to drop the killed replicas")
+        wait_until(
+            lambda: all(len(s["replicas"]) == 1 for s in get_json(coordinator + "/swarm")["stages"]),
+            15,
+            "the registry to drop the killed replicas",
+        )
         assert proc.wait(timeout=400) == 0, "".join(output[-40:])
     finally:
         stop_swarm_up(proc)
@@ -73,9 +92,13 @@ def test_training_goes_on_when_a_replica_of_every_stage_is_killed(tmp_path):
         # every scheduled microbatch completed: the hops that hit a killed replica were retried
         assert summary["microbatches_completed"] == summary["microbatches_scheduled"]
         assert summary["microbatches_failed"] == 0 and summary["steps"] == STEPS
-        losses = [x for x in summary["step_losses"] if x is not None and not math.isnan(x)]  # a step it fed nothing of: NaN
+        losses = [
+            x for x in summary["step_losses"] if x is not None and not math.isnan(x)
+        ]  # a step it fed nothing of: NaN
         after_kill = losses[15:]
         assert sum(after_kill[-10:]) / 10 < sum(after_kill[:10]) / 10 - 0.05, "the loss stopped falling after the kills"
         assert summary["eval_loss_after"] < summary["eval_loss_before"] - 1.0
-    assert any("hop.failed" in l or "chain.rerouted" in l for l in output), "no hop hit a killed replica: the test did not test anything"
+    assert any("hop.failed" in l or "chain.rerouted" in l for l in output), (
+        "no hop hit a killed replica: the test did not test anything"
+    )
     assert processes_of_run(run_dir.name) == []

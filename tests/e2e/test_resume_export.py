@@ -18,7 +18,19 @@ pytestmark = pytest.mark.e2e
 
 
 def swarm_up(run_dir, steps: int, *extra: str) -> dict:
-    args = [*SWARM, "up", "--stages", "4", "--steps", str(steps), "--wire-codec", "fp32", "--run-dir", str(run_dir), *extra]
+    args = [
+        *SWARM,
+        "up",
+        "--stages",
+        "4",
+        "--steps",
+        str(steps),
+        "--wire-codec",
+        "fp32",
+        "--run-dir",
+        str(run_dir),
+        *extra,
+    ]
     result = subprocess.run(args, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     assert processes_of_run(run_dir.name) == []
@@ -40,7 +52,12 @@ def test_resumed_run_continues_where_it_stopped_and_exports_the_model(tmp_path):
     assert resumed["eval_loss_after"] < resumed["eval_loss_before"]
 
     out = tmp_path / "model.safetensors"
-    export = subprocess.run([*SWARM, "export", "--checkpoint-dir", str(run_dir / "checkpoints"), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    export = subprocess.run(
+        [*SWARM, "export", "--checkpoint-dir", str(run_dir / "checkpoints"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert export.returncode == 0, export.stderr
     model = load_exported(out)
     batcher = ByteBatcher(load_corpus(), seq_len=128, microbatch_size=8, seed=0)

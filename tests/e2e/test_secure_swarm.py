@@ -21,8 +21,27 @@ def test_a_signed_tls_swarm_trains_end_to_end(tmp_path):
     secret_file = tmp_path / "secret"
     secret_file.write_text("e2e-secret-" + "x" * 24 + "\n")
     run_dir = tmp_path / f"e2e-secure-{os.getpid()}"
-    env = {**os.environ, "SWARM_SECRET_FILE": str(secret_file), "SWARM_TLS_CERT_FILE": cert, "SWARM_TLS_KEY_FILE": key, "SWARM_TLS_CA_FILE": cert}
-    args = [*SWARM, "up", "--stages", "2", "--replicas", "2", "--steps", "30", "--average-every-s", "2", "--run-dir", str(run_dir)]
+    env = {
+        **os.environ,
+        "SWARM_SECRET_FILE": str(secret_file),
+        "SWARM_TLS_CERT_FILE": cert,
+        "SWARM_TLS_KEY_FILE": key,
+        "SWARM_TLS_CA_FILE": cert,
+    }
+    args = [
+        *SWARM,
+        "up",
+        "--stages",
+        "2",
+        "--replicas",
+        "2",
+        "--steps",
+        "30",
+        "--average-every-s",
+        "2",
+        "--run-dir",
+        str(run_dir),
+    ]
     result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert processes_of_run(run_dir.name) == []

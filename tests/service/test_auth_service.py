@@ -57,11 +57,31 @@ def forward_body() -> bytes:
     import torch
 
     tokens = torch.randint(0, 256, (2, 16), dtype=torch.int64)
-    return pack_message({"v": 1, "run_id": "test", "stage": 0, "microbatch_id": "m1", "seed": 0, "inputs": encode_tensor(tokens, "fp32"), "codec": "fp32"})
+    return pack_message(
+        {
+            "v": 1,
+            "run_id": "test",
+            "stage": 0,
+            "microbatch_id": "m1",
+            "seed": 0,
+            "inputs": encode_tensor(tokens, "fp32"),
+            "codec": "fp32",
+        }
+    )
 
 
 def coordinator_settings(**kw) -> CoordinatorSettings:
-    return CoordinatorSettings(run_id="test", num_stages=4, heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator="", average_every_s=0, rebalance_every_s=0, **kw)
+    return CoordinatorSettings(
+        run_id="test",
+        num_stages=4,
+        heartbeat_s=60.0,
+        state_db=":memory:",
+        mdns=False,
+        coordinator="",
+        average_every_s=0,
+        rebalance_every_s=0,
+        **kw,
+    )
 
 
 async def status_and_error(resp) -> tuple[int, str | None]:
@@ -81,7 +101,14 @@ async def test_only_signed_requests_are_served(serve, http_session, capsys):
     weights_version = app[RUNTIME].version
 
     # open: probes, scrapers, the dashboard
-    for url in (stage + "/health", stage + "/metrics", coordinator + "/health", coordinator + "/metrics", coordinator + "/", coordinator + "/dashboard.json"):
+    for url in (
+        stage + "/health",
+        stage + "/metrics",
+        coordinator + "/health",
+        coordinator + "/metrics",
+        coordinator + "/",
+        coordinator + "/dashboard.json",
+    ):
         async with http_session.get(url) as resp:
             assert resp.status == 200, url
 
@@ -102,7 +129,15 @@ async def test_only_signed_requests_are_served(serve, http_session, capsys):
         assert resp.status == 200  # signed: served
     async with http_session.post(stage + "/forward", data=body, headers={**headers, **good}) as resp:
         assert await status_and_error(resp) == (401, "unauthorized")  # the same request again: a replay
-    registration = {"run_id": "test", "server_id": "s1", "stage": 0, "url": "http://127.0.0.1:9", "version": "t", "throughput": 1.0, "queue_length": 0}
+    registration = {
+        "run_id": "test",
+        "server_id": "s1",
+        "stage": 0,
+        "url": "http://127.0.0.1:9",
+        "version": "t",
+        "throughput": 1.0,
+        "queue_length": 0,
+    }
     async with http_session.post(coordinator + "/register", json=registration) as resp:
         assert await status_and_error(resp) == (401, "unauthorized")
     assert coordinator_app[REGISTRY].live() == [], "a refused request reached the registry"
@@ -137,16 +172,36 @@ def self_signed(tmp_path) -> tuple[str, str]:
     assert openssl, "openssl is needed to make the test certificate"
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
     )
     return str(cert), str(key)
 
 
 async def test_tls_serves_https_to_members_who_trust_the_swarm_certificate(serve, tmp_path):
     cert, key = self_signed(tmp_path)
-    settings: StageServerSettings = stage_settings(0, secret=SECRET, tls_cert_file=cert, tls_key_file=key, tls_ca_file=cert)
+    settings: StageServerSettings = stage_settings(
+        0, secret=SECRET, tls_cert_file=cert, tls_key_file=key, tls_ca_file=cert
+    )
     stage = await serve(create_app(settings), ssl_context=server_ssl_context(settings))
     assert stage.startswith("https://")
     async with swarm_session(settings) as session:

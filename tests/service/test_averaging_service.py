@@ -93,7 +93,9 @@ async def wait_for_round(session, urls, round_id, within_s) -> list[dict]:
 
 
 async def post_raw(session, url, msg=None, *, body=None, content_type=MSGPACK):
-    async with session.post(url, data=pack_message(msg) if body is None else body, headers={"Content-Type": content_type}) as resp:
+    async with session.post(
+        url, data=pack_message(msg) if body is None else body, headers={"Content-Type": content_type}
+    ) as resp:
         return resp.status, resp.content_type, await resp.read()
 
 
@@ -123,7 +125,9 @@ async def test_fp32_round_gives_every_member_the_sample_weighted_mean(serve, htt
         assert summary["ok"] and summary["contributors"] == [0, 1, 2] and summary["parts_failed"] == []
         assert summary["members"] == urls and summary["seconds"] < 10.0
         assert summary["bytes_sent"] <= bound, (summary["bytes_sent"], bound)
-    print(f"\nfp32 round, P={P}, k={k}: bytes_sent per member {[s['bytes_sent'] for s in summaries]}, bound {bound:.0f}")
+    print(
+        f"\nfp32 round, P={P}, k={k}: bytes_sent per member {[s['bytes_sent'] for s in summaries]}, bound {bound:.0f}"
+    )
     assert all(s["rounds_completed"] == 1 for s in [await status_of(http_session, u) for u in urls])
 
     # The next round with no new samples: equal (epsilon) weights of equal vectors changes nothing.
@@ -148,7 +152,9 @@ async def test_int8_round_leaves_members_identical_and_close_to_the_mean(serve, 
     assert rel_error < 0.02, rel_error
     P = before[0].numel()
     assert all(s["ok"] and s["bytes_sent"] <= 1.1 * 2 * P * 2 / 3 * 1.01 for s in summaries)  # ~1 byte a value
-    print(f"\nint8 round, P={P}: relative error {rel_error:.4f}, bytes_sent per member {[s['bytes_sent'] for s in summaries]}")
+    print(
+        f"\nint8 round, P={P}: relative error {rel_error:.4f}, bytes_sent per member {[s['bytes_sent'] for s in summaries]}"
+    )
 
 
 # --------------------------------------------------------------------------- failures
@@ -254,7 +260,15 @@ async def test_member_of_another_stage_refuses_and_is_left_out(serve, http_sessi
 
 # --------------------------------------------------------------------------- bad input
 def start_msg(url, **overrides):
-    return {"round_id": "r1", "stage": STAGE, "members": [url, "http://127.0.0.1:9"], "index": 0, "codec": "fp32", "timeout_s": 2.0, **overrides}
+    return {
+        "round_id": "r1",
+        "stage": STAGE,
+        "members": [url, "http://127.0.0.1:9"],
+        "index": 0,
+        "codec": "fp32",
+        "timeout_s": 2.0,
+        **overrides,
+    }
 
 
 def part_msg(values, **overrides):
@@ -303,7 +317,9 @@ async def test_bad_requests_are_refused_and_leave_the_weights_alone(serve, http_
         part_msg(half, data=encode_tensor(torch.tensor([1.0, math.inf]), "fp32")),
     ]:
         await expect_error(http_session, part, bad, 400)
-    await expect_error(http_session, part, part_msg(half, round_id="r0/retry-1", part=1), 409)  # retry of an unknown round
+    await expect_error(
+        http_session, part, part_msg(half, round_id="r0/retry-1", part=1), 409
+    )  # retry of an unknown round
     await expect_error(http_session, result, {"round_id": "r0"}, 400)
     await expect_error(http_session, result, {"round_id": "r0", "part": 0}, 409)
     assert app[RUNTIME].version == 0 and torch.equal(await params_of(app), before)
@@ -361,10 +377,28 @@ async def test_the_coordinator_runs_rounds_and_its_metrics_show_it_moves_no_tens
     from services.coordinator.app import create_app as create_coordinator
 
     _, _, urls = await replicas(serve, [1, 2, 3], [10, 20, 30])
-    settings = CoordinatorSettings(run_id="test", num_stages=4, heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator="", average_every_s=0.2, averaging_timeout_s=10.0, rebalance_every_s=0)
+    settings = CoordinatorSettings(
+        run_id="test",
+        num_stages=4,
+        heartbeat_s=60.0,
+        state_db=":memory:",
+        mdns=False,
+        coordinator="",
+        average_every_s=0.2,
+        averaging_timeout_s=10.0,
+        rebalance_every_s=0,
+    )
     _, coordinator = await serve(create_coordinator(settings))
     for i, url in enumerate(urls):
-        body = {"run_id": "test", "server_id": f"r{i}", "stage": STAGE, "url": url, "version": "t", "throughput": 1.0, "queue_length": 0}
+        body = {
+            "run_id": "test",
+            "server_id": f"r{i}",
+            "stage": STAGE,
+            "url": url,
+            "version": "t",
+            "throughput": 1.0,
+            "queue_length": 0,
+        }
         async with http_session.post(coordinator + "/register", json=body) as resp:
             assert resp.status == 200
 
@@ -394,18 +428,40 @@ async def test_post_average_runs_a_pass_now_and_answers_when_it_ended(serve, htt
     _, _, (lone,) = await replicas(serve, [9], [5])  # a second stage would be skipped: one replica
     before = [await params_of(app) for app in apps]
     expected = weighted_mean(before, samples)
-    settings = CoordinatorSettings(run_id="test", num_stages=4, heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator="", average_every_s=0, averaging_timeout_s=10.0, rebalance_every_s=0)
+    settings = CoordinatorSettings(
+        run_id="test",
+        num_stages=4,
+        heartbeat_s=60.0,
+        state_db=":memory:",
+        mdns=False,
+        coordinator="",
+        average_every_s=0,
+        averaging_timeout_s=10.0,
+        rebalance_every_s=0,
+    )
     _, coordinator = await serve(create_coordinator(settings))
     for i, (url, stage) in enumerate([(urls[0], STAGE), (urls[1], STAGE), (lone, STAGE + 1)]):
-        body = {"run_id": "test", "server_id": f"r{i}", "stage": stage, "url": url, "version": "t", "throughput": 1.0, "queue_length": 0}
+        body = {
+            "run_id": "test",
+            "server_id": f"r{i}",
+            "stage": stage,
+            "url": url,
+            "version": "t",
+            "throughput": 1.0,
+            "queue_length": 0,
+        }
         async with http_session.post(coordinator + "/register", json=body) as resp:
             assert resp.status == 200
-    assert [(await status_of(http_session, u))["rounds_completed"] for u in urls] == [0, 0], "average_every_s=0 runs no round by itself"
+    assert [(await status_of(http_session, u))["rounds_completed"] for u in urls] == [0, 0], (
+        "average_every_s=0 runs no round by itself"
+    )
 
     async with http_session.post(coordinator + "/average", json={}, timeout=aiohttp.ClientTimeout(total=30)) as resp:
         assert resp.status == 200
         (rnd,) = (await resp.json())["rounds"]
-    assert rnd["stage"] == STAGE and sorted(rnd["members"]) == sorted(urls) and rnd["accepted"] == 2 and rnd["ended"] == 2
+    assert (
+        rnd["stage"] == STAGE and sorted(rnd["members"]) == sorted(urls) and rnd["accepted"] == 2 and rnd["ended"] == 2
+    )
     for app in apps:  # answered after the round ended: no polling needed here
         assert (await params_of(app) - expected).abs().max().item() <= 1e-6
     assert [(await status_of(http_session, u))["last_round"]["round_id"] for u in urls] == [rnd["round_id"]] * 2

@@ -50,15 +50,36 @@ async def serve():
 
 async def run_swarm(serve, http_session, aggregator: str) -> dict:
     """Train; returns the held-out losses after every ROUNDS-th part of the run."""
-    coordinator = await serve(create_coordinator(CoordinatorSettings(
-        run_id="test", num_stages=1, heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator="",
-        average_every_s=0, step_timeout_s=10.0, rebalance_every_s=0, averaging_aggregator=aggregator,
-    )))  # fmt: skip
+    coordinator = await serve(
+        create_coordinator(
+            CoordinatorSettings(
+                run_id="test",
+                num_stages=1,
+                heartbeat_s=60.0,
+                state_db=":memory:",
+                mdns=False,
+                coordinator="",
+                average_every_s=0,
+                step_timeout_s=10.0,
+                rebalance_every_s=0,
+                averaging_aggregator=aggregator,
+            )
+        )
+    )
     apps, urls = [], []
     for i in range(4):
         port = free_port()  # the URL it registers is the one it listens at
-        settings = stage_settings(0, num_stages=1, global_batch=32, warmup_steps=0, lr=1e-3, coordinator=coordinator, heartbeat_s=60.0, port=port,
-                                  inject_byzantine="sign_flip" if i == 3 else "")  # fmt: skip
+        settings = stage_settings(
+            0,
+            num_stages=1,
+            global_batch=32,
+            warmup_steps=0,
+            lr=1e-3,
+            coordinator=coordinator,
+            heartbeat_s=60.0,
+            port=port,
+            inject_byzantine="sign_flip" if i == 3 else "",
+        )
         app = create_app(settings)
         apps.append(app)
         urls.append(await serve(app, port))
@@ -69,8 +90,12 @@ async def run_swarm(serve, http_session, aggregator: str) -> dict:
         record_digests(app[RUNTIME], digests)
 
     batcher = ByteBatcher(load_corpus(None), 64, 8, seed=0)
-    clients = [PipelineClient(http_session, balancer_for([[url]]), run_id="test", codec="fp32") for url in urls]  # each step: a microbatch on every replica
-    evaluate = PipelineClient(http_session, balancer_for([urls[:1]]), run_id="test", codec="fp32")  # an honest replica's view
+    clients = [
+        PipelineClient(http_session, balancer_for([[url]]), run_id="test", codec="fp32") for url in urls
+    ]  # each step: a microbatch on every replica
+    evaluate = PipelineClient(
+        http_session, balancer_for([urls[:1]]), run_id="test", codec="fp32"
+    )  # an honest replica's view
 
     async def held_out() -> float:
         losses = [await evaluate.evaluate(batcher.microbatch(i, split="eval"), seed=0) for i in range(4)]
@@ -84,7 +109,9 @@ async def run_swarm(serve, http_session, aggregator: str) -> dict:
         losses.append(await held_out())
     steps = [app[RUNTIME].step for app in apps]
     assert steps == [ROUNDS * MICROBATCHES_PER_ROUND * 8 // 32] * 4, steps
-    assert sorted(digests) == list(range(1, steps[0] + 1)) and all(len(set(d)) == 1 and len(d) == 3 for d in digests.values()), "honest replicas differ after a step"
+    assert sorted(digests) == list(range(1, steps[0] + 1)) and all(
+        len(set(d)) == 1 and len(d) == 3 for d in digests.values()
+    ), "honest replicas differ after a step"
     return {"losses": losses}
 
 

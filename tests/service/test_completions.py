@@ -53,8 +53,19 @@ class Swarm:
 
 def coordinator_settings(**overrides) -> CoordinatorSettings:
     """Every field that matters given, so SWARM_* variables cannot leak in."""
-    base = dict(run_id=RUN_ID, num_stages=4, heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator="", average_every_s=0, rebalance_every_s=0,
-                tokenizer="", max_generations=4, secret="")  # fmt: skip
+    base = dict(
+        run_id=RUN_ID,
+        num_stages=4,
+        heartbeat_s=60.0,
+        state_db=":memory:",
+        mdns=False,
+        coordinator="",
+        average_every_s=0,
+        rebalance_every_s=0,
+        tokenizer="",
+        max_generations=4,
+        secret="",
+    )
     return CoordinatorSettings(**{**base, **overrides})
 
 
@@ -75,7 +86,15 @@ async def start_swarm(start_stages):
         url = "http://127.0.0.1:%d" % runner.addresses[0][1]
         async with swarm_session(settings) as http:  # signed, as the servers' own registrations
             for s, (group,) in enumerate(urls) if register else ():
-                body = {"run_id": RUN_ID, "server_id": f"s{s}", "stage": s, "url": group, "version": "t", "throughput": 1.0, "queue_length": 0}
+                body = {
+                    "run_id": RUN_ID,
+                    "server_id": f"s{s}",
+                    "stage": s,
+                    "url": group,
+                    "version": "t",
+                    "throughput": 1.0,
+                    "queue_length": 0,
+                }
                 async with http.post(url + "/register", json=body) as resp:
                     assert resp.status == 200, await resp.text()
         return Swarm(url, app, [a for group in apps for a in group])
@@ -85,13 +104,17 @@ async def start_swarm(start_stages):
         await runner.cleanup()
 
 
-async def greedy(prompt: str, max_tokens: int, stop: tuple[str, ...] = (), *, preset: str = "tiny", tokenizer=None) -> tuple[str, str, int]:
+async def greedy(
+    prompt: str, max_tokens: int, stop: tuple[str, ...] = (), *, preset: str = "tiny", tokenizer=None
+) -> tuple[str, str, int]:
     """(text, finish_reason, tokens) of greedy decoding by the whole model (seed 0) in this process."""
     tokenizer = tokenizer or ByteTokenizer()
     ids = tokenizer.encode_batch([prompt])[0]
     session = LocalSession(build_model(config_from_preset(preset), seed=0), len(ids) + max_tokens)
     text, tokens = TextStream(tokenizer.decode, stop), []
-    async for token in generate(session.step, ids, SamplingParams(max_tokens=max_tokens, stop=stop), eos_id=tokenizer.eos_id):
+    async for token in generate(
+        session.step, ids, SamplingParams(max_tokens=max_tokens, stop=stop), eos_id=tokenizer.eos_id
+    ):
         tokens.append(token)
         text.push(token)
         if text.stopped:
@@ -119,10 +142,21 @@ async def test_the_openai_client_gets_the_greedy_text_of_the_model_in_one_proces
         done = await client.completions.create(model=RUN_ID, prompt=PROMPT, max_tokens=12, temperature=0)
         assert done.object == "text_completion" and done.model == RUN_ID
         assert (done.choices[0].text, done.choices[0].finish_reason) == (expected, finish)
-        assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (len(PROMPT), tokens, len(PROMPT) + tokens)
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (
+            len(PROMPT),
+            tokens,
+            len(PROMPT) + tokens,
+        )
         assert swarm.open_sessions() == 0  # closed before the answer went out
 
-        stream = await client.completions.create(model=RUN_ID, prompt=[PROMPT], max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True})
+        stream = await client.completions.create(
+            model=RUN_ID,
+            prompt=[PROMPT],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = [chunk async for chunk in stream]
         texts = [c for c in chunks if c.choices]
         assert len(texts) >= 3 and "".join(c.choices[0].text for c in texts) == expected
@@ -133,7 +167,11 @@ async def test_the_openai_client_gets_the_greedy_text_of_the_model_in_one_proces
         stop = expected[2:4]
         stopped, stop_finish, _ = await greedy(PROMPT, 12, (stop,))
         done = await client.completions.create(model=RUN_ID, prompt=PROMPT, max_tokens=12, temperature=0, stop=stop)
-        assert (done.choices[0].text, done.choices[0].finish_reason) == (stopped, stop_finish) == (expected[: expected.index(stop)], "stop")
+        assert (
+            (done.choices[0].text, done.choices[0].finish_reason)
+            == (stopped, stop_finish)
+            == (expected[: expected.index(stop)], "stop")
+        )
 
         # chat: the plain-text template, the answer ending at the next user turn
         chat_expected, chat_finish, _ = await greedy("system: Be brief.\nuser: Hello\nassistant:", 12, ("\nuser:",))
@@ -141,13 +179,24 @@ async def test_the_openai_client_gets_the_greedy_text_of_the_model_in_one_proces
         chat = await client.chat.completions.create(model=RUN_ID, messages=messages, max_tokens=12, temperature=0)
         assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
         assert (chat.choices[0].message.content, chat.choices[0].finish_reason) == (chat_expected, chat_finish)
-        stream = await client.chat.completions.create(model=RUN_ID, messages=messages, max_tokens=12, temperature=0, stream=True)
+        stream = await client.chat.completions.create(
+            model=RUN_ID, messages=messages, max_tokens=12, temperature=0, stream=True
+        )
         chunks = [chunk async for chunk in stream]
         assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == chat_finish
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat_expected
 
         # sampling with a seed is reproducible
-        sampled = [(await client.completions.create(model=RUN_ID, prompt=PROMPT, max_tokens=8, temperature=1.0, top_p=0.9, seed=11)).choices[0].text for _ in range(2)]
+        sampled = [
+            (
+                await client.completions.create(
+                    model=RUN_ID, prompt=PROMPT, max_tokens=8, temperature=1.0, top_p=0.9, seed=11
+                )
+            )
+            .choices[0]
+            .text
+            for _ in range(2)
+        ]
         assert sampled[0] == sampled[1]
     finally:
         await client.close()
@@ -155,7 +204,10 @@ async def test_the_openai_client_gets_the_greedy_text_of_the_model_in_one_proces
 
 
 async def test_a_bpe_tokenizer_from_swarm_tokenizer_serves_a_llama(start_swarm, tmp_path):
-    documents = ["To be, or not to be, that is the question.", "ROMEO: But soft, what light through yonder window breaks?"] * 20
+    documents = [
+        "To be, or not to be, that is the question.",
+        "ROMEO: But soft, what light through yonder window breaks?",
+    ] * 20
     tokenizer = train_bpe(documents, 300, tmp_path / "tokenizer")
     swarm = await start_swarm(stage={"model": "llama-tiny"}, tokenizer=str(tmp_path / "tokenizer"))
     expected, finish, tokens = await greedy("ROMEO: But", 10, preset="llama-tiny", tokenizer=tokenizer)
@@ -164,7 +216,11 @@ async def test_a_bpe_tokenizer_from_swarm_tokenizer_serves_a_llama(start_swarm, 
         done = await client.completions.create(model=RUN_ID, prompt="ROMEO: But", max_tokens=10, temperature=0)
     finally:
         await client.close()
-    assert (done.choices[0].text, done.choices[0].finish_reason, done.usage.completion_tokens) == (expected, finish, tokens)
+    assert (done.choices[0].text, done.choices[0].finish_reason, done.usage.completion_tokens) == (
+        expected,
+        finish,
+        tokens,
+    )
     assert done.usage.prompt_tokens == len(tokenizer.encode("ROMEO: But")) < len("ROMEO: But")
 
 
@@ -177,8 +233,19 @@ async def test_curl_gets_server_sent_events_ending_with_done(start_swarm):
     swarm = await start_swarm()
     expected, _, _ = await greedy(PROMPT, 8)
     body = json.dumps({"model": RUN_ID, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True})
-    proc = await asyncio.create_subprocess_exec(curl, "-sN", "--max-time", "60", "-H", "Content-Type: application/json", "-d", body, swarm.url + "/v1/completions",
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        curl,
+        "-sN",
+        "--max-time",
+        "60",
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        body,
+        swarm.url + "/v1/completions",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), 90)
     finally:
@@ -191,10 +258,18 @@ async def test_curl_gets_server_sent_events_ending_with_done(start_swarm):
     assert all(e.startswith("data: ") and "\n" not in e for e in events[:-1])
     chunks = [json.loads(e[len("data: ") :]) for e in events[:-2]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected
-    assert {c["object"] for c in chunks} == {"text_completion"} and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert {c["object"] for c in chunks} == {"text_completion"} and chunks[-1]["choices"][0][
+        "finish_reason"
+    ] == "length"
 
 
-async def expect_error(resp: aiohttp.ClientResponse, status: int, param: str | None = None, code: str | None = None, kind: str | None = None) -> dict:
+async def expect_error(
+    resp: aiohttp.ClientResponse,
+    status: int,
+    param: str | None = None,
+    code: str | None = None,
+    kind: str | None = None,
+) -> dict:
     body = await resp.json()
     assert resp.status == status, body
     error = body["error"]
@@ -215,12 +290,28 @@ async def test_bad_requests_get_openai_errors(start_swarm, http_session):
     error = await expect_error(await post({**ok, "max_tokens": 128 - len(PROMPT) + 1}), 400, "max_tokens")
     assert f"[1, {128 - len(PROMPT)}]" in error["message"]
     await expect_error(await post({**ok, "prompt": "x" * 128}), 400, "prompt", "context_length_exceeded")
-    await expect_error(await http_session.post(url, data=b'{"model": "test", "prompt": ', headers={"Content-Type": "application/json"}), 400, None, "invalid_json")
-    await expect_error(await http_session.post(url, data=b"[1, 2]", headers={"Content-Type": "application/json"}), 400, None, "invalid_json")
+    await expect_error(
+        await http_session.post(
+            url, data=b'{"model": "test", "prompt": ', headers={"Content-Type": "application/json"}
+        ),
+        400,
+        None,
+        "invalid_json",
+    )
+    await expect_error(
+        await http_session.post(url, data=b"[1, 2]", headers={"Content-Type": "application/json"}),
+        400,
+        None,
+        "invalid_json",
+    )
     await expect_error(await post({"model": RUN_ID}), 400, "prompt")
     await expect_error(await post({**ok, "prompt": [1, 2, 3]}), 400, "prompt")
     await expect_error(await post({"model": RUN_ID}, "/v1/chat/completions"), 400, "messages")
-    await expect_error(await post({"model": RUN_ID, "messages": [{"role": "robot", "content": "hi"}]}, "/v1/chat/completions"), 400, "messages[0].role")
+    await expect_error(
+        await post({"model": RUN_ID, "messages": [{"role": "robot", "content": "hi"}]}, "/v1/chat/completions"),
+        400,
+        "messages[0].role",
+    )
     await expect_error(await post({**ok, "n": 2}), 400, "n")
     await expect_error(await post({**ok, "echo": True}), 400, "echo")
     await expect_error(await post({**ok, "temperature": 2.5}), 400, "temperature")
@@ -238,7 +329,9 @@ async def test_without_replicas_or_a_tokenizer_the_api_answers_503(start_swarm, 
     resp = await http_session.post(swarm.url + "/v1/completions", json={"model": RUN_ID, "prompt": PROMPT})
     error = await expect_error(resp, 503, None, "no_replicas")
     assert "no live replica" in error["message"]
-    swarm = await start_swarm(stage={"model": "llama-tiny"})  # a vocabulary of 2048: bytes do not fit, and no SWARM_TOKENIZER
+    swarm = await start_swarm(
+        stage={"model": "llama-tiny"}
+    )  # a vocabulary of 2048: bytes do not fit, and no SWARM_TOKENIZER
     resp = await http_session.post(swarm.url + "/v1/completions", json={"model": RUN_ID, "prompt": PROMPT})
     error = await expect_error(resp, 503, None, "no_tokenizer")
     assert "SWARM_TOKENIZER" in error["message"]
@@ -248,9 +341,18 @@ async def test_with_a_secret_the_api_wants_it_as_the_bearer_token(start_swarm, h
     swarm = await start_swarm(secret=SECRET)
     body = {"model": RUN_ID, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
     for headers in ({}, {"Authorization": "Bearer wrong-secret-of-some-length"}, {"Authorization": f"Basic {SECRET}"}):
-        await expect_error(await http_session.post(swarm.url + "/v1/completions", json=body, headers=headers), 401, None, "invalid_api_key")
-        await expect_error(await http_session.get(swarm.url + "/v1/models", headers=headers), 401, None, "invalid_api_key")
-    resp = await http_session.post(swarm.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {SECRET}"})
+        await expect_error(
+            await http_session.post(swarm.url + "/v1/completions", json=body, headers=headers),
+            401,
+            None,
+            "invalid_api_key",
+        )
+        await expect_error(
+            await http_session.get(swarm.url + "/v1/models", headers=headers), 401, None, "invalid_api_key"
+        )
+    resp = await http_session.post(
+        swarm.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {SECRET}"}
+    )
     assert resp.status == 200, await resp.text()
     assert (await resp.json())["choices"][0]["text"] == (await greedy(PROMPT, 6))[0]
     client = client_of(swarm, api_key=SECRET)
@@ -259,7 +361,9 @@ async def test_with_a_secret_the_api_wants_it_as_the_bearer_token(start_swarm, h
     finally:
         await client.close()
     # the rest of the coordinator still wants the swarm's signature; the dashboard stays open
-    resp = await http_session.post(swarm.url + "/register", json={"run_id": RUN_ID}, headers={"Authorization": f"Bearer {SECRET}"})
+    resp = await http_session.post(
+        swarm.url + "/register", json={"run_id": RUN_ID}, headers={"Authorization": f"Bearer {SECRET}"}
+    )
     assert resp.status == 401 and (await resp.json())["error"]["code"] == "unauthorized"
     assert (await http_session.get(swarm.url + "/")).status == 200
 
@@ -281,24 +385,43 @@ async def test_generations_past_the_limit_get_429_and_a_client_that_goes_away_fr
             assert busy.headers["Retry-After"] == "1"
 
             resp.close()  # the client goes away mid-stream
-            await wait_for(lambda: swarm.app[COMPLETIONS].active == 0 and swarm.open_sessions() == 0, "the generation to end and close its sessions")
-            assert sum(app[SESSIONS].closed for app in swarm.stages) == 4  # closed by the coordinator, not by their idle TTL
+            await wait_for(
+                lambda: swarm.app[COMPLETIONS].active == 0 and swarm.open_sessions() == 0,
+                "the generation to end and close its sessions",
+            )
+            assert (
+                sum(app[SESSIONS].closed for app in swarm.stages) == 4
+            )  # closed by the coordinator, not by their idle TTL
 
             with pytest.raises(asyncio.TimeoutError):  # a client of a whole answer that stops waiting
-                await second.post(swarm.url + "/v1/completions", json={**body, "stream": False}, timeout=aiohttp.ClientTimeout(total=0.5))
-            await wait_for(lambda: swarm.app[COMPLETIONS].active == 0 and swarm.open_sessions() == 0, "the second generation to end and close its sessions")
+                await second.post(
+                    swarm.url + "/v1/completions",
+                    json={**body, "stream": False},
+                    timeout=aiohttp.ClientTimeout(total=0.5),
+                )
+            await wait_for(
+                lambda: swarm.app[COMPLETIONS].active == 0 and swarm.open_sessions() == 0,
+                "the second generation to end and close its sessions",
+            )
             assert sum(app[SESSIONS].closed for app in swarm.stages) == 8
     done = [e for e in logs if e["event"] == "completion.done"]
     assert [(e["finish_reason"], e["stream"]) for e in done] == [("client_gone", True), ("client_gone", False)], done
     assert all(e["completion_tokens"] < 100 for e in done), done
 
 
-async def test_a_failed_generation_answers_503_before_the_stream_and_an_error_event_within_it(start_swarm, http_session):
+async def test_a_failed_generation_answers_503_before_the_stream_and_an_error_event_within_it(
+    start_swarm, http_session
+):
     # every stage refuses sessions larger than 1 KiB (400): the generation cannot start
     swarm = await start_swarm(stage={"session_max_mb": 1 / 1024})
     body = {"model": RUN_ID, "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
     for stream in (False, True):
-        error = await expect_error(await http_session.post(swarm.url + "/v1/completions", json={**body, "stream": stream}), 503, None, "generation_failed")
+        error = await expect_error(
+            await http_session.post(swarm.url + "/v1/completions", json={**body, "stream": stream}),
+            503,
+            None,
+            "generation_failed",
+        )
         assert "SWARM_SESSION_MAX_MB" in error["message"]
 
     # the stream has begun when stage 2 loses its sessions and refuses new ones: an error event ends it
@@ -311,4 +434,7 @@ async def test_a_failed_generation_answers_503_before_the_stream_and_an_error_ev
     assert events[-1].startswith("data: {") and "[DONE]" not in events[-1]
     error = json.loads(events[-1][len("data: ") :])["error"]
     assert set(error) == ERROR_FIELDS and (error["type"], error["code"]) == ("server_error", "generation_failed")
-    await wait_for(lambda: swarm.app[COMPLETIONS].active == 0 and swarm.open_sessions() == 0, "the failed generation to close its sessions")
+    await wait_for(
+        lambda: swarm.app[COMPLETIONS].active == 0 and swarm.open_sessions() == 0,
+        "the failed generation to close its sessions",
+    )

@@ -35,9 +35,17 @@ class FakeClock:
 def settings(**overrides) -> CoordinatorSettings:
     """Every field that matters given explicitly, so SWARM_* variables cannot leak in."""
     fields = dict(
-        run_id=RUN_ID, num_stages=4, heartbeat_s=HEARTBEAT_S, lease_heartbeats=3, max_servers=4096,
-        state_db=":memory:", mdns=False, coordinator="", average_every_s=0, rebalance_every_s=0,
-    )  # fmt: skip
+        run_id=RUN_ID,
+        num_stages=4,
+        heartbeat_s=HEARTBEAT_S,
+        lease_heartbeats=3,
+        max_servers=4096,
+        state_db=":memory:",
+        mdns=False,
+        coordinator="",
+        average_every_s=0,
+        rebalance_every_s=0,
+    )
     return CoordinatorSettings(**{**fields, **overrides})
 
 
@@ -53,7 +61,9 @@ async def start(aiohttp_client, clock):
 
     async def _start(**overrides):
         s = settings(**overrides)
-        reg = Registry(":memory:", num_stages=s.num_stages, heartbeat_s=s.heartbeat_s, max_servers=s.max_servers, clock=clock)
+        reg = Registry(
+            ":memory:", num_stages=s.num_stages, heartbeat_s=s.heartbeat_s, max_servers=s.max_servers, clock=clock
+        )
         registries.append(reg)
         return await aiohttp_client(create_app(s, reg)), reg
 
@@ -63,7 +73,15 @@ async def start(aiohttp_client, clock):
 
 
 def server(n: int = 1, stage: int = 0, **overrides) -> dict:
-    body = dict(run_id=RUN_ID, server_id=f"s{n}", stage=stage, url=f"http://127.0.0.1{n}:8100", version="0.1.0", throughput=1.0, queue_length=0)
+    body = dict(
+        run_id=RUN_ID,
+        server_id=f"s{n}",
+        stage=stage,
+        url=f"http://127.0.0.1{n}:8100",
+        version="0.1.0",
+        throughput=1.0,
+        queue_length=0,
+    )
     return {**body, **overrides}
 
 
@@ -90,19 +108,40 @@ async def test_register_heartbeat_deregister_round_trip(start, clock):
         body = await ok(await client.post("/register", json=server(1, stage=2, throughput=4.0)))
         assert body == {"server_id": "s1", "stage": 2, "heartbeat_s": HEARTBEAT_S, "lease_s": LEASE_S}
         clock.now += 1.5
-        assert await ok(await client.post("/heartbeat", json={"server_id": "s1", "throughput": 5.0, "queue_length": 3})) == {"lease_s": LEASE_S}
+        assert await ok(
+            await client.post("/heartbeat", json={"server_id": "s1", "throughput": 5.0, "queue_length": 3})
+        ) == {"lease_s": LEASE_S}
         clock.now += 0.5
         swarm = await ok(await client.get("/swarm"))
         assert await ok(await client.post("/deregister", json={"server_id": "s1"})) == {"removed": True}
         assert await ok(await client.post("/deregister", json={"server_id": "s1"})) == {"removed": False}
-    assert (swarm["run_id"], swarm["num_stages"], swarm["heartbeat_s"], swarm["lease_s"]) == (RUN_ID, 4, HEARTBEAT_S, LEASE_S)
+    assert (swarm["run_id"], swarm["num_stages"], swarm["heartbeat_s"], swarm["lease_s"]) == (
+        RUN_ID,
+        4,
+        HEARTBEAT_S,
+        LEASE_S,
+    )
     assert [s["capacity"] for s in swarm["stages"]] == [0.0, 0.0, 5.0, 0.0]
     assert swarm["stages"][2]["replicas"] == [
-        {"server_id": "s1", "url": "http://127.0.0.11:8100", "version": "0.1.0", "throughput": 5.0, "queue_length": 3, "lease_age_s": 0.5, "registered_at": T0, "rtt_ms": {}, "region": ""}
+        {
+            "server_id": "s1",
+            "url": "http://127.0.0.11:8100",
+            "version": "0.1.0",
+            "throughput": 5.0,
+            "queue_length": 3,
+            "lease_age_s": 0.5,
+            "registered_at": T0,
+            "rtt_ms": {},
+            "region": "",
+        }
     ]
     assert reg.live() == []
     events = [(e["event"], e.get("server_id"), e.get("removed")) for e in logs if e["event"].startswith("registry.")]
-    assert events == [("registry.registered", "s1", None), ("registry.deregistered", "s1", True), ("registry.deregistered", "s1", False)]
+    assert events == [
+        ("registry.registered", "s1", None),
+        ("registry.deregistered", "s1", True),
+        ("registry.deregistered", "s1", False),
+    ]
 
 
 async def test_swarm_orders_replicas_by_url_and_ignores_unknown_fields(start):
@@ -115,13 +154,27 @@ async def test_swarm_orders_replicas_by_url_and_ignores_unknown_fields(start):
 
 async def test_servers_report_region_and_workload_for_placement(start):
     client, reg = await start()
-    await ok(await client.post("/register", json=server(1, stage=2, region="Oregon", workload={"parameters": 1000, "samples_per_step": 16})))
+    await ok(
+        await client.post(
+            "/register", json=server(1, stage=2, region="Oregon", workload={"parameters": 1000, "samples_per_step": 16})
+        )
+    )
     assert reg.reports["s1"] == ServerReport("Oregon", 1000, 16, 0.0)
     beat = {"server_id": "s1", "throughput": 2.0, "queue_length": 0, "region": "Oregon"}
-    await ok(await client.post("/heartbeat", json={**beat, "workload": {"parameters": 1000, "samples_per_step": 16, "activation_bytes_per_sample": 4096.5}}))
+    await ok(
+        await client.post(
+            "/heartbeat",
+            json={
+                **beat,
+                "workload": {"parameters": 1000, "samples_per_step": 16, "activation_bytes_per_sample": 4096.5},
+            },
+        )
+    )
     assert reg.reports["s1"] == ServerReport("Oregon", 1000, 16, 4096.5)
     assert (await ok(await client.get("/swarm")))["stages"][2]["replicas"][0]["region"] == "Oregon"
-    await ok(await client.post("/heartbeat", json={"server_id": "s1", "throughput": 2.0, "queue_length": 0}))  # an old server: report kept
+    await ok(
+        await client.post("/heartbeat", json={"server_id": "s1", "throughput": 2.0, "queue_length": 0})
+    )  # an old server: report kept
     assert reg.reports["s1"].activation_bytes_per_sample == 4096.5
     await ok(await client.post("/deregister", json={"server_id": "s1"}))
     assert reg.reports == {}
@@ -140,12 +193,21 @@ async def test_assign_picks_the_weakest_stage(start):
 
 async def test_health_counts_live_servers(start, clock):
     client, _ = await start()
-    assert {k: v for k, v in (await ok(await client.get("/health"))).items() if k != "traffic"} == {"status": "ok", "servers": 0}
+    assert {k: v for k, v in (await ok(await client.get("/health"))).items() if k != "traffic"} == {
+        "status": "ok",
+        "servers": 0,
+    }
     await ok(await client.post("/register", json=server(1)))
     await ok(await client.post("/register", json=server(2)))
-    assert {k: v for k, v in (await ok(await client.get("/health"))).items() if k != "traffic"} == {"status": "ok", "servers": 2}
+    assert {k: v for k, v in (await ok(await client.get("/health"))).items() if k != "traffic"} == {
+        "status": "ok",
+        "servers": 2,
+    }
     clock.now += LEASE_S + 0.1
-    assert {k: v for k, v in (await ok(await client.get("/health"))).items() if k != "traffic"} == {"status": "ok", "servers": 0}
+    assert {k: v for k, v in (await ok(await client.get("/health"))).items() if k != "traffic"} == {
+        "status": "ok",
+        "servers": 0,
+    }
 
 
 async def test_reregister_replaces_the_row(start):
@@ -203,17 +265,30 @@ async def test_state_survives_a_restart(aiohttp_client, tmp_path):
 # --------------------------------------------------------------------------- refusals
 
 BAD_REGISTER = [
-    ({"server_id": "a b"}, "server_id"), ({"server_id": None}, "server_id"), ({"stage": "1"}, "stage"),
-    ({"url": "ftp://x"}, "url"), ({"url": 5}, "url"), ({"version": ["1"]}, "version"),
-    ({"throughput": -1}, "throughput"), ({"throughput": "fast"}, "throughput"),
-    ({"queue_length": -3}, "queue_length"), ({"queue_length": 0.5}, "queue_length"), ({"run_id": 7}, "run_id"),
-    ({"region": "Tokyo 2"}, "region"), ({"region": 5}, "region"), ({"region": "x" * 65}, "region"),
-    ({"workload": [1]}, "workload"), ({"workload": {"parameters": -1}}, "workload.parameters"),
-    ({"workload": {"parameters": 1.5}}, "workload.parameters"), ({"workload": {"samples_per_step": "32"}}, "workload.samples_per_step"),
+    ({"server_id": "a b"}, "server_id"),
+    ({"server_id": None}, "server_id"),
+    ({"stage": "1"}, "stage"),
+    ({"url": "ftp://x"}, "url"),
+    ({"url": 5}, "url"),
+    ({"version": ["1"]}, "version"),
+    ({"throughput": -1}, "throughput"),
+    ({"throughput": "fast"}, "throughput"),
+    ({"queue_length": -3}, "queue_length"),
+    ({"queue_length": 0.5}, "queue_length"),
+    ({"run_id": 7}, "run_id"),
+    ({"region": "Tokyo 2"}, "region"),
+    ({"region": 5}, "region"),
+    ({"region": "x" * 65}, "region"),
+    ({"workload": [1]}, "workload"),
+    ({"workload": {"parameters": -1}}, "workload.parameters"),
+    ({"workload": {"parameters": 1.5}}, "workload.parameters"),
+    ({"workload": {"samples_per_step": "32"}}, "workload.samples_per_step"),
     ({"workload": {"activation_bytes_per_sample": float("nan")}}, "workload.activation_bytes_per_sample"),
     ({"workload": {"activation_bytes_per_sample": -1.0}}, "workload.activation_bytes_per_sample"),
-    ({"step": -1}, "step"), ({"step": 1.0}, "step"), ({"step": "3"}, "step"),
-]  # fmt: skip
+    ({"step": -1}, "step"),
+    ({"step": 1.0}, "step"),
+    ({"step": "3"}, "step"),
+]
 
 
 @pytest.fixture
@@ -221,7 +296,11 @@ async def populated(start):
     """A coordinator with two servers, and a function that asserts its registry is as it was."""
     client, reg = await start(max_servers=2)
     await ok(await client.post("/register", json=server(1, stage=0)))
-    await ok(await client.post("/register", json=server(2, stage=1, region="Tokyo", workload={"parameters": 10, "samples_per_step": 32})))
+    await ok(
+        await client.post(
+            "/register", json=server(2, stage=1, region="Tokyo", workload={"parameters": 10, "samples_per_step": 32})
+        )
+    )
     before, reports_before, pending_before = reg.view(), dict(reg.reports), reg.pending_joins()
 
     def unchanged():
@@ -262,7 +341,15 @@ async def test_heartbeat_bad_report_is_400(populated, change, field):
     unchanged()
 
 
-@pytest.mark.parametrize("change,field", [({"region": "a/b"}, "region"), ({"rtt_ms": {"http://x:1": -1}}, "rtt_ms"), ({"rtt_ms": [1]}, "rtt_ms"), ({"rtt_ms": {"ftp://x": 1.0}}, "url")])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"region": "a/b"}, "region"),
+        ({"rtt_ms": {"http://x:1": -1}}, "rtt_ms"),
+        ({"rtt_ms": [1]}, "rtt_ms"),
+        ({"rtt_ms": {"ftp://x": 1.0}}, "url"),
+    ],
+)
 async def test_assign_bad_joiner_is_400(populated, change, field):
     client, unchanged = populated
     resp = await client.post("/assign", json={"run_id": RUN_ID, **change})
@@ -317,12 +404,16 @@ async def test_registry_full_is_503(populated):
     unchanged()
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "application/msgpack", "application/x-www-form-urlencoded", None])
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/msgpack", "application/x-www-form-urlencoded", None]
+)
 @pytest.mark.parametrize("path", ["/register", "/assign", "/heartbeat", "/deregister"])
 async def test_wrong_content_type_is_415(populated, path, content_type):
     client, unchanged = populated
     headers = {"Content-Type": content_type} if content_type else {}
-    resp = await client.post(path, data=json.dumps(server(3)).encode(), headers=headers, skip_auto_headers=["Content-Type"])
+    resp = await client.post(
+        path, data=json.dumps(server(3)).encode(), headers=headers, skip_auto_headers=["Content-Type"]
+    )
     await assert_json_error(resp, 415, "unsupported_media_type", "application/json")
     unchanged()
 
@@ -360,7 +451,10 @@ async def test_coordinator_keeps_serving_after_refusals(populated):
     client, _ = populated
     await client.post("/register", data=b"{", headers={"Content-Type": "application/json"})
     await client.post("/register", data=b"x", headers={"Content-Type": "text/plain"})
-    assert {k: v for k, v in (await ok(await client.get("/health"))).items() if k != "traffic"} == {"status": "ok", "servers": 2}
+    assert {k: v for k, v in (await ok(await client.get("/health"))).items() if k != "traffic"} == {
+        "status": "ok",
+        "servers": 2,
+    }
 
 
 # --------------------------------------------------------------------------- start-up

@@ -39,23 +39,41 @@ SEEN = {"statuses": {}}
 
 # --------------------------------------------------------------------------- strategies
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=40), st.binary(max_size=64),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40),
+    st.binary(max_size=64),
 )
-junk = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=10), inner, max_size=4)), max_leaves=12)
+junk = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=10), inner, max_size=4)),
+    max_leaves=12,
+)
 
 
 @st.composite
 def tensors(draw):
     """An encoded tensor, valid or broken in one way."""
-    shape = draw(st.sampled_from([[2, SEQ, 64], [2, SEQ], [1, 1, 64], [2, SEQ, 63], [0, SEQ, 64], [2**31, 2**31], [-1, 4], []]))
-    dtype = draw(st.sampled_from(["float32", "float16", "bfloat16", "int64", "int32", "uint8", "float64", "complex64", "nonsense"]))
+    shape = draw(
+        st.sampled_from([[2, SEQ, 64], [2, SEQ], [1, 1, 64], [2, SEQ, 63], [0, SEQ, 64], [2**31, 2**31], [-1, 4], []])
+    )
+    dtype = draw(
+        st.sampled_from(
+            ["float32", "float16", "bfloat16", "int64", "int32", "uint8", "float64", "complex64", "nonsense"]
+        )
+    )
     values = draw(st.sampled_from(["ok", "nan", "inf", "huge"]))
     codec = draw(st.sampled_from(["fp32", "fp16", "int8", "raw"]))
     n = max(0, math.prod(shape)) if all(isinstance(d, int) and 0 <= d < 4096 for d in shape) else 0
-    base = torch.randn(n) if values == "ok" else torch.full((n,), {"nan": math.nan, "inf": math.inf, "huge": 3e38}[values])
+    base = (
+        torch.randn(n) if values == "ok" else torch.full((n,), {"nan": math.nan, "inf": math.inf, "huge": 3e38}[values])
+    )
     try:
-        enc = encode_tensor(base.reshape([d for d in shape]) if n else torch.zeros(2, SEQ, 64), codec if codec != "raw" else "fp32")
+        enc = encode_tensor(
+            base.reshape([d for d in shape]) if n else torch.zeros(2, SEQ, 64), codec if codec != "raw" else "fp32"
+        )
         enc = dict(enc)
     except Exception:  # noqa: BLE001 - an unencodable shape: send a hand-made header
         enc = {"codec": codec, "dtype": dtype, "shape": shape, "data": b"\x00" * 16}
@@ -79,7 +97,15 @@ def tensors(draw):
 
 def valid_stage_message(*, backward: bool) -> dict:
     h = torch.randn(2, SEQ, 64)
-    msg = {"v": 1, "run_id": "test", "stage": STAGE, "microbatch_id": "mb-1", "seed": 1, "codec": "fp32", "inputs": _plain(encode_tensor(h, "fp32"))}
+    msg = {
+        "v": 1,
+        "run_id": "test",
+        "stage": STAGE,
+        "microbatch_id": "mb-1",
+        "seed": 1,
+        "codec": "fp32",
+        "inputs": _plain(encode_tensor(h, "fp32")),
+    }
     if backward:
         msg["grad_outputs"] = _plain(encode_tensor(torch.randn(2, SEQ, 64), "fp32"))
     return msg
@@ -96,8 +122,26 @@ def stage_bodies(draw, backward: bool):
     msg = valid_stage_message(backward=backward)
     if kind == "mutated":
         for _ in range(draw(st.integers(1, 3))):
-            key = draw(st.sampled_from(["v", "run_id", "stage", "microbatch_id", "seed", "codec", "eval", "inputs", "targets", "grad_outputs", "extra"]))
-            value = draw(tensors()) if key in ("inputs", "targets", "grad_outputs") and draw(st.booleans()) else draw(junk)
+            key = draw(
+                st.sampled_from(
+                    [
+                        "v",
+                        "run_id",
+                        "stage",
+                        "microbatch_id",
+                        "seed",
+                        "codec",
+                        "eval",
+                        "inputs",
+                        "targets",
+                        "grad_outputs",
+                        "extra",
+                    ]
+                )
+            )
+            value = (
+                draw(tensors()) if key in ("inputs", "targets", "grad_outputs") and draw(st.booleans()) else draw(junk)
+            )
             if draw(st.integers(0, 9)) == 0:
                 msg.pop(key, None)
             else:
@@ -114,8 +158,22 @@ def stage_bodies(draw, backward: bool):
 def averaging_bodies(draw):
     path = draw(st.sampled_from(["/average/start", "/average/part", "/average/result"]))
     base = {
-        "/average/start": {"round_id": "r1", "stage": STAGE, "members": ["http://127.0.0.1:9", "http://127.0.0.1:10"], "index": 0, "codec": "fp32", "timeout_s": 0.05, "aggregator": "mean"},
-        "/average/part": {"round_id": "r1", "from": 1, "part": 0, "weight": 3.0, "data": _plain(encode_tensor(torch.randn(10), "fp32"))},
+        "/average/start": {
+            "round_id": "r1",
+            "stage": STAGE,
+            "members": ["http://127.0.0.1:9", "http://127.0.0.1:10"],
+            "index": 0,
+            "codec": "fp32",
+            "timeout_s": 0.05,
+            "aggregator": "mean",
+        },
+        "/average/part": {
+            "round_id": "r1",
+            "from": 1,
+            "part": 0,
+            "weight": 3.0,
+            "data": _plain(encode_tensor(torch.randn(10), "fp32")),
+        },
         "/average/result": {"round_id": "r1", "part": 0},
     }[path]
     msg = dict(base)
@@ -131,11 +189,23 @@ def averaging_bodies(draw):
 def registry_bodies(draw):
     path = draw(st.sampled_from(["/register", "/heartbeat", "/deregister", "/assign", "/progress", "/average"]))
     base = {
-        "/register": {"run_id": "test", "server_id": "fuzz-1", "stage": 0, "url": "http://127.0.0.1:9", "version": "t", "throughput": 1.0, "queue_length": 0},
+        "/register": {
+            "run_id": "test",
+            "server_id": "fuzz-1",
+            "stage": 0,
+            "url": "http://127.0.0.1:9",
+            "version": "t",
+            "throughput": 1.0,
+            "queue_length": 0,
+        },
         "/heartbeat": {"server_id": "fuzz-1", "throughput": 1.0, "queue_length": 0},
         "/deregister": {"server_id": "fuzz-1"},
         "/assign": {"run_id": "test"},
-        "/progress": {"run_id": "test", "trainer_id": "t1", "records": [{"step": 1, "loss": 3.0, "tokens_per_s": 10.0}]},
+        "/progress": {
+            "run_id": "test",
+            "trainer_id": "t1",
+            "records": [{"step": 1, "loss": 3.0, "tokens_per_s": 10.0}],
+        },
         "/average": {},
     }[path]
     msg = dict(base)
@@ -207,7 +277,18 @@ def stage():
 
 @pytest.fixture(scope="module")
 def coordinator():
-    settings = CoordinatorSettings(run_id="test", num_stages=NUM_STAGES, heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator="", average_every_s=0, averaging_timeout_s=0.2, rebalance_every_s=0, max_servers=8)
+    settings = CoordinatorSettings(
+        run_id="test",
+        num_stages=NUM_STAGES,
+        heartbeat_s=60.0,
+        state_db=":memory:",
+        mdns=False,
+        coordinator="",
+        average_every_s=0,
+        averaging_timeout_s=0.2,
+        rebalance_every_s=0,
+        max_servers=8,
+    )
     target = Target(create_coordinator(settings))
     yield target
     target.close()
@@ -215,7 +296,14 @@ def coordinator():
 
 def stage_state(target: Target) -> tuple:
     rt = target.app[RUNTIME]
-    return rt.version, rt.stats.forwards, rt.stats.backwards, rt.stats.samples, rt.stats.optimizer_steps, rt.pending_samples
+    return (
+        rt.version,
+        rt.stats.forwards,
+        rt.stats.backwards,
+        rt.stats.samples,
+        rt.stats.optimizer_steps,
+        rt.pending_samples,
+    )
 
 
 def gradient_versions(target: Target) -> list[tuple[int, int]]:
@@ -227,7 +315,9 @@ def gradient_versions(target: Target) -> list[tuple[int, int]]:
 
 def fuzz(examples: int):
     """Deterministic (derandomize) so CI runs the same bodies every time; no example database."""
-    return settings(max_examples=examples, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=examples, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
 
 
 @fuzz(EXAMPLES["forward"])

@@ -54,8 +54,12 @@ class Swarm:
     stages: list[list[web.Application]]  # apps per stage
     urls: list[list[str]]
     servers: dict[str, TestServer] = field(default_factory=dict)  # URL -> its server
-    digests: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (stage, step) -> digest of each replica after it
-    batches: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (stage, step) -> samples of the step, per replica
+    digests: dict[tuple[int, int], list[str]] = field(
+        default_factory=dict
+    )  # (stage, step) -> digest of each replica after it
+    batches: dict[tuple[int, int], list[int]] = field(
+        default_factory=dict
+    )  # (stage, step) -> samples of the step, per replica
 
 
 @pytest.fixture
@@ -69,18 +73,39 @@ async def swarm():
         servers.append(server)
         return str(server.make_url("")).rstrip("/")
 
-    async def start(replicas: list[int], *, step_timeout_s: float = 10.0, checkpoint_dir: str = "", **overrides) -> Swarm:
-        coordinator_app = create_coordinator(CoordinatorSettings(
-            run_id=RUN_ID, num_stages=len(replicas), heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator="",
-            average_every_s=0, step_timeout_s=step_timeout_s, rebalance_every_s=0, checkpoint_dir=checkpoint_dir, checkpoint_every_s=60,
-        ))  # fmt: skip
+    async def start(
+        replicas: list[int], *, step_timeout_s: float = 10.0, checkpoint_dir: str = "", **overrides
+    ) -> Swarm:
+        coordinator_app = create_coordinator(
+            CoordinatorSettings(
+                run_id=RUN_ID,
+                num_stages=len(replicas),
+                heartbeat_s=60.0,
+                state_db=":memory:",
+                mdns=False,
+                coordinator="",
+                average_every_s=0,
+                step_timeout_s=step_timeout_s,
+                rebalance_every_s=0,
+                checkpoint_dir=checkpoint_dir,
+                checkpoint_every_s=60,
+            )
+        )
         coordinator = await serve(coordinator_app)
         result = Swarm(coordinator_app, coordinator, servers[-1], [], [])
         for stage, count in enumerate(replicas):
             result.stages.append([]), result.urls.append([])
             for _ in range(count):
                 port = free_port()  # the URL a server registers is the one it listens at
-                settings = stage_settings(stage, num_stages=len(replicas), coordinator=coordinator, heartbeat_s=60.0, port=port, run_id=RUN_ID, **overrides)
+                settings = stage_settings(
+                    stage,
+                    num_stages=len(replicas),
+                    coordinator=coordinator,
+                    heartbeat_s=60.0,
+                    port=port,
+                    run_id=RUN_ID,
+                    **overrides,
+                )
                 app = create_app(settings)
                 url = await serve(app, port)
                 result.stages[-1].append(app), result.urls[-1].append(url)
@@ -117,17 +142,42 @@ def record_steps(runtime, stage: int, swarm: Swarm) -> None:
     runtime.apply_step = recording
 
 
-def trainer(session, urls, *, steps: int, global_batch: int, in_flight: int, shard: tuple[int, int] = (0, 1), trainer_id: str = "t0") -> Trainer:
-    client = PipelineClient(session, balancer_for(urls, seed=shard[0]), run_id=RUN_ID, codec="fp32", until_step=steps, client_id=trainer_id)
+def trainer(
+    session,
+    urls,
+    *,
+    steps: int,
+    global_batch: int,
+    in_flight: int,
+    shard: tuple[int, int] = (0, 1),
+    trainer_id: str = "t0",
+) -> Trainer:
+    client = PipelineClient(
+        session, balancer_for(urls, seed=shard[0]), run_id=RUN_ID, codec="fp32", until_step=steps, client_id=trainer_id
+    )
     batcher = ByteBatcher(load_corpus(), SEQ_LEN, MICROBATCH, seed=0)
-    return Trainer(client, batcher, steps=steps, global_batch=global_batch, in_flight=in_flight, eval_microbatches=1, shard_index=shard[0], num_shards=shard[1])
+    return Trainer(
+        client,
+        batcher,
+        steps=steps,
+        global_batch=global_batch,
+        in_flight=in_flight,
+        eval_microbatches=1,
+        shard_index=shard[0],
+        num_shards=shard[1],
+    )
 
 
 async def test_replicas_of_a_stage_are_identical_after_every_step(swarm, http_session):
     """3 replicas of each of 2 stages, 2 trainers, 20 global steps."""
     steps, global_batch = 20, 16
     s = await swarm([3, 3], global_batch=global_batch, wire_codec="fp32")
-    runs = [trainer(http_session, s.urls, steps=steps, global_batch=global_batch, in_flight=2, shard=(t, 2), trainer_id=f"t{t}") for t in range(2)]
+    runs = [
+        trainer(
+            http_session, s.urls, steps=steps, global_batch=global_batch, in_flight=2, shard=(t, 2), trainer_id=f"t{t}"
+        )
+        for t in range(2)
+    ]
     summaries = await asyncio.gather(*(t.run() for t in runs))
     await settled(s)
 
@@ -137,9 +187,13 @@ async def test_replicas_of_a_stage_are_identical_after_every_step(swarm, http_se
         for step in range(1, steps + 1):
             digests = s.digests[(stage, step)]
             assert len(digests) == 3 and len(set(digests)) == 1, f"stage {stage} step {step}: replicas differ"
-            assert s.batches[(stage, step)] == [global_batch] * 3, f"stage {stage} step {step} held {s.batches[(stage, step)]} samples"
+            assert s.batches[(stage, step)] == [global_batch] * 3, (
+                f"stage {stage} step {step} held {s.batches[(stage, step)]} samples"
+            )
     counter = s.coordinator[STEPS].counter
-    assert [st.step for st in counter.stages] == [steps, steps] and all(st.samples_dropped == 0 for st in counter.stages)
+    assert [st.step for st in counter.stages] == [steps, steps] and all(
+        st.samples_dropped == 0 for st in counter.stages
+    )
     # the coordinator only named rounds and polled their end: a few KB a round, where each
     # member sends about 4/3 of a stage's fp32 gradient (~2.3 MB here) in every round
     traffic = s.coordinator[TRAFFIC]["steps"]
@@ -151,10 +205,28 @@ async def test_replicas_of_a_stage_are_identical_after_every_step(swarm, http_se
 async def test_one_replica_one_microbatch_in_flight_is_one_process_training(swarm, http_session):
     """10 global steps through 4 stages over HTTP (fp32 wire) vs the whole model in one process."""
     steps, global_batch, num_stages = 10, 2 * MICROBATCH, 4
-    optim = OptimizerConfig(lr=3e-3, weight_decay=0.01, global_batch=global_batch, warmup_steps=3, schedule="cosine", total_steps=steps, min_lr_ratio=0.1, max_grad_norm=0.5)
-    s = await swarm([1] * num_stages, global_batch=global_batch, wire_codec="fp32", lr=optim.lr, weight_decay=optim.weight_decay,
-                    warmup_steps=optim.warmup_steps, lr_schedule=optim.schedule, total_steps=optim.total_steps, min_lr_ratio=optim.min_lr_ratio,
-                    max_grad_norm=optim.max_grad_norm)  # fmt: skip
+    optim = OptimizerConfig(
+        lr=3e-3,
+        weight_decay=0.01,
+        global_batch=global_batch,
+        warmup_steps=3,
+        schedule="cosine",
+        total_steps=steps,
+        min_lr_ratio=0.1,
+        max_grad_norm=0.5,
+    )
+    s = await swarm(
+        [1] * num_stages,
+        global_batch=global_batch,
+        wire_codec="fp32",
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        warmup_steps=optim.warmup_steps,
+        lr_schedule=optim.schedule,
+        total_steps=optim.total_steps,
+        min_lr_ratio=optim.min_lr_ratio,
+        max_grad_norm=optim.max_grad_norm,
+    )
     summary = await trainer(http_session, s.urls, steps=steps, global_batch=global_batch, in_flight=1).run()
     assert summary.microbatches_completed == steps * 2 and summary.microbatch_reruns == 0
 
@@ -179,10 +251,16 @@ def one_process_training(optim: OptimizerConfig, num_stages: int, steps: int) ->
     assert cfg.dropout == 0.0
     model = build_gpt(cfg, seed=0)
     params = dict(model.named_parameters())
-    stage_names = [[name for name, _ in build_stage(cfg, s, num_stages, seed=0).named_parameters()] for s in range(num_stages)]
+    stage_names = [
+        [name for name, _ in build_stage(cfg, s, num_stages, seed=0).named_parameters()] for s in range(num_stages)
+    ]
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=optim.lr, betas=optim.betas)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=optim.lr,
+        betas=optim.betas,
+    )
     batcher = ByteBatcher(load_corpus(), SEQ_LEN, MICROBATCH, seed=0)
     per_step = optim.global_batch // MICROBATCH
     for step in range(steps):
@@ -201,7 +279,9 @@ def one_process_training(optim: OptimizerConfig, num_stages: int, steps: int) ->
 async def test_a_stale_backward_is_refused_and_its_microbatch_run_again_once(start_stages, http_session):
     """Stage 0 steps twice between a microbatch's forward and its backward: 409, the trainer
     runs the microbatch again from the start, and every stage counts its samples once."""
-    apps, urls = await start_stages([[stage_settings(s, num_stages=2, global_batch=MICROBATCH, max_staleness=1)] for s in range(2)])
+    apps, urls = await start_stages(
+        [[stage_settings(s, num_stages=2, global_batch=MICROBATCH, max_staleness=1)] for s in range(2)]
+    )
     first = apps[0][0][RUNTIME]
     batcher = ByteBatcher(load_corpus(), SEQ_LEN, MICROBATCH, seed=0)
     client = PipelineClient(http_session, balancer_for(urls), run_id=RUN_ID, codec="fp32")
@@ -212,7 +292,9 @@ async def test_a_stale_backward_is_refused_and_its_microbatch_run_again_once(sta
 
     async def call(mb_, stage, path, msg, read, **kwargs):
         nonlocal meddled
-        if stage == 0 and path == "/backward" and not meddled:  # other trainers' microbatches step stage 0 twice meanwhile
+        if (
+            stage == 0 and path == "/backward" and not meddled
+        ):  # other trainers' microbatches step stage 0 twice meanwhile
             meddled = True
             for other in (1, 2):
                 await client.train(batcher.microbatch(other), seed=other)
@@ -231,13 +313,23 @@ async def test_a_duplicate_backward_is_answered_and_not_accumulated_twice(start_
     runtime = apps[0][0][RUNTIME]
     x = torch.randn(2, SEQ_LEN, PRESETS["tiny"].d_model)
     targets = torch.randint(0, 256, (2, SEQ_LEN))
-    msg = {"run_id": RUN_ID, "stage": 1, "microbatch_id": "mb", "seed": 0, "codec": "fp32", "inputs": encode_tensor(x, "fp32"), "targets": encode_tensor(targets, "raw")}
+    msg = {
+        "run_id": RUN_ID,
+        "stage": 1,
+        "microbatch_id": "mb",
+        "seed": 0,
+        "codec": "fp32",
+        "inputs": encode_tensor(x, "fp32"),
+        "targets": encode_tensor(targets, "raw"),
+    }
     first = await post_message(http_session, urls[0][0] + "/backward", msg, timeout_s=30)
     again = await post_message(http_session, urls[0][0] + "/backward", msg, timeout_s=30)
     assert first["accumulated"] is True and again["accumulated"] is False and first["loss"] == again["loss"]
     assert runtime.pending_samples == 2 and runtime.stats.duplicate_backwards == 1
     with pytest.raises(RemoteError) as refused:
-        await post_message(http_session, urls[0][0] + "/backward", {**msg, "microbatch_id": "old", "forward_step": 5}, timeout_s=30)
+        await post_message(
+            http_session, urls[0][0] + "/backward", {**msg, "microbatch_id": "old", "forward_step": 5}, timeout_s=30
+        )
     assert refused.value.status == 409 and refused.value.code == "stale_forward"
     assert runtime.pending_samples == 2
 
@@ -277,8 +369,15 @@ async def test_a_replica_killed_while_its_stage_all_reduces_is_left_out_and_trai
     before = flat_parameters(survivor[RUNTIME].params)
     # two trainers, one through each replica of stage 0 (until it is gone: then the survivor)
     routes = [[[s.urls[0][0]], s.urls[1]], [[victim_url, s.urls[0][0]], s.urls[1]]]
-    runs = [trainer(http_session, urls, steps=steps, global_batch=global_batch, in_flight=1, shard=(t, 2), trainer_id=f"t{t}") for t, urls in enumerate(routes)]
-    runs[1].client.balancer.report_success(0, s.urls[0][0], 10.0, 1, "forward")  # the survivor looks slow to this trainer: it goes to the victim first
+    runs = [
+        trainer(
+            http_session, urls, steps=steps, global_batch=global_batch, in_flight=1, shard=(t, 2), trainer_id=f"t{t}"
+        )
+        for t, urls in enumerate(routes)
+    ]
+    runs[1].client.balancer.report_success(
+        0, s.urls[0][0], 10.0, 1, "forward"
+    )  # the survivor looks slow to this trainer: it goes to the victim first
     summaries = await asyncio.gather(*(t.run() for t in runs))
     await settled(s)
 
@@ -289,11 +388,10 @@ async def test_a_replica_killed_while_its_stage_all_reduces_is_left_out_and_trai
     counter = s.coordinator[STEPS].counter.stages[0]
     assert counter.samples_dropped == held  # exactly what the dead replica held
     assert s.batches[(0, died_in + 1)] == [global_batch - held]  # the step it died in went on without its samples
-    assert all(s.batches[(0, k)] == [global_batch] * len(s.batches[(0, k)]) for k in range(1, steps + 1) if k != died_in + 1)
+    assert all(
+        s.batches[(0, k)] == [global_batch] * len(s.batches[(0, k)]) for k in range(1, steps + 1) if k != died_in + 1
+    )
     assert all(x.microbatches_failed == 0 for x in summaries)
-
-
-
 
 
 async def test_a_checkpoint_holds_every_stage_at_one_global_step(swarm, http_session, tmp_path):
@@ -328,5 +426,10 @@ async def test_without_the_coordinator_each_replica_steps_alone_on_its_share(swa
     run.start_step = 3  # the swarm's step: the run goes on from there
     summary = await run.run()
     assert summary.microbatches_failed == 0
-    assert [g[0][RUNTIME].step for g in s.stages] == [8, 8], ([g[0][RUNTIME].stats for g in s.stages], {k: v for k, v in s.batches.items() if k[1] > 3})
-    assert all(s.batches[(stage, k)] == [global_batch] for stage in range(2) for k in range(4, 9))  # every step alone: exactly the global batch
+    assert [g[0][RUNTIME].step for g in s.stages] == [8, 8], (
+        [g[0][RUNTIME].stats for g in s.stages],
+        {k: v for k, v in s.batches.items() if k[1] > 3},
+    )
+    assert all(
+        s.batches[(stage, k)] == [global_batch] for stage in range(2) for k in range(4, 9)
+    )  # every step alone: exactly the global batch

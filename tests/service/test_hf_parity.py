@@ -38,7 +38,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-async def test_swarm_of_a_model_directory_computes_transformers_logits_loss_and_gradients(model_dir, microbatch, start_stages, http_session):
+async def test_swarm_of_a_model_directory_computes_transformers_logits_loss_and_gradients(
+    model_dir, microbatch, start_stages, http_session
+):
     apps, urls = await start_stages([[stage_settings(s, model=str(model_dir))] for s in range(NUM_STAGES)])
     runtimes = [group[0][RUNTIME] for group in apps]
     cfg = read_hf_config(model_dir)
@@ -60,7 +62,20 @@ async def test_swarm_of_a_model_directory_computes_transformers_logits_loss_and_
     # logits: hidden states over HTTP through stages 0..2, the last server's own model for the logits
     x = {"inputs": encode_tensor(microbatch.inputs, "raw")}
     for stage, url in enumerate(u[0] for u in urls[:-1]):
-        reply = await post_message(http_session, url + "/forward", {"run_id": "test", "stage": stage, "microbatch_id": "logits", "seed": 0, "codec": "fp32", "eval": True, **x}, timeout_s=30)
+        reply = await post_message(
+            http_session,
+            url + "/forward",
+            {
+                "run_id": "test",
+                "stage": stage,
+                "microbatch_id": "logits",
+                "seed": 0,
+                "codec": "fp32",
+                "eval": True,
+                **x,
+            },
+            timeout_s=30,
+        )
         x = {"inputs": reply["outputs"]}
     with torch.no_grad():
         logits = runtimes[-1].model(decode_tensor(x["inputs"]))
@@ -72,10 +87,18 @@ async def test_swarm_of_a_model_directory_computes_transformers_logits_loss_and_
     assert abs(loss - ref_loss.item()) / ref_loss.item() < TOLERANCE
     their_grads = {name: p.grad for name, p in theirs.named_parameters()}
     ours = {name: g for rt in runtimes for name, g in rt.accumulated_gradients().items()}
-    if cfg.tie_embeddings:  # transformers' one tied tensor gets both uses' gradients; our first and last stage hold one each
+    if (
+        cfg.tie_embeddings
+    ):  # transformers' one tied tensor gets both uses' gradients; our first and last stage hold one each
         ours["wte.weight"] = ours["wte.weight"] + ours.pop("lm_head.weight")
     assert len(ours) == len(their_grads)
     for name, grad in ours.items():
         ref = their_grads[hf_name(cfg, name)]
-        ref = ref.t() if cfg.family == "gpt" and name.startswith("blocks.") and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else ref
+        ref = (
+            ref.t()
+            if cfg.family == "gpt"
+            and name.startswith("blocks.")
+            and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+            else ref
+        )
         assert relative(grad, ref) < TOLERANCE, name

@@ -33,10 +33,18 @@ def test_registry_keeps_valid_round_trip_times_and_refuses_bad_ones():
     registry.register("s", 0, "http://127.0.0.1:1", "v", 1.0, 0)
     registry.heartbeat("s", 1.0, 0, rtt_ms={"http://127.0.0.1:2": 12.5})
     assert registry.view()["stages"][0]["replicas"][0]["rtt_ms"] == {"http://127.0.0.1:2": 12.5}
-    for bad in [[1], {"http://127.0.0.1:2": float("nan")}, {"http://127.0.0.1:2": -1}, {"not a url": 1.0}, {f"http://h{i}:1": 1.0 for i in range(65)}]:
+    for bad in [
+        [1],
+        {"http://127.0.0.1:2": float("nan")},
+        {"http://127.0.0.1:2": -1},
+        {"not a url": 1.0},
+        {f"http://h{i}:1": 1.0 for i in range(65)},
+    ]:
         with pytest.raises(BadPayload):
             registry.heartbeat("s", 1.0, 0, rtt_ms=bad)
-    assert registry.view()["stages"][0]["replicas"][0]["rtt_ms"] == {"http://127.0.0.1:2": 12.5}  # unchanged by refusals
+    assert registry.view()["stages"][0]["replicas"][0]["rtt_ms"] == {
+        "http://127.0.0.1:2": 12.5
+    }  # unchanged by refusals
     registry.deregister("s")
     assert registry.view()["stages"][0]["replicas"] == [] and registry.rtt_ms == {}
     registry.close()
@@ -45,7 +53,21 @@ def test_registry_keeps_valid_round_trip_times_and_refuses_bad_ones():
 async def test_a_probe_times_registered_peers_over_http(http_session):
     servers = []
     try:
-        coordinator_server = TestServer(create_coordinator(CoordinatorSettings(run_id="test", num_stages=2, heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator="", average_every_s=0, rebalance_every_s=0)), host="127.0.0.1")
+        coordinator_server = TestServer(
+            create_coordinator(
+                CoordinatorSettings(
+                    run_id="test",
+                    num_stages=2,
+                    heartbeat_s=60.0,
+                    state_db=":memory:",
+                    mdns=False,
+                    coordinator="",
+                    average_every_s=0,
+                    rebalance_every_s=0,
+                )
+            ),
+            host="127.0.0.1",
+        )
         await coordinator_server.start_server()
         servers.append(coordinator_server)
         coordinator = str(coordinator_server.make_url("")).rstrip("/")
@@ -55,7 +77,15 @@ async def test_a_probe_times_registered_peers_over_http(http_session):
             await s.start_server()
             servers.append(s)
             urls.append(str(s.make_url("")).rstrip("/"))
-            body = {"run_id": "test", "server_id": f"s{i}", "stage": stage, "url": urls[-1], "version": "t", "throughput": 1.0, "queue_length": 0}
+            body = {
+                "run_id": "test",
+                "server_id": f"s{i}",
+                "stage": stage,
+                "url": urls[-1],
+                "version": "t",
+                "throughput": 1.0,
+                "queue_length": 0,
+            }
             async with http_session.post(coordinator + "/register", json=body) as resp:
                 assert resp.status == 200
         probe = LatencyProbe(http_session, coordinator, stage=0, own_url=urls[0], every=2)

@@ -20,10 +20,31 @@ def server(stage: int, **overrides):
     return stage_settings(stage, **{"wire_codec": "int8", "global_batch": 1, "max_staleness": 1000, **overrides})
 
 
-def make_trainer(session, urls, *, steps, in_flight, microbatch_size=1, seq_len=16, global_batch=1, retry=RetryPolicy(max_retries=3, base_delay_s=0.01), start_step=0):
-    client = PipelineClient(session, balancer_for(urls), run_id="test", codec="int8", timeouts=HopTimeouts(10, 10), retry=retry)
+def make_trainer(
+    session,
+    urls,
+    *,
+    steps,
+    in_flight,
+    microbatch_size=1,
+    seq_len=16,
+    global_batch=1,
+    retry=RetryPolicy(max_retries=3, base_delay_s=0.01),
+    start_step=0,
+):
+    client = PipelineClient(
+        session, balancer_for(urls), run_id="test", codec="int8", timeouts=HopTimeouts(10, 10), retry=retry
+    )
     batcher = ByteBatcher(load_corpus(), seq_len, microbatch_size)
-    return Trainer(client, batcher, steps=steps, global_batch=global_batch, in_flight=in_flight, eval_microbatches=1, start_step=start_step)
+    return Trainer(
+        client,
+        batcher,
+        steps=steps,
+        global_batch=global_batch,
+        in_flight=in_flight,
+        eval_microbatches=1,
+        start_step=start_step,
+    )
 
 
 async def test_microbatches_in_flight_keep_every_stage_busy(start_stages, http_session):
@@ -34,7 +55,9 @@ async def test_microbatches_in_flight_keep_every_stage_busy(start_stages, http_s
     pipeline has filled and before it drains (one microbatch per step here)."""
     _, urls = await start_stages([[server(s, inject_delay_s=0.03)] for s in range(NUM_STAGES)])
     one = await make_trainer(http_session, urls, steps=6, in_flight=1).run()
-    four = await make_trainer(http_session, urls, steps=6 + 40, in_flight=4, start_step=6).run()  # the same swarm goes on from step 6
+    four = await make_trainer(
+        http_session, urls, steps=6 + 40, in_flight=4, start_step=6
+    ).run()  # the same swarm goes on from step 6
     assert one.microbatches_completed == 6 and four.microbatches_completed == 40
     rate_one = steady_rate(one.step_elapsed_s, 1, 5)
     rate_four = steady_rate(four.step_elapsed_s, 10, 30)
@@ -60,7 +83,9 @@ async def test_failed_hop_is_retried_on_another_replica(start_stages, http_sessi
 async def test_microbatch_that_exhausts_retries_is_reported_not_dropped(start_stages, http_session):
     _, urls = await start_stages([[server(s)] for s in range(NUM_STAGES)])
     urls[2] = ["http://127.0.0.1:9"]  # the only replica of stage 2 is gone
-    trainer = make_trainer(http_session, urls, steps=3, in_flight=2, retry=RetryPolicy(max_retries=2, base_delay_s=0.01))
+    trainer = make_trainer(
+        http_session, urls, steps=3, in_flight=2, retry=RetryPolicy(max_retries=2, base_delay_s=0.01)
+    )
     mb = trainer.batcher.microbatch(0)
     with pytest.raises(MicrobatchFailed) as failed:
         await trainer.client.train(mb, seed=0)
@@ -96,7 +121,9 @@ async def test_overloaded_answers_are_waited_out_per_retry_after_without_using_u
     async def overloaded_at_first(request, handler):
         if request.path == "/backward" and busy["left"]:
             busy["left"] -= 1
-            return web.json_response({"error": {"code": "overloaded", "message": "queue full"}}, status=503, headers={"Retry-After": "0.25"})
+            return web.json_response(
+                {"error": {"code": "overloaded", "message": "queue full"}}, status=503, headers={"Retry-After": "0.25"}
+            )
         return await handler(request)
 
     app = create_app(stage_settings(0, num_stages=1))
@@ -105,7 +132,13 @@ async def test_overloaded_answers_are_waited_out_per_retry_after_without_using_u
     await server.start_server()
     try:
         url = str(server.make_url("")).rstrip("/")
-        client = PipelineClient(http_session, balancer_for([[url]]), run_id="test", codec="fp32", retry=RetryPolicy(max_retries=3, base_delay_s=0.01))
+        client = PipelineClient(
+            http_session,
+            balancer_for([[url]]),
+            run_id="test",
+            codec="fp32",
+            retry=RetryPolicy(max_retries=3, base_delay_s=0.01),
+        )
         mb = ByteBatcher(load_corpus(None), 16, 2, seed=0).microbatch(0)
         started = time.monotonic()
         loss = (await client.train(mb, seed=0)).loss

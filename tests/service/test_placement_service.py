@@ -25,10 +25,20 @@ WORKLOAD = {"parameters": 50_000_000, "samples_per_step": 32, "activation_bytes_
 def settings(**overrides) -> CoordinatorSettings:
     """Averaging every 0.5 s (it weighs in the cost; the fake servers refuse the rounds at once, harmlessly)."""
     fields = dict(
-        run_id=RUN_ID, num_stages=2, heartbeat_s=30.0, state_db=":memory:", mdns=False, coordinator="",
-        average_every_s=0.5, rebalance_every_s=0, placement="auto", placement_min_gain=0.1, placement_max_moves=0.5,
-        placement_budget_s=2.0, placement_bandwidth_gbps=10.0,
-    )  # fmt: skip
+        run_id=RUN_ID,
+        num_stages=2,
+        heartbeat_s=30.0,
+        state_db=":memory:",
+        mdns=False,
+        coordinator="",
+        average_every_s=0.5,
+        rebalance_every_s=0,
+        placement="auto",
+        placement_min_gain=0.1,
+        placement_max_moves=0.5,
+        placement_budget_s=2.0,
+        placement_bandwidth_gbps=10.0,
+    )
     return CoordinatorSettings(**{**fields, **overrides})
 
 
@@ -54,10 +64,25 @@ class FakeServer:
 
 async def register_all(client, stages: dict[str, int], urls: dict[str, str], throughput: float = 50.0) -> None:
     for name, stage in stages.items():
-        body = {"run_id": RUN_ID, "server_id": name, "stage": stage, "url": urls[name], "version": "t", "throughput": throughput, "queue_length": 0, "workload": WORKLOAD}
+        body = {
+            "run_id": RUN_ID,
+            "server_id": name,
+            "stage": stage,
+            "url": urls[name],
+            "version": "t",
+            "throughput": throughput,
+            "queue_length": 0,
+            "workload": WORKLOAD,
+        }
         assert (await client.post("/register", json=body)).status == 200
     for name in stages:  # heartbeats carry what each measured to the others
-        beat = {"server_id": name, "throughput": throughput, "queue_length": 0, "workload": WORKLOAD, "rtt_ms": rtts(name, urls)}
+        beat = {
+            "server_id": name,
+            "throughput": throughput,
+            "queue_length": 0,
+            "workload": WORKLOAD,
+            "rtt_ms": rtts(name, urls),
+        }
         assert (await client.post("/heartbeat", json=beat)).status == 200
 
 
@@ -84,7 +109,9 @@ async def test_rebalancing_moves_servers_into_their_clusters(aiohttp_server, aio
     client = await aiohttp_client(create_app(settings(rebalance_every_s=0.05)))
     await register_all(client, crossed, urls)
     # two consecutive checks confirm the replan, then two servers are told to move (a swap)
-    done, pending = await asyncio.wait([f.moved_to for f in fakes.values()], timeout=20, return_when=asyncio.FIRST_COMPLETED)
+    done, pending = await asyncio.wait(
+        [f.moved_to for f in fakes.values()], timeout=20, return_when=asyncio.FIRST_COMPLETED
+    )
     assert done, "no server was told to move within 60 s"
     if len(done) < 2:  # the other half of the swap is ordered with it
         await asyncio.wait(pending, timeout=10, return_when=asyncio.FIRST_COMPLETED)

@@ -67,7 +67,14 @@ async def test_backward_on_a_replica_that_never_saw_the_forward(microbatch, star
 
     hidden = torch.randn(4, 64, PRESETS["tiny"].d_model)
     grad_out = torch.randn_like(hidden)
-    base = {"run_id": "test", "stage": 1, "microbatch_id": "mb-1", "seed": 7, "codec": "fp32", "inputs": encode_tensor(hidden, "fp32")}
+    base = {
+        "run_id": "test",
+        "stage": 1,
+        "microbatch_id": "mb-1",
+        "seed": 7,
+        "codec": "fp32",
+        "inputs": encode_tensor(hidden, "fp32"),
+    }
 
     forward = await post_message(http_session, url_a + "/forward", base, timeout_s=30)
     assert decode_tensor(forward["outputs"]).shape == hidden.shape

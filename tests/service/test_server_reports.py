@@ -32,26 +32,55 @@ async def start(app) -> tuple[TestServer, str]:
 async def test_heartbeats_carry_region_parameters_and_measured_activation_size(http_session):
     servers = []
     try:
-        coordinator_server, coordinator = await start(create_coordinator(CoordinatorSettings(
-            run_id="test", num_stages=3, heartbeat_s=0.05, lease_heartbeats=100, state_db=":memory:", mdns=False, coordinator="",
-            average_every_s=0, rebalance_every_s=0)))  # fmt: skip
+        coordinator_server, coordinator = await start(
+            create_coordinator(
+                CoordinatorSettings(
+                    run_id="test",
+                    num_stages=3,
+                    heartbeat_s=0.05,
+                    lease_heartbeats=100,
+                    state_db=":memory:",
+                    mdns=False,
+                    coordinator="",
+                    average_every_s=0,
+                    rebalance_every_s=0,
+                )
+            )
+        )
         servers.append(coordinator_server)
         registry = coordinator_server.app[REGISTRY]
-        stage_app = create_app(stage_settings(1, num_stages=3, coordinator=coordinator, heartbeat_s=0.05, region="Tokyo", global_batch=24))
+        stage_app = create_app(
+            stage_settings(1, num_stages=3, coordinator=coordinator, heartbeat_s=0.05, region="Tokyo", global_batch=24)
+        )
         stage_server, url = await start(stage_app)
         servers.append(stage_server)
         parameters = sum(p.numel() for p in stage_app[RUNTIME].params)
 
         report = await until(lambda: next(iter(registry.reports.values()), None), 10, "the server's registration")
-        assert (report.region, report.parameters, report.samples_per_step, report.activation_bytes_per_sample) == ("Tokyo", parameters, 24, 0.0)
+        assert (report.region, report.parameters, report.samples_per_step, report.activation_bytes_per_sample) == (
+            "Tokyo",
+            parameters,
+            24,
+            0.0,
+        )
 
         # a training forward: fp32 activations of B x T x D_MODEL in and out
-        msg = {"run_id": "test", "stage": 1, "microbatch_id": "mb-1", "seed": 1, "inputs": encode_tensor(torch.randn(B, T, D_MODEL), "fp32")}
+        msg = {
+            "run_id": "test",
+            "stage": 1,
+            "microbatch_id": "mb-1",
+            "seed": 1,
+            "inputs": encode_tensor(torch.randn(B, T, D_MODEL), "fp32"),
+        }
         async with http_session.post(url + "/forward", data=pack_message(msg), headers=MSGPACK) as resp:
             assert resp.status == 200
         per_sample = T * D_MODEL * 4
         assert stage_app[STAGE_METRICS].activation_bytes_per_sample == per_sample
-        report = await until(lambda: next((r for r in registry.reports.values() if r.activation_bytes_per_sample), None), 10, "a heartbeat with the activation size")
+        report = await until(
+            lambda: next((r for r in registry.reports.values() if r.activation_bytes_per_sample), None),
+            10,
+            "a heartbeat with the activation size",
+        )
         assert report.activation_bytes_per_sample == per_sample
         # an evaluation forward of another size is not training traffic: nothing changes
         msg.update(microbatch_id="mb-eval", eval=True, inputs=encode_tensor(torch.randn(B, 2 * T, D_MODEL), "fp32"))
@@ -64,7 +93,12 @@ async def test_heartbeats_carry_region_parameters_and_measured_activation_size(h
 
 
 def test_a_joiner_times_replicas_of_every_stage_first():
-    view = {"stages": [{"stage": s, "replicas": [{"url": f"http://s{s}r{r}"} for r in range(n)]} for s, n in enumerate([5, 1, 0, 2])]}
+    view = {
+        "stages": [
+            {"stage": s, "replicas": [{"url": f"http://s{s}r{r}"} for r in range(n)]}
+            for s, n in enumerate([5, 1, 0, 2])
+        ]
+    }
     assert spread_over_stages(view, 5) == ["http://s0r0", "http://s1r0", "http://s3r0", "http://s0r1", "http://s3r1"]
     assert len(spread_over_stages(view, 100)) == 8
 
@@ -72,24 +106,47 @@ def test_a_joiner_times_replicas_of_every_stage_first():
 async def test_a_joiner_measures_rtts_to_the_swarm_before_asking_for_a_stage(http_session):
     servers = []
     try:
-        coordinator_server, coordinator = await start(create_coordinator(CoordinatorSettings(
-            run_id="test", num_stages=2, heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator="", average_every_s=0,
-            rebalance_every_s=0)))  # fmt: skip
+        coordinator_server, coordinator = await start(
+            create_coordinator(
+                CoordinatorSettings(
+                    run_id="test",
+                    num_stages=2,
+                    heartbeat_s=60.0,
+                    state_db=":memory:",
+                    mdns=False,
+                    coordinator="",
+                    average_every_s=0,
+                    rebalance_every_s=0,
+                )
+            )
+        )
         servers.append(coordinator_server)
         urls = []
         for i, stage in enumerate([0, 1]):
             server, url = await start(create_app(stage_settings(stage, num_stages=2)))
             servers.append(server)
             urls.append(url)
-            body = {"run_id": "test", "server_id": f"s{i}", "stage": stage, "url": url, "version": "t", "throughput": 1.0, "queue_length": 0}
+            body = {
+                "run_id": "test",
+                "server_id": f"s{i}",
+                "stage": stage,
+                "url": url,
+                "version": "t",
+                "throughput": 1.0,
+                "queue_length": 0,
+            }
             async with http_session.post(coordinator + "/register", json=body) as resp:
                 assert resp.status == 200
         dead = "http://127.0.0.1:9"  # registered, but nobody listens: no time for it
-        async with http_session.post(coordinator + "/register", json={**body, "server_id": "s-dead", "url": dead}) as resp:
+        async with http_session.post(
+            coordinator + "/register", json={**body, "server_id": "s-dead", "url": dead}
+        ) as resp:
             assert resp.status == 200
         rtt = await probe_swarm(http_session, coordinator)
         assert set(rtt) == set(urls) and all(0 < ms < 2000 for ms in rtt.values())
-        async with http_session.post(coordinator + "/assign", json={"run_id": "test", "rtt_ms": rtt, "region": "Ohio"}) as resp:
+        async with http_session.post(
+            coordinator + "/assign", json={"run_id": "test", "rtt_ms": rtt, "region": "Ohio"}
+        ) as resp:
             assert (await resp.json())["placement"] == "topology"
         assert await probe_swarm(http_session, "http://127.0.0.1:9") == {}  # no coordinator: nothing measured, no error
     finally:

@@ -43,8 +43,12 @@ async def test_sampling_through_the_swarm_with_a_seed_equals_one_process(start_s
     assert tokens == await local_tokens("tiny", PROMPT, params, 64)
 
 
-async def test_a_replica_that_goes_away_mid_generation_is_replaced_and_the_text_is_unchanged(start_stages, http_session):
-    apps, urls = await start_stages([[stage_settings(0)], [stage_settings(1)], [stage_settings(2), stage_settings(2)], [stage_settings(3)]])
+async def test_a_replica_that_goes_away_mid_generation_is_replaced_and_the_text_is_unchanged(
+    start_stages, http_session
+):
+    apps, urls = await start_stages(
+        [[stage_settings(0)], [stage_settings(1)], [stage_settings(2), stage_settings(2)], [stage_settings(3)]]
+    )
     params = SamplingParams(max_tokens=32)
     session = SwarmSession(http_session, balancer_for(urls), run_id="test", max_length=64)
     tokens = []
@@ -52,7 +56,9 @@ async def test_a_replica_that_goes_away_mid_generation_is_replaced_and_the_text_
         tokens.append(token)
         if len(tokens) == 12:
             gone = session.route[2]
-            apps[2][urls[2].index(gone)][SESSIONS].close(session.session_id)  # as a restarted server: the session is lost
+            apps[2][urls[2].index(gone)][SESSIONS].close(
+                session.session_id
+            )  # as a restarted server: the session is lost
     await session.close()
     assert tokens == await local_tokens("tiny", PROMPT, params, 64)
     assert session.stats.failovers == 1 and session.stats.failed[0].endswith("session_not_found")
@@ -68,23 +74,41 @@ async def test_positions_out_of_sync_unknown_sessions_and_bad_inputs_are_refused
     s0 = urls[0][0]
     ids = torch.tensor([PROMPT], dtype=torch.long)
     with pytest.raises(RemoteError) as err:
-        await post(http_session, s0, "/session/step", stage=0, session_id="nope", position=0, inputs=encode_tensor(ids, "raw"))
+        await post(
+            http_session, s0, "/session/step", stage=0, session_id="nope", position=0, inputs=encode_tensor(ids, "raw")
+        )
     assert err.value.status == 404 and err.value.code == "session_not_found"
     await post(http_session, s0, "/session/open", stage=0, session_id="a", batch=1, max_length=32)
-    first = await post(http_session, s0, "/session/step", stage=0, session_id="a", position=0, inputs=encode_tensor(ids, "raw"))
+    first = await post(
+        http_session, s0, "/session/step", stage=0, session_id="a", position=0, inputs=encode_tensor(ids, "raw")
+    )
     assert first["position"] == len(PROMPT)
     with pytest.raises(RemoteError) as err:  # the client thinks the session is empty: it must replay
-        await post(http_session, s0, "/session/step", stage=0, session_id="a", position=0, inputs=encode_tensor(ids[:, :1], "raw"))
+        await post(
+            http_session,
+            s0,
+            "/session/step",
+            stage=0,
+            session_id="a",
+            position=0,
+            inputs=encode_tensor(ids[:, :1], "raw"),
+        )
     assert err.value.status == 409 and err.value.code == "session_out_of_sync"
     too_long = torch.zeros(1, 32 - len(PROMPT) + 1, dtype=torch.long)
-    for bad, match in [(dict(inputs=encode_tensor(torch.tensor([[300]]), "raw")), "token ids"),
-                       (dict(inputs=encode_tensor(too_long, "raw")), "max_length"),
-                       (dict(inputs=encode_tensor(torch.zeros(2, 1, dtype=torch.long), "raw")), "batch 1"),
-                       (dict(inputs=encode_tensor(ids[:, :2], "raw"), chunks=[1]), "chunks")]:  # fmt: skip
+    for bad, match in [
+        (dict(inputs=encode_tensor(torch.tensor([[300]]), "raw")), "token ids"),
+        (dict(inputs=encode_tensor(too_long, "raw")), "max_length"),
+        (dict(inputs=encode_tensor(torch.zeros(2, 1, dtype=torch.long), "raw")), "batch 1"),
+        (dict(inputs=encode_tensor(ids[:, :2], "raw"), chunks=[1]), "chunks"),
+    ]:
         with pytest.raises(RemoteError) as err:
             await post(http_session, s0, "/session/step", stage=0, session_id="a", position=len(PROMPT), **bad)
         assert err.value.status == 400 and match in str(err.value), (match, err.value)
-    for bad in [dict(batch=0, max_length=8), dict(batch=1, max_length=10**6), dict(batch=1, max_length=8, session_id="")]:
+    for bad in [
+        dict(batch=0, max_length=8),
+        dict(batch=1, max_length=10**6),
+        dict(batch=1, max_length=8, session_id=""),
+    ]:
         with pytest.raises(RemoteError) as err:
             await post(http_session, s0, "/session/open", stage=0, **{"session_id": "b", **bad})
         assert err.value.status == 400
@@ -96,17 +120,38 @@ async def test_positions_out_of_sync_unknown_sessions_and_bad_inputs_are_refused
 
 
 async def test_a_replay_in_chunks_rebuilds_the_cache_exactly(start_stages, http_session):
-    _, urls = await start_stages([[stage_settings(0, num_stages=2), stage_settings(0, num_stages=2)], [stage_settings(1, num_stages=2)]])
+    _, urls = await start_stages(
+        [[stage_settings(0, num_stages=2), stage_settings(0, num_stages=2)], [stage_settings(1, num_stages=2)]]
+    )
     a, b = urls[0]
     hidden = []
     ids = torch.tensor([PROMPT], dtype=torch.long)
     await post(http_session, a, "/session/open", stage=0, session_id="s", batch=1, max_length=32)
     for start, stop in [(0, 10), (10, 11), (11, 12), (12, len(PROMPT))]:
-        reply = await post(http_session, a, "/session/step", stage=0, session_id="s", position=start, inputs=encode_tensor(ids[:, start:stop], "raw"))
+        reply = await post(
+            http_session,
+            a,
+            "/session/step",
+            stage=0,
+            session_id="s",
+            position=start,
+            inputs=encode_tensor(ids[:, start:stop], "raw"),
+        )
         hidden.append(reply["outputs"])
     await post(http_session, b, "/session/open", stage=0, session_id="s", batch=1, max_length=32)
-    replay = await post(http_session, b, "/session/step", stage=0, session_id="s", position=0, inputs=encode_tensor(ids, "raw"), chunks=[10, 1, 1, len(PROMPT) - 12])
-    assert replay["position"] == len(PROMPT) and replay["outputs"]["data"] == hidden[-1]["data"]  # the last chunk's output, bit for bit
+    replay = await post(
+        http_session,
+        b,
+        "/session/step",
+        stage=0,
+        session_id="s",
+        position=0,
+        inputs=encode_tensor(ids, "raw"),
+        chunks=[10, 1, 1, len(PROMPT) - 12],
+    )
+    assert (
+        replay["position"] == len(PROMPT) and replay["outputs"]["data"] == hidden[-1]["data"]
+    )  # the last chunk's output, bit for bit
 
 
 async def test_session_memory_is_bounded_per_server_and_per_session(start_stages, http_session):
@@ -127,7 +172,12 @@ async def test_session_memory_is_bounded_per_server_and_per_session(start_stages
     await post(http_session, s0, "/session/open", stage=0, session_id="b", batch=1, max_length=60)
     async with http_session.get(s0 + "/health") as resp:
         sessions = (await resp.json())["sessions"]
-    assert sessions["open"] == 1 and sessions["opened"] == 2 and sessions["refused"] == 2 and sessions["reserved_mb"] == round(60 * per_position / 2**20, 3)
+    assert (
+        sessions["open"] == 1
+        and sessions["opened"] == 2
+        and sessions["refused"] == 2
+        and sessions["reserved_mb"] == round(60 * per_position / 2**20, 3)
+    )
 
 
 def test_idle_sessions_expire_after_the_ttl_and_free_their_memory():
@@ -151,10 +201,22 @@ async def test_sessions_run_beside_training_and_never_change_the_weights(start_s
     digest, version = runtime.digest(), runtime.version
     await session.step(PROMPT)
     await session.step([10])
-    assert (runtime.digest(), runtime.version, runtime.stats.backwards) == (digest, version, 0)  # sessions leave weights and stats alone
+    assert (runtime.digest(), runtime.version, runtime.stats.backwards) == (
+        digest,
+        version,
+        0,
+    )  # sessions leave weights and stats alone
     ids = torch.tensor([PROMPT, PROMPT[::-1]], dtype=torch.long)
-    trained = await post(http_session, urls[0][0], "/backward", stage=0, microbatch_id="train-0", seed=0, inputs=encode_tensor(ids[:, :-1], "raw"),
-                         targets=encode_tensor(ids[:, 1:], "raw"))  # fmt: skip
+    trained = await post(
+        http_session,
+        urls[0][0],
+        "/backward",
+        stage=0,
+        microbatch_id="train-0",
+        seed=0,
+        inputs=encode_tensor(ids[:, :-1], "raw"),
+        targets=encode_tensor(ids[:, 1:], "raw"),
+    )
     assert trained["stage_step"] == 1 and runtime.digest() != digest  # a global batch of 2: the stage stepped
     await session.step([11])  # the session goes on, on the new weights
     assert session.stats.weights_steps == {0, 1}

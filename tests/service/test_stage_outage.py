@@ -58,8 +58,16 @@ async def test_a_microbatch_waits_for_a_stage_whose_replica_comes_back(routing, 
     port = free_port()
     comeback = Comeback(port)
     balancer = balancer_for([urls[0], [f"http://127.0.0.1:{port}"], urls[1]])
-    client = PipelineClient(http_session, balancer, run_id="test", codec="fp32", routing=routing, timeouts=HopTimeouts(10, 10, stage_wait_s=30),
-                            retry=RetryPolicy(max_retries=1, base_delay_s=0.01), on_stage_empty=comeback)  # fmt: skip
+    client = PipelineClient(
+        http_session,
+        balancer,
+        run_id="test",
+        codec="fp32",
+        routing=routing,
+        timeouts=HopTimeouts(10, 10, stage_wait_s=30),
+        retry=RetryPolicy(max_retries=1, base_delay_s=0.01),
+        on_stage_empty=comeback,
+    )
     try:
         result = await client.train(microbatch, seed=0)
         assert comeback.calls >= 1 and comeback.server is not None  # it waited, the stage came back
@@ -73,15 +81,27 @@ async def test_a_microbatch_waits_for_a_stage_whose_replica_comes_back(routing, 
 
 @pytest.mark.parametrize("routing", ["relay", "chain"])
 @pytest.mark.parametrize("wait_s", [0.0, 1.5])
-async def test_without_the_wait_or_past_it_the_microbatch_fails_and_nothing_is_applied(routing, wait_s, start_stages, http_session, microbatch):
+async def test_without_the_wait_or_past_it_the_microbatch_fails_and_nothing_is_applied(
+    routing, wait_s, start_stages, http_session, microbatch
+):
     apps, urls = await start_stages([[stage_settings(s, NUM_STAGES)] for s in range(NUM_STAGES) if s != DOWN])
+
     async def nobody_comes(stage: int) -> None:
         pass
 
     log = EventLog()
     balancer = balancer_for([urls[0], [f"http://127.0.0.1:{free_port()}"], urls[1]])
-    client = PipelineClient(http_session, balancer, run_id="test", codec="fp32", routing=routing, timeouts=HopTimeouts(10, 10, stage_wait_s=wait_s),
-                            retry=RetryPolicy(max_retries=1, base_delay_s=0.01), on_stage_empty=nobody_comes, log=log)  # fmt: skip
+    client = PipelineClient(
+        http_session,
+        balancer,
+        run_id="test",
+        codec="fp32",
+        routing=routing,
+        timeouts=HopTimeouts(10, 10, stage_wait_s=wait_s),
+        retry=RetryPolicy(max_retries=1, base_delay_s=0.01),
+        on_stage_empty=nobody_comes,
+        log=log,
+    )
     with pytest.raises(MicrobatchFailed):
         await client.train(microbatch, seed=0)
     assert ("stage.outage" in log.events) == (wait_s > 0)  # waited only with a wait to spend

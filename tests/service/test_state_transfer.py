@@ -37,16 +37,30 @@ def hidden(seed: int, batch: int = 2, seq: int = 16) -> torch.Tensor:
 
 
 def request(mb: str, seed: int, **tensors: torch.Tensor) -> dict:
-    return {"run_id": "test", "stage": STAGE, "microbatch_id": mb, "seed": seed, "codec": "fp32", **{k: encode_tensor(v, "fp32") for k, v in tensors.items()}}
+    return {
+        "run_id": "test",
+        "stage": STAGE,
+        "microbatch_id": mb,
+        "seed": seed,
+        "codec": "fp32",
+        **{k: encode_tensor(v, "fp32") for k, v in tensors.items()},
+    }
 
 
 async def train(session, url: str, seeds) -> None:
     for s in seeds:
-        await post_message(session, url + "/backward", request(f"mb-{s}", s, inputs=hidden(s), grad_outputs=hidden(s + 1000)), timeout_s=TIMEOUT_S)
+        await post_message(
+            session,
+            url + "/backward",
+            request(f"mb-{s}", s, inputs=hidden(s), grad_outputs=hidden(s + 1000)),
+            timeout_s=TIMEOUT_S,
+        )
 
 
 async def forward(session, url: str, x: torch.Tensor) -> torch.Tensor:
-    reply = await post_message(session, url + "/forward", {**request("probe", 0, inputs=x), "eval": True}, timeout_s=TIMEOUT_S)
+    reply = await post_message(
+        session, url + "/forward", {**request("probe", 0, inputs=x), "eval": True}, timeout_s=TIMEOUT_S
+    )
     return decode_tensor(reply["outputs"])
 
 
@@ -57,7 +71,9 @@ async def get_state(session, url: str) -> bytes:
 
 
 async def post_state(session, url: str, body: bytes, content_type: str = OCTET_STREAM):
-    async with session.post(url + "/state", data=body, headers={"Content-Type": content_type}, timeout=CLIENT_TIMEOUT) as resp:
+    async with session.post(
+        url + "/state", data=body, headers={"Content-Type": content_type}, timeout=CLIENT_TIMEOUT
+    ) as resp:
         return resp.status, await resp.json()
 
 
@@ -69,7 +85,10 @@ def weights(app) -> dict[str, torch.Tensor]:
 async def replicas(start_stages):
     """Two replicas of stage 1 with different weights (A, B) and a server of stage 2."""
     apps, urls = await start_stages(
-        [[stage_settings(STAGE, seed=1, global_batch=4), stage_settings(STAGE, seed=2, global_batch=4)], [stage_settings(2)]]
+        [
+            [stage_settings(STAGE, seed=1, global_batch=4), stage_settings(STAGE, seed=2, global_batch=4)],
+            [stage_settings(2)],
+        ]
     )
     return apps, urls
 
@@ -141,7 +160,9 @@ async def test_a_state_past_max_body_mb_is_refused_with_413(start_stages, http_s
     (_, small), (url_a, url_small) = apps[0], urls[0]
     before = weights(small)
 
-    status, reply = await post_state(http_session, url_small, await get_state(http_session, url_a))  # ~0.8 MB of weights
+    status, reply = await post_state(
+        http_session, url_small, await get_state(http_session, url_a)
+    )  # ~0.8 MB of weights
 
     assert status == 413 and reply["error"]["code"] == "payload_too_large"
     assert all(torch.equal(before[n], t) for n, t in weights(small).items())
@@ -178,7 +199,15 @@ async def test_a_busy_replica_gives_its_state_once_its_queue_has_room(start_stag
 
 async def _download_while_busy(app, url, blocker, gate, http_session, tmp_path) -> None:
     log = Recorder()
-    checkpointer = Checkpointer(Registry(":memory:", num_stages=4, heartbeat_s=60.0), root=str(tmp_path), run_id="test", keep=1, timeout_s=20.0, log=log, session=http_session)
+    checkpointer = Checkpointer(
+        Registry(":memory:", num_stages=4, heartbeat_s=60.0),
+        root=str(tmp_path),
+        run_id="test",
+        keep=1,
+        timeout_s=20.0,
+        log=log,
+        session=http_session,
+    )
     download = asyncio.create_task(checkpointer._download(STAGE, [url], 0))  # step 0: where the replica is
     for _ in range(2000):  # bounded: until the first refusal is logged
         if log.warnings or download.done():

@@ -13,11 +13,21 @@ from shared.wiring import ReplicaBalancer
 
 
 def coordinator_settings() -> CoordinatorSettings:
-    return CoordinatorSettings(run_id="test", num_stages=2, heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator="")
+    return CoordinatorSettings(
+        run_id="test", num_stages=2, heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator=""
+    )
 
 
 async def register(session, url: str, server_id: str, stage: int, server_url: str) -> None:
-    body = {"run_id": "test", "server_id": server_id, "stage": stage, "url": server_url, "version": "t", "throughput": 1.0, "queue_length": 0}
+    body = {
+        "run_id": "test",
+        "server_id": server_id,
+        "stage": stage,
+        "url": server_url,
+        "version": "t",
+        "throughput": 1.0,
+        "queue_length": 0,
+    }
     async with session.post(url + "/register", json=body) as resp:
         assert resp.status == 200, await resp.text()
 

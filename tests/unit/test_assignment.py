@@ -94,7 +94,9 @@ def test_no_move_when_balanced_or_when_no_move_raises_the_minimum():
     assert plan_move({"a": (0, 2.0), "b": (0, 2.0), "c": (1, 2.0), "d": (1, 2.0)}, 2) is None
     assert plan_move({"a": (0, 3.0), "b": (1, 1.0), "c": (1, 2.0)}, 2) is None  # tied weakest stages
     # stage 0 (6) is the unique weakest, but any move from stage 1 (7) drops it below 6.
-    assert plan_move({"a": (0, 3.0), "b": (0, 3.0), "c": (1, 2.0), "d": (1, 2.0), "e": (1, 2.0), "f": (1, 1.0)}, 2) is None
+    assert (
+        plan_move({"a": (0, 3.0), "b": (0, 3.0), "c": (1, 2.0), "d": (1, 2.0), "e": (1, 2.0), "f": (1, 1.0)}, 2) is None
+    )
 
 
 def test_fills_an_empty_stage_with_infinite_gain():

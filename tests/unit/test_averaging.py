@@ -55,13 +55,17 @@ def test_weighted_mean_is_sum_of_w_x_over_sum_of_w():
     # order of arrival does not matter; one contributor is returned exactly
     assert torch.equal(got, weighted_mean({2: (ws[2], xs[2]), 0: (ws[0], xs[0]), 1: (ws[1], xs[1])}))
     assert torch.equal(weighted_mean({4: (7.5, xs[0])}), xs[0])
-    assert torch.equal(weighted_mean({0: (0.0, xs[0]), 1: (0.0, xs[1])}), torch.zeros_like(xs[0]))  # nobody served a sample
+    assert torch.equal(
+        weighted_mean({0: (0.0, xs[0]), 1: (0.0, xs[1])}), torch.zeros_like(xs[0])
+    )  # nobody served a sample
 
 
 def test_sample_weight_counts_samples_since_the_last_round_and_an_idle_replica_barely():
     assert sample_weight(130, 100) == 30.0
     assert sample_weight(100, 100) == EPSILON_WEIGHT
-    assert weighted_mean({0: (sample_weight(5, 5), torch.zeros(2)), 1: (sample_weight(10, 0), torch.ones(2))})[0] > 0.999
+    assert (
+        weighted_mean({0: (sample_weight(5, 5), torch.zeros(2)), 1: (sample_weight(10, 0), torch.ones(2))})[0] > 0.999
+    )
 
 
 def test_backup_reducer_is_the_next_member_alive_in_cyclic_order():
@@ -100,19 +104,39 @@ def test_load_flat_parameters_round_trips_and_bumps_version_and_drops_cache():
 
 # --------------------------------------------------------------------------- messages
 def start(**overrides):
-    return {"round_id": "r1", "stage": 1, "members": ["http://a:1", "http://b:2/"], "index": 1, "codec": "int8", "timeout_s": 5, **overrides}
+    return {
+        "round_id": "r1",
+        "stage": 1,
+        "members": ["http://a:1", "http://b:2/"],
+        "index": 1,
+        "codec": "int8",
+        "timeout_s": 5,
+        **overrides,
+    }
 
 
 def test_round_spec_validates_and_refuses_another_stage():
     spec = RoundSpec.from_message(start(), stage=1)
     assert spec.members == ("http://a:1", "http://b:2") and spec.k == 2 and spec.timeout_s == 5.0
-    for bad in [start(round_id=""), start(round_id="a/b"), start(index=2), start(index=True), start(members="http://a"),
-                start(members=["http://a", "http://a"]), start(codec="raw"), start(timeout_s=-1), start(timeout_s=float("nan"))]:
+    for bad in [
+        start(round_id=""),
+        start(round_id="a/b"),
+        start(index=2),
+        start(index=True),
+        start(members="http://a"),
+        start(members=["http://a", "http://a"]),
+        start(codec="raw"),
+        start(timeout_s=-1),
+        start(timeout_s=float("nan")),
+    ]:
         with pytest.raises(BadPayload):
             RoundSpec.from_message(bad, stage=1)
     with pytest.raises(WrongStage):
         RoundSpec.from_message(start(stage=2), stage=1)
-    assert spec.aggregator == "mean" and RoundSpec.from_message(start(aggregator="centered_clip"), stage=1).aggregator == "centered_clip"
+    assert (
+        spec.aggregator == "mean"
+        and RoundSpec.from_message(start(aggregator="centered_clip"), stage=1).aggregator == "centered_clip"
+    )
     for bad in ["median", 1, None]:
         with pytest.raises(BadPayload, match="aggregator"):
             RoundSpec.from_message(start(aggregator=bad), stage=1)
@@ -121,8 +145,15 @@ def test_round_spec_validates_and_refuses_another_stage():
 def test_part_message_validates_weight_sender_and_part():
     msg = PartMessage.from_message({"round_id": "r1/retry-2", "from": 0, "part": 2, "weight": 3})
     assert msg == PartMessage("r1/retry-2", 0, 2, 3.0)
-    assert PartMessage.from_message({"round_id": "r1", "from": 0, "part": 0, "weight": 0}).weight == 0.0  # a step round's idle replica
-    for bad in [{"from": 0, "part": 0, "weight": -1}, {"from": 0, "part": 0, "weight": True}, {"from": "0", "part": 0, "weight": 1}, {"from": 0, "weight": 1}]:
+    assert (
+        PartMessage.from_message({"round_id": "r1", "from": 0, "part": 0, "weight": 0}).weight == 0.0
+    )  # a step round's idle replica
+    for bad in [
+        {"from": 0, "part": 0, "weight": -1},
+        {"from": 0, "part": 0, "weight": True},
+        {"from": "0", "part": 0, "weight": 1},
+        {"from": 0, "weight": 1},
+    ]:
         with pytest.raises(BadPayload):
             PartMessage.from_message({"round_id": "r1", **bad})
 
@@ -140,7 +171,9 @@ async def test_reducer_reduces_once_every_expected_member_sent():
     assert not waiting.done()
     reducer.add(1, 3.0, torch.full((4,), 4.0))
     reduced = await asyncio.wait_for(waiting, 5)
-    assert torch.equal(reduced.values, torch.full((4,), 3.0)) and reduced.contributors == (0, 1) and reduced.weight == 4.0
+    assert (
+        torch.equal(reduced.values, torch.full((4,), 3.0)) and reduced.contributors == (0, 1) and reduced.weight == 4.0
+    )
     # The reply every fetcher decodes holds the same values.
     assert torch.equal(parse_reduced(unpack_message(reduced.body), 4).values, reduced.values)
     with pytest.raises(RoundConflict):
@@ -203,7 +236,6 @@ async def test_backup_reducer_waits_for_the_members_that_reached_the_main_part()
         rnd.reducer("r1", 0)
 
 
-
 def test_apply_average_keeps_what_was_learned_during_the_round():
     rt = StageRuntime(PRESETS["tiny"], 1, 4, seed=0)
     before, _ = snapshot(rt)
@@ -222,7 +254,9 @@ def honest_and_attacker(attack: str, n: int = 5000, seed: int = 0) -> tuple[dict
     g = torch.Generator().manual_seed(seed)
     centre = torch.randn(n, generator=g)
     honest = [centre + 0.01 * torch.randn(n, generator=g) for _ in range(3)]
-    attacker = {"sign_flip": -1000 * honest[0], "scale": 1000 * honest[0], "random": 100 * torch.randn(n, generator=g)}[attack]
+    attacker = {"sign_flip": -1000 * honest[0], "scale": 1000 * honest[0], "random": 100 * torch.randn(n, generator=g)}[
+        attack
+    ]
     contributions = {i: (32.0, x) for i, x in enumerate(honest)} | {3: (32.0, attacker)}
     honest_mean = torch.stack(honest).mean(0)
     spread = max(float((x - honest_mean).norm()) for x in honest)
@@ -235,7 +269,9 @@ def test_centered_clip_stays_within_the_honest_spread_where_the_mean_does_not(at
     clipped, iterations = centered_clip(contributions)
     assert float((clipped - honest_mean).norm()) <= spread, "CenteredClip left the honest members' spread"
     assert iterations < 50, "did not reach its fixed point"
-    assert float((weighted_mean(contributions) - honest_mean).norm()) > 100 * spread, "the plain mean should be dragged away"
+    assert float((weighted_mean(contributions) - honest_mean).norm()) > 100 * spread, (
+        "the plain mean should be dragged away"
+    )
 
 
 def test_centered_clip_caps_a_weight_the_attacker_claims():
@@ -254,7 +290,9 @@ def test_centered_clip_of_honest_members_is_their_mean_or_close_to_it():
     centre = torch.randn(1000, generator=g)
     close = {i: (1.0, centre + 0.01 * torch.randn(1000, generator=g)) for i in range(4)}
     mean = weighted_mean(close)
-    assert float((centered_clip(close)[0] - mean).norm()) < 0.5 * max(float((x - mean).norm()) for _, x in close.values())
+    assert float((centered_clip(close)[0] - mean).norm()) < 0.5 * max(
+        float((x - mean).norm()) for _, x in close.values()
+    )
 
 
 async def test_reducer_with_centered_clip_serves_the_robust_centre():

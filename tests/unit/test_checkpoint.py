@@ -44,7 +44,13 @@ def train(rt: StageRuntime, seeds) -> None:
     for seed in seeds:
         ids, targets, hidden, grad = microbatch(seed, rt.cfg)
         spec = rt.spec
-        rt.backward(f"mb-{seed}", seed, ids if spec.is_first else hidden, targets if spec.is_last else None, None if spec.is_last else grad)
+        rt.backward(
+            f"mb-{seed}",
+            seed,
+            ids if spec.is_first else hidden,
+            targets if spec.is_last else None,
+            None if spec.is_last else grad,
+        )
 
 
 def params(rt: StageRuntime) -> dict[str, torch.Tensor]:
@@ -52,7 +58,11 @@ def params(rt: StageRuntime) -> dict[str, torch.Tensor]:
 
 
 def optimizer_state(rt: StageRuntime) -> dict[str, dict[str, torch.Tensor]]:
-    return {name: {k: v.clone() for k, v in rt.optimizer.state[p].items()} for name, p in rt.model.named_parameters() if rt.optimizer.state.get(p)}
+    return {
+        name: {k: v.clone() for k, v in rt.optimizer.state[p].items()}
+        for name, p in rt.model.named_parameters()
+        if rt.optimizer.state.get(p)
+    }
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -97,8 +107,14 @@ def test_state_is_a_cpu_snapshot_with_metadata():
     train(rt, range(2))
     tensors, meta = stage_state(rt)
     assert meta == {
-        "stage": 2, "num_stages": 4, "layers": [2, 3], "model_config": CFG.to_dict(), "weights_version": 1,
-        "optimizer_steps": 1, "samples": 4, "adam_step": {name: 1 for name, _ in rt.model.named_parameters()},
+        "stage": 2,
+        "num_stages": 4,
+        "layers": [2, 3],
+        "model_config": CFG.to_dict(),
+        "weights_version": 1,
+        "optimizer_steps": 1,
+        "samples": 4,
+        "adam_step": {name: 1 for name, _ in rt.model.named_parameters()},
     }
     names = [name for name, _ in rt.model.named_parameters()]
     assert set(tensors) == set(names) | {f"{OPTIM_PREFIX}{n}/{m}" for n in names for m in ("exp_avg", "exp_avg_sq")}
@@ -176,7 +192,14 @@ def test_a_mismatched_state_is_refused_and_changes_nothing(source, corrupt, erro
         corrupt(tensors, meta)
     rt = runtime(1, seed=5)
     train(rt, range(3))  # one step done, one microbatch pending
-    before = (params(rt), optimizer_state(rt), rt.version, rt.pending_samples, [a.clone() for a in rt.accumulators()], rt.stats.optimizer_steps)
+    before = (
+        params(rt),
+        optimizer_state(rt),
+        rt.version,
+        rt.pending_samples,
+        [a.clone() for a in rt.accumulators()],
+        rt.stats.optimizer_steps,
+    )
 
     with pytest.raises(error) as info:
         load_stage_state(rt, tensors, meta)
@@ -264,7 +287,9 @@ def trained_stages() -> list[StageRuntime]:
 def save_checkpoint(root, stages: list[StageRuntime], step: int = 1):
     for index, rt in enumerate(stages):
         checkpoint.write_stage_file(root, step, index, state_to_bytes(*stage_state(rt)))
-    return checkpoint.commit_checkpoint(root, step, {"run_id": "r", "num_stages": len(stages), "model": "tiny", "model_config": CFG.to_dict()})
+    return checkpoint.commit_checkpoint(
+        root, step, {"run_id": "r", "num_stages": len(stages), "model": "tiny", "model_config": CFG.to_dict()}
+    )
 
 
 def test_export_gives_the_whole_model_that_computes_the_chained_stages_loss(tmp_path):
@@ -274,7 +299,9 @@ def test_export_gives_the_whole_model_that_computes_the_chained_stages_loss(tmp_
 
     assert cli.main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
 
-    assert set(safetensors.torch.load_file(out)) == set(dict(build_gpt(CFG, 0).named_parameters()))  # no optimizer state
+    assert set(safetensors.torch.load_file(out)) == set(
+        dict(build_gpt(CFG, 0).named_parameters())
+    )  # no optimizer state
     model = load_exported(out)
     ids, targets, _, _ = microbatch(42)
     x = ids
@@ -320,6 +347,8 @@ def test_export_refuses_stages_that_do_not_form_the_whole_model(tmp_path, capsys
 
 @pytest.mark.parametrize("step", [None, 9])
 def test_export_without_a_checkpoint_exits_2(tmp_path, capsys, step):
-    argv = ["--checkpoint-dir", str(tmp_path), "--out", str(tmp_path / "m.safetensors")] + (["--step", str(step)] if step else [])
+    argv = ["--checkpoint-dir", str(tmp_path), "--out", str(tmp_path / "m.safetensors")] + (
+        ["--step", str(step)] if step else []
+    )
     assert export_main(argv) == 2
     assert "checkpoint" in capsys.readouterr().err

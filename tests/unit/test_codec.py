@@ -241,7 +241,14 @@ def test_dynamic_int8_from_older_peers_still_decodes(block, shape, map_field):
         absmax, expected = state.absmax, bnbf.dequantize_blockwise(codes, absmax=state.absmax, blocksize=block)
     else:
         codes, absmax, expected = flat.to(torch.uint8), torch.empty(0), flat
-    old = {"codec": "int8", "dtype": "float32", "shape": list(shape), "data": codes.numpy().tobytes(), "absmax": absmax.numpy().tobytes(), "block": block}
+    old = {
+        "codec": "int8",
+        "dtype": "float32",
+        "shape": list(shape),
+        "data": codes.numpy().tobytes(),
+        "absmax": absmax.numpy().tobytes(),
+        "block": block,
+    }
     assert {k: bytes(v) if isinstance(v, memoryview) else v for k, v in encode_int8_dynamic(x, block).items()} == old
     if map_field:
         old["map"] = map_field
@@ -356,7 +363,8 @@ def test_pack_message_is_byte_identical_to_msgpack(nbytes, kind):
     payload = bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256)
     msg = {"a": 1, "nested": {"blob": kind(payload), "list": [kind(payload), "s", 2.5, None, True]}}
     expected = msgpack.packb(
-        {"v": WIRE_VERSION, "a": 1, "nested": {"blob": payload, "list": [payload, "s", 2.5, None, True]}}, use_bin_type=True
+        {"v": WIRE_VERSION, "a": 1, "nested": {"blob": payload, "list": [payload, "s", 2.5, None, True]}},
+        use_bin_type=True,
     )
     body = pack_message(msg)
     assert body == expected
@@ -390,7 +398,7 @@ def test_encode_refuses_unknown_codec_bad_block_and_float64():
     [
         pytest.param(b"", "not valid msgpack", id="empty"),
         pytest.param(b"\xc1", "not valid msgpack", id="reserved-byte"),
-        pytest.param(b"{\"v\": 1}", "not valid msgpack", id="json"),
+        pytest.param(b'{"v": 1}', "not valid msgpack", id="json"),
         pytest.param(msgpack.packb({"v": 1, "a": b"x" * 10})[:-3], "not valid msgpack", id="truncated"),
         pytest.param(msgpack.packb({"v": 1}) + msgpack.packb(1), "not valid msgpack", id="trailing-data"),
         pytest.param(msgpack.packb({"v": 1, 5: 2}), "not valid msgpack", id="int-map-key"),
@@ -399,7 +407,9 @@ def test_encode_refuses_unknown_codec_bad_block_and_float64():
         pytest.param(msgpack.packb("v"), "must be a msgpack map, got str", id="str"),
         pytest.param(msgpack.packb(None), "must be a msgpack map, got NoneType", id="nil"),
         pytest.param(msgpack.packb({"stage": 1}), "wire version None not supported", id="missing-v"),
-        pytest.param(msgpack.packb({"v": WIRE_VERSION + 1}), f"wire version {WIRE_VERSION + 1} not supported", id="future-v"),
+        pytest.param(
+            msgpack.packb({"v": WIRE_VERSION + 1}), f"wire version {WIRE_VERSION + 1} not supported", id="future-v"
+        ),
         pytest.param(msgpack.packb({"v": 0}), "wire version 0 not supported", id="v0"),
         pytest.param(msgpack.packb({"v": str(WIRE_VERSION)}), "wire version '1' not supported", id="v-as-str"),
     ],
@@ -459,14 +469,30 @@ BAD_TENSORS = [
     pytest.param(lambda: _edit(_good(), codec=_DROP), "unknown codec None", id="missing-codec"),
     pytest.param(lambda: _edit(_good(), codec="FP32"), "unknown codec 'FP32'", id="codec-wrong-case"),
     # dtype
-    pytest.param(lambda: _edit(_good(), dtype="float64"), "codec fp32 carries floats, not 'float64'", id="unknown-float-dtype"),
+    pytest.param(
+        lambda: _edit(_good(), dtype="float64"), "codec fp32 carries floats, not 'float64'", id="unknown-float-dtype"
+    ),
     pytest.param(lambda: _edit(_good(), dtype="complex64"), "carries floats, not 'complex64'", id="unknown-dtype"),
     pytest.param(lambda: _edit(_good(), dtype=_DROP), "dtype must be a string", id="missing-dtype"),
-    pytest.param(lambda: _edit(_good("fp16"), dtype="int64"), "codec fp16 carries floats, not 'int64'", id="int-dtype-under-fp16"),
-    pytest.param(lambda: _edit(_good_int8(), dtype="int32"), "codec int8 carries floats, not 'int32'", id="int-dtype-under-int8"),
-    pytest.param(lambda: _edit(_good(), codec="raw"), "raw tensors carry integers, not 'float32'", id="float-dtype-under-raw"),
-    pytest.param(lambda: _edit(_good(), codec="raw", dtype="bfloat16"), "raw tensors carry integers, not 'bfloat16'", id="bf16-under-raw"),
-    pytest.param(lambda: _edit(_good(), codec="raw", dtype="uint64"), "raw tensors carry integers, not 'uint64'", id="unknown-int-dtype"),
+    pytest.param(
+        lambda: _edit(_good("fp16"), dtype="int64"), "codec fp16 carries floats, not 'int64'", id="int-dtype-under-fp16"
+    ),
+    pytest.param(
+        lambda: _edit(_good_int8(), dtype="int32"), "codec int8 carries floats, not 'int32'", id="int-dtype-under-int8"
+    ),
+    pytest.param(
+        lambda: _edit(_good(), codec="raw"), "raw tensors carry integers, not 'float32'", id="float-dtype-under-raw"
+    ),
+    pytest.param(
+        lambda: _edit(_good(), codec="raw", dtype="bfloat16"),
+        "raw tensors carry integers, not 'bfloat16'",
+        id="bf16-under-raw",
+    ),
+    pytest.param(
+        lambda: _edit(_good(), codec="raw", dtype="uint64"),
+        "raw tensors carry integers, not 'uint64'",
+        id="unknown-int-dtype",
+    ),
     # shape
     pytest.param(lambda: _edit(_good(), shape="2,3"), "shape must be a list", id="shape-str"),
     pytest.param(lambda: _edit(_good(), shape=6), "shape must be a list", id="shape-int"),
@@ -484,14 +510,18 @@ BAD_TENSORS = [
     pytest.param(lambda: _edit(_good("fp16"), shape=[3, 3]), "12 bytes for 9 values of fp16", id="data-fp16-mismatch"),
     pytest.param(lambda: _edit(_good(), shape=[]), "24 bytes for 1 values", id="data-0d-mismatch"),
     pytest.param(
-        lambda: _edit(wire(torch.arange(6), "fp32"), data=b"\x00" * 47), "47 bytes for 6 values of int64", id="raw-data-mismatch"
+        lambda: _edit(wire(torch.arange(6), "fp32"), data=b"\x00" * 47),
+        "47 bytes for 6 values of int64",
+        id="raw-data-mismatch",
     ),
     pytest.param(lambda: _edit(_good(), data="abcdefgh"), "data must be bytes", id="data-str"),
     pytest.param(lambda: _edit(_good(), data=[0] * 24), "data must be bytes", id="data-list"),
     pytest.param(lambda: _edit(_good(), data=_DROP), "data must be bytes", id="data-missing"),
     pytest.param(lambda: _edit(_good(), data=None), "data must be bytes", id="data-nil"),
     # int8, linear map: (3, 100) in runs of 64 values (5 blocks), (130, 4) in columns (3 x 4 blocks)
-    pytest.param(lambda: _edit(_good_int8(), map="cubic"), "int8 map must be one of .*got 'cubic'", id="int8-map-unknown"),
+    pytest.param(
+        lambda: _edit(_good_int8(), map="cubic"), "int8 map must be one of .*got 'cubic'", id="int8-map-unknown"
+    ),
     pytest.param(lambda: _edit(_good_int8(), map=1), "int8 map must be one of .*got 1", id="int8-map-int"),
     pytest.param(lambda: _edit(_good_int8(), map=None), "int8 map must be one of .*got None", id="int8-map-nil"),
     pytest.param(lambda: _edit(_good_int8(), block=100), "int8 block must be one of", id="int8-block-100"),
@@ -499,39 +529,107 @@ BAD_TENSORS = [
     pytest.param(lambda: _edit(_good_int8(), block=_DROP), "int8 block must be one of", id="int8-block-missing"),
     pytest.param(lambda: _edit(_good_int8(), block="64"), "int8 block must be one of", id="int8-block-str"),
     pytest.param(lambda: _edit(_good_int8(), block=True), "int8 block must be one of", id="int8-block-bool"),
-    pytest.param(lambda: _edit(_good_int8(block=64), block=128), "10 absmax bytes for 3 blocks", id="int8-block-changed"),
-    pytest.param(lambda: _edit(_good_int8(), width=_DROP), "int8 width must be a positive int dividing 300", id="int8-width-missing"),
+    pytest.param(
+        lambda: _edit(_good_int8(block=64), block=128), "10 absmax bytes for 3 blocks", id="int8-block-changed"
+    ),
+    pytest.param(
+        lambda: _edit(_good_int8(), width=_DROP),
+        "int8 width must be a positive int dividing 300",
+        id="int8-width-missing",
+    ),
     pytest.param(lambda: _edit(_good_int8(), width=0), "int8 width must be a positive int", id="int8-width-0"),
     pytest.param(lambda: _edit(_good_int8(), width=-1), "int8 width must be a positive int", id="int8-width-negative"),
-    pytest.param(lambda: _edit(_good_int8(), width=7), "int8 width must be a positive int dividing 300", id="int8-width-not-dividing"),
-    pytest.param(lambda: _edit(_good_int8(), width=600), "int8 width must be a positive int dividing 300", id="int8-width-too-wide"),
+    pytest.param(
+        lambda: _edit(_good_int8(), width=7),
+        "int8 width must be a positive int dividing 300",
+        id="int8-width-not-dividing",
+    ),
+    pytest.param(
+        lambda: _edit(_good_int8(), width=600),
+        "int8 width must be a positive int dividing 300",
+        id="int8-width-too-wide",
+    ),
     pytest.param(lambda: _edit(_good_int8(), width="1"), "int8 width must be a positive int", id="int8-width-str"),
     pytest.param(lambda: _edit(_good_int8(), width=1.0), "int8 width must be a positive int", id="int8-width-float"),
     pytest.param(lambda: _edit(_good_int8(), width=True), "int8 width must be a positive int", id="int8-width-bool"),
     pytest.param(lambda: _edit(_good_int8(), width=2), "10 absmax bytes for 6 blocks", id="int8-width-changed"),
-    pytest.param(lambda: _edit(_good_int8_columns(), width=1), "24 absmax bytes for 9 blocks", id="int8-columns-width-dropped-to-1"),
-    pytest.param(lambda: _edit(_good_int8_columns(), width=2), "24 absmax bytes for 10 blocks", id="int8-columns-width-changed"),
-    pytest.param(lambda: _edit(_good_int8(), absmax=_good_int8()["absmax"][:-2]), "8 absmax bytes for 5 blocks .2 bytes each", id="int8-absmax-short"),
-    pytest.param(lambda: _edit(_good_int8(), absmax=_good_int8()["absmax"] + b"\0" * 2), "12 absmax bytes for 5 blocks", id="int8-absmax-long"),
-    pytest.param(lambda: _edit(_good_int8(), absmax=_good_int8()["absmax"][:-1]), "9 absmax bytes for 5 blocks", id="int8-absmax-odd-bytes"),
+    pytest.param(
+        lambda: _edit(_good_int8_columns(), width=1),
+        "24 absmax bytes for 9 blocks",
+        id="int8-columns-width-dropped-to-1",
+    ),
+    pytest.param(
+        lambda: _edit(_good_int8_columns(), width=2), "24 absmax bytes for 10 blocks", id="int8-columns-width-changed"
+    ),
+    pytest.param(
+        lambda: _edit(_good_int8(), absmax=_good_int8()["absmax"][:-2]),
+        "8 absmax bytes for 5 blocks .2 bytes each",
+        id="int8-absmax-short",
+    ),
+    pytest.param(
+        lambda: _edit(_good_int8(), absmax=_good_int8()["absmax"] + b"\0" * 2),
+        "12 absmax bytes for 5 blocks",
+        id="int8-absmax-long",
+    ),
+    pytest.param(
+        lambda: _edit(_good_int8(), absmax=_good_int8()["absmax"][:-1]),
+        "9 absmax bytes for 5 blocks",
+        id="int8-absmax-odd-bytes",
+    ),
     pytest.param(lambda: _edit(_good_int8(), absmax=b""), "0 absmax bytes for 5 blocks", id="int8-absmax-empty"),
     pytest.param(lambda: _edit(_good_int8(), absmax=[1.0] * 5), "int8 absmax must be bytes", id="int8-absmax-list"),
     pytest.param(lambda: _edit(_good_int8(), absmax=_DROP), "int8 absmax must be bytes", id="int8-absmax-missing"),
-    pytest.param(lambda: _edit(_good_int8(), absmax=_BF16_MINUS_ONE + _good_int8()["absmax"][2:]), "int8 absmax holds negative values", id="int8-absmax-negative"),
+    pytest.param(
+        lambda: _edit(_good_int8(), absmax=_BF16_MINUS_ONE + _good_int8()["absmax"][2:]),
+        "int8 absmax holds negative values",
+        id="int8-absmax-negative",
+    ),
     pytest.param(lambda: _edit(_good_int8(), shape=[3, 101]), "300 int8 codes for 303 values", id="int8-codes-short"),
     pytest.param(lambda: _edit(_good_int8(), data=b"x"), "1 int8 codes for 300 values", id="int8-codes-wrong"),
     # a linear map read as dynamic (its map field dropped) is refused, not misread
-    pytest.param(lambda: _edit(_good_int8(), map=_DROP), "10 absmax bytes for 5 blocks .4 bytes each", id="int8-linear-without-map"),
-    pytest.param(lambda: _edit(_good_int8_columns(block=64), map=_DROP), "24 absmax bytes for 9 blocks .4 bytes each", id="int8-columns-without-map"),
+    pytest.param(
+        lambda: _edit(_good_int8(), map=_DROP),
+        "10 absmax bytes for 5 blocks .4 bytes each",
+        id="int8-linear-without-map",
+    ),
+    pytest.param(
+        lambda: _edit(_good_int8_columns(block=64), map=_DROP),
+        "24 absmax bytes for 9 blocks .4 bytes each",
+        id="int8-columns-without-map",
+    ),
     # int8, dynamic map (older peers)
-    pytest.param(lambda: _edit(_good_dynamic(), block=128), "20 absmax bytes for 3 blocks .4 bytes each", id="dynamic-block-changed"),
-    pytest.param(lambda: _edit(_good_dynamic(), absmax=_good_dynamic()["absmax"][:-4]), "16 absmax bytes for 5 blocks", id="dynamic-absmax-short"),
-    pytest.param(lambda: _edit(_good_dynamic(), absmax=_good_dynamic()["absmax"][:-1]), "19 absmax bytes for 5 blocks", id="dynamic-absmax-odd-bytes"),
-    pytest.param(lambda: _edit(_good_dynamic(), absmax=_FP32_MINUS_ONE + _good_dynamic()["absmax"][4:]), "int8 absmax holds negative", id="dynamic-absmax-negative"),
-    pytest.param(lambda: _edit(_good_dynamic(), map="linear", width=1), "20 absmax bytes for 5 blocks .2 bytes each", id="dynamic-read-as-linear"),
-    pytest.param(lambda: _edit(_good_dynamic(), data=b"x" * 299), "299 int8 codes for 300 values", id="dynamic-codes-short"),
+    pytest.param(
+        lambda: _edit(_good_dynamic(), block=128),
+        "20 absmax bytes for 3 blocks .4 bytes each",
+        id="dynamic-block-changed",
+    ),
+    pytest.param(
+        lambda: _edit(_good_dynamic(), absmax=_good_dynamic()["absmax"][:-4]),
+        "16 absmax bytes for 5 blocks",
+        id="dynamic-absmax-short",
+    ),
+    pytest.param(
+        lambda: _edit(_good_dynamic(), absmax=_good_dynamic()["absmax"][:-1]),
+        "19 absmax bytes for 5 blocks",
+        id="dynamic-absmax-odd-bytes",
+    ),
+    pytest.param(
+        lambda: _edit(_good_dynamic(), absmax=_FP32_MINUS_ONE + _good_dynamic()["absmax"][4:]),
+        "int8 absmax holds negative",
+        id="dynamic-absmax-negative",
+    ),
+    pytest.param(
+        lambda: _edit(_good_dynamic(), map="linear", width=1),
+        "20 absmax bytes for 5 blocks .2 bytes each",
+        id="dynamic-read-as-linear",
+    ),
+    pytest.param(
+        lambda: _edit(_good_dynamic(), data=b"x" * 299), "299 int8 codes for 300 values", id="dynamic-codes-short"
+    ),
     # int4: (3, 100) = 300 values in 5 blocks of 64 (the last one padded): 160 bytes of codes, 10 of absmax
-    pytest.param(lambda: _edit(_good_int4(), dtype="int64"), "codec int4 carries floats, not 'int64'", id="int-dtype-under-int4"),
+    pytest.param(
+        lambda: _edit(_good_int4(), dtype="int64"), "codec int4 carries floats, not 'int64'", id="int-dtype-under-int4"
+    ),
     pytest.param(lambda: _edit(_good_int4(), block=32), "int4 block must be 64, got 32", id="int4-block-32"),
     pytest.param(lambda: _edit(_good_int4(), block=128), "int4 block must be 64, got 128", id="int4-block-128"),
     pytest.param(lambda: _edit(_good_int4(), block=64.0), "int4 block must be 64, got 64.0", id="int4-block-float"),
@@ -543,18 +641,50 @@ BAD_TENSORS = [
     pytest.param(lambda: _edit(_good_int4(), seed="0"), "int4 seed must be an int", id="int4-seed-str"),
     pytest.param(lambda: _edit(_good_int4(), seed=0.0), "int4 seed must be an int", id="int4-seed-float"),
     pytest.param(lambda: _edit(_good_int4(), seed=False), "int4 seed must be an int", id="int4-seed-bool"),
-    pytest.param(lambda: _edit(_good_int4(), data=_good_int4()["data"][:-1]), "159 bytes of int4 codes for 300 values .5 blocks of 64", id="int4-codes-short"),
-    pytest.param(lambda: _edit(_good_int4(), data=_good_int4()["data"] + b"\x88"), "161 bytes of int4 codes for 300 values", id="int4-codes-long"),
+    pytest.param(
+        lambda: _edit(_good_int4(), data=_good_int4()["data"][:-1]),
+        "159 bytes of int4 codes for 300 values .5 blocks of 64",
+        id="int4-codes-short",
+    ),
+    pytest.param(
+        lambda: _edit(_good_int4(), data=_good_int4()["data"] + b"\x88"),
+        "161 bytes of int4 codes for 300 values",
+        id="int4-codes-long",
+    ),
     pytest.param(lambda: _edit(_good_int4(), data=b""), "0 bytes of int4 codes for 300 values", id="int4-codes-empty"),
-    pytest.param(lambda: _edit(_good_int4(), shape=[3, 200]), "160 bytes of int4 codes for 600 values .10 blocks", id="int4-shape-grown"),
-    pytest.param(lambda: _edit(_good_int4(), shape=[3, 107]), "160 bytes of int4 codes for 321 values .6 blocks", id="int4-shape-odd-numel"),
+    pytest.param(
+        lambda: _edit(_good_int4(), shape=[3, 200]),
+        "160 bytes of int4 codes for 600 values .10 blocks",
+        id="int4-shape-grown",
+    ),
+    pytest.param(
+        lambda: _edit(_good_int4(), shape=[3, 107]),
+        "160 bytes of int4 codes for 321 values .6 blocks",
+        id="int4-shape-odd-numel",
+    ),
     pytest.param(lambda: _edit(_good_int4(), shape=[0]), "160 bytes of int4 codes for 0 values", id="int4-shape-empty"),
-    pytest.param(lambda: _edit(_good_int4(), absmax=_good_int4()["absmax"][:-2]), "8 absmax bytes for 5 blocks .2 bytes each", id="int4-absmax-short"),
-    pytest.param(lambda: _edit(_good_int4(), absmax=_good_int4()["absmax"] + b"\0"), "11 absmax bytes for 5 blocks", id="int4-absmax-odd-bytes"),
-    pytest.param(lambda: _edit(_good_int4(), absmax=_good_int4()["absmax"] * 2), "20 absmax bytes for 5 blocks", id="int4-absmax-long"),
+    pytest.param(
+        lambda: _edit(_good_int4(), absmax=_good_int4()["absmax"][:-2]),
+        "8 absmax bytes for 5 blocks .2 bytes each",
+        id="int4-absmax-short",
+    ),
+    pytest.param(
+        lambda: _edit(_good_int4(), absmax=_good_int4()["absmax"] + b"\0"),
+        "11 absmax bytes for 5 blocks",
+        id="int4-absmax-odd-bytes",
+    ),
+    pytest.param(
+        lambda: _edit(_good_int4(), absmax=_good_int4()["absmax"] * 2),
+        "20 absmax bytes for 5 blocks",
+        id="int4-absmax-long",
+    ),
     pytest.param(lambda: _edit(_good_int4(), absmax=[1.0] * 5), "int4 absmax must be bytes", id="int4-absmax-list"),
     pytest.param(lambda: _edit(_good_int4(), absmax=_DROP), "int4 absmax must be bytes", id="int4-absmax-missing"),
-    pytest.param(lambda: _edit(_good_int4(), absmax=_good_int4()["absmax"][:8] + _BF16_MINUS_ONE), "int4 absmax holds negative values", id="int4-absmax-negative"),
+    pytest.param(
+        lambda: _edit(_good_int4(), absmax=_good_int4()["absmax"][:8] + _BF16_MINUS_ONE),
+        "int4 absmax holds negative values",
+        id="int4-absmax-negative",
+    ),
 ]
 
 

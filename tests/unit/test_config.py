@@ -58,7 +58,9 @@ def test_settings_read_swarm_environment_variables(monkeypatch):
 def test_flags_override_environment(monkeypatch, capsys):
     monkeypatch.setenv("SWARM_STEPS", "7")
     monkeypatch.setenv("SWARM_SEQ_LEN", "32")
-    s = parse_settings(TrainerSettings, ["--steps", "9", "--in-flight", "2", "--wire-codec", "fp16"], prog="swarm train")
+    s = parse_settings(
+        TrainerSettings, ["--steps", "9", "--in-flight", "2", "--wire-codec", "fp16"], prog="swarm train"
+    )
     assert isinstance(s, TrainerSettings)
     assert s.steps == 9  # flag beats env
     assert s.seq_len == 32  # env still applies where no flag is given
@@ -232,7 +234,10 @@ def test_known_fields_cover_every_settings_class():
     assert {"steps", "port", "stages", "model", "device"} <= known
 
 
-@pytest.mark.parametrize("cls, field, value", [(TrainerSettings, "steps", 3), (StageServerSettings, "port", 1), (CommonSettings, "device", "cuda")])
+@pytest.mark.parametrize(
+    "cls, field, value",
+    [(TrainerSettings, "steps", 3), (StageServerSettings, "port", 1), (CommonSettings, "device", "cuda")],
+)
 def test_settings_are_frozen(cls, field, value):
     s = cls()
     before = getattr(s, field)

@@ -59,7 +59,9 @@ SERVER_PORT = StageServerSettings.model_fields["port"].default
 TORCH_VERSION = "2.13.0"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
-REQUIRE_TOOLS = os.environ.get("SWARM_REQUIRE_DEPLOY_TOOLS", "") not in ("", "0") or os.environ.get("CI", "").lower() in ("1", "true", "yes")
+REQUIRE_TOOLS = os.environ.get("SWARM_REQUIRE_DEPLOY_TOOLS", "") not in ("", "0") or os.environ.get(
+    "CI", ""
+).lower() in ("1", "true", "yes")
 
 
 def _missing(what: str) -> None:
@@ -103,7 +105,13 @@ def _settings_env(env: dict[str, str], cls) -> dict[str, str]:
 def _check_settings(where: str, env: dict[str, str], sub: str, monkeypatch) -> None:
     """Every SWARM_* variable in ``env`` is a setting of ``sub``'s class, and they parse."""
     cls = SETTINGS_FOR[sub]
-    unknown = sorted(k for k in env if k.startswith("SWARM_") and k.removeprefix("SWARM_").lower() not in cls.model_fields and k not in PENDING_SETTINGS)
+    unknown = sorted(
+        k
+        for k in env
+        if k.startswith("SWARM_")
+        and k.removeprefix("SWARM_").lower() not in cls.model_fields
+        and k not in PENDING_SETTINGS
+    )
     assert not unknown, f"{where}: `swarm {sub}` has no setting for {unknown} (fields of {cls.__name__})"
     for name in [k for k in os.environ if k.upper().startswith("SWARM_")]:
         monkeypatch.delenv(name)
@@ -120,7 +128,9 @@ def _check_settings(where: str, env: dict[str, str], sub: str, monkeypatch) -> N
 
 def _check_command(where: str, command: list[str]) -> str:
     """``swarm SUB --flag value ...`` with a known SUB and flags its settings have; returns SUB."""
-    assert isinstance(command, list) and len(command) >= 2 and command[0] == "swarm", f"{where}: command {command!r} is not `swarm <sub-command>`"
+    assert isinstance(command, list) and len(command) >= 2 and command[0] == "swarm", (
+        f"{where}: command {command!r} is not `swarm <sub-command>`"
+    )
     sub = command[1]
     assert sub in COMMANDS, f"{where}: `swarm {sub}` is not a sub-command of services/cli.py ({sorted(COMMANDS)})"
     if sub in SETTINGS_FOR:
@@ -168,7 +178,10 @@ def test_compose_file_validates():
     "breakage, expected",
     [
         (lambda c: c["services"]["trainer"]["depends_on"].update(nowhere={"condition": "service_healthy"}), "nowhere"),
-        (lambda c: c["services"]["coordinator"].update(helthcheck=c["services"]["coordinator"].pop("healthcheck")), "helthcheck"),
+        (
+            lambda c: c["services"]["coordinator"].update(helthcheck=c["services"]["coordinator"].pop("healthcheck")),
+            "helthcheck",
+        ),
         (lambda c: c["services"]["coordinator"].update(restart=["always"]), "restart"),
     ],
     ids=["undefined-dependency", "misspelt-key", "wrong-type"],
@@ -214,8 +227,12 @@ def test_compose_swarm_shape_ports_and_health(compose):
         values = {n: env[key] for n, (_, env) in services.items() if key in env}
         assert len(set(values.values())) <= 1, f"compose: services disagree on {key}: {values}"
     num_stages = int(services[coordinator][1]["SWARM_NUM_STAGES"])
-    per_stage = {s: sorted(n for n, env in servers.items() if env.get("SWARM_STAGE") == str(s)) for s in range(num_stages)}
-    assert num_stages >= 2 and all(len(r) >= 2 for r in per_stage.values()), f"at least 2 stages x 2 replicas: {per_stage}"
+    per_stage = {
+        s: sorted(n for n, env in servers.items() if env.get("SWARM_STAGE") == str(s)) for s in range(num_stages)
+    }
+    assert num_stages >= 2 and all(len(r) >= 2 for r in per_stage.values()), (
+        f"at least 2 stages x 2 replicas: {per_stage}"
+    )
     assert sum(map(len, per_stage.values())) == len(servers), f"a stage server outside 0..{num_stages - 1}: {servers}"
 
     for name, (sub, env) in services.items():
@@ -223,24 +240,34 @@ def test_compose_swarm_shape_ports_and_health(compose):
         if sub == "train":
             continue
         port = int(env["SWARM_PORT"])
-        assert port == (COORDINATOR_PORT if sub == "coordinator" else SERVER_PORT), f"compose service {name}: SWARM_PORT {port} is not the default"
+        assert port == (COORDINATOR_PORT if sub == "coordinator" else SERVER_PORT), (
+            f"compose service {name}: SWARM_PORT {port} is not the default"
+        )
         assert env["SWARM_HOST"] == "0.0.0.0", f"compose service {name} must listen on all interfaces"
         host, url_port, _ = _url(env["SWARM_ADVERTISE_URL"])
         assert (host, url_port) == (name, port), f"compose service {name} advertises {env['SWARM_ADVERTISE_URL']}"
         test = " ".join(service["healthcheck"]["test"])
-        assert f"http://127.0.0.1:{port}/health" in test and "urllib" in test, f"compose service {name}: healthcheck {test}"
-        published = [str(p).rsplit(":", 1)[-1] for p in service.get("ports", [])] + [str(p) for p in service.get("expose", [])]
+        assert f"http://127.0.0.1:{port}/health" in test and "urllib" in test, (
+            f"compose service {name}: healthcheck {test}"
+        )
+        published = [str(p).rsplit(":", 1)[-1] for p in service.get("ports", [])] + [
+            str(p) for p in service.get("expose", [])
+        ]
         assert published and set(published) == {str(port)}, f"compose service {name}: ports {published} != {port}"
 
     for name, (sub, env) in services.items():
         if sub != "coordinator":
             host, port, _ = _url(env["SWARM_COORDINATOR"])
-            assert (host, port) == (coordinator, COORDINATOR_PORT), f"compose service {name}: SWARM_COORDINATOR {env['SWARM_COORDINATOR']}"
+            assert (host, port) == (coordinator, COORDINATOR_PORT), (
+                f"compose service {name}: SWARM_COORDINATOR {env['SWARM_COORDINATOR']}"
+            )
         for dep, cond in (compose["services"][name].get("depends_on") or {}).items():
             assert cond == {"condition": "service_healthy"}, f"compose service {name}: depends_on {dep} {cond}"
             assert "healthcheck" in compose["services"][dep], f"compose service {dep} has no healthcheck"
     for trainer in trainers:
-        assert set(compose["services"][trainer]["depends_on"]) == {coordinator, *servers}, "the trainer waits for every server"
+        assert set(compose["services"][trainer]["depends_on"]) == {coordinator, *servers}, (
+            "the trainer waits for every server"
+        )
 
 
 def test_compose_volume_keeps_the_coordinators_state(compose):
@@ -255,8 +282,12 @@ def test_compose_volume_keeps_the_coordinators_state(compose):
     # Stage servers resume from the same checkpoints when no live replica has their stage.
     for name, (sub, server_env) in _compose_services(compose).items():
         if sub == "server":
-            assert server_env["SWARM_CHECKPOINT_DIR"] == env["SWARM_CHECKPOINT_DIR"], f"compose service {name}: SWARM_CHECKPOINT_DIR"
-            assert set(compose["services"][name]["volumes"]) == {f"{v}:{m}:ro" for m, v in mounts.items()}, f"compose service {name}: volumes"
+            assert server_env["SWARM_CHECKPOINT_DIR"] == env["SWARM_CHECKPOINT_DIR"], (
+                f"compose service {name}: SWARM_CHECKPOINT_DIR"
+            )
+            assert set(compose["services"][name]["volumes"]) == {f"{v}:{m}:ro" for m, v in mounts.items()}, (
+                f"compose service {name}: volumes"
+            )
 
 
 # ---------------------------------------------------------------------------- k8s
@@ -271,7 +302,10 @@ def _render(directory: Path) -> str:
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict]]:
-    return {name: [d for d in _yaml().safe_load_all(_render(path)) if d] for name, path in (("base", K8S), ("gpu", GPU_OVERLAY))}
+    return {
+        name: [d for d in _yaml().safe_load_all(_render(path)) if d]
+        for name, path in (("base", K8S), ("gpu", GPU_OVERLAY))
+    }
 
 
 def _validate(manifests: str) -> subprocess.CompletedProcess:
@@ -281,7 +315,9 @@ def _validate(manifests: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("directory", [K8S, GPU_OVERLAY], ids=["base", "gpu"])
 def test_k8s_manifests_validate(directory):
     result = _validate(_render(directory))
-    assert result.returncode == 0, f"kubernetes-validate --strict failed for {directory}:\n{result.stdout}{result.stderr}"
+    assert result.returncode == 0, (
+        f"kubernetes-validate --strict failed for {directory}:\n{result.stdout}{result.stderr}"
+    )
 
 
 def _break_deployment(docs: list[dict], breakage) -> list[dict]:
@@ -308,7 +344,9 @@ def test_k8s_validation_rejects_a_broken_manifest(rendered, breakage):
 def test_kustomize_rejects_a_broken_kustomization(tmp_path):
     copied = shutil.copytree(K8S, tmp_path / "k8s")
     kustomization = copied / "base" / "kustomization.yaml"
-    kustomization.write_text(kustomization.read_text().replace("  - trainer.yaml\n", "  - trainer.yaml\n  - missing.yaml\n"))
+    kustomization.write_text(
+        kustomization.read_text().replace("  - trainer.yaml\n", "  - trainer.yaml\n  - missing.yaml\n")
+    )
     result = _run([_tool("kubectl"), "kustomize", str(copied)])
     assert result.returncode != 0 and "missing.yaml" in result.stderr, result.stderr
 
@@ -342,7 +380,9 @@ def _containers(docs: list[dict]):
                     elif "secretKeyRef" in var["valueFrom"]:
                         ref = var["valueFrom"]["secretKeyRef"]
                         secret = secrets.get(ref["name"], {})
-                        assert ref["key"] in {**secret.get("data", {}), **secret.get("stringData", {})}, f"{where}: no key {ref['key']} in Secret {ref['name']}"
+                        assert ref["key"] in {**secret.get("data", {}), **secret.get("stringData", {})}, (
+                            f"{where}: no key {ref['key']} in Secret {ref['name']}"
+                        )
                         env[var["name"]] = secret.get("stringData", {}).get(ref["key"], "s" * 32)
                     else:
                         assert var["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, f"{where}: {var}"
@@ -361,7 +401,9 @@ def test_k8s_commands_and_variables_match_the_code(rendered, variant, monkeypatc
         for key, value in env.items():
             assert key.startswith("SWARM_") or key == "POD_IP", f"{where}: unexpected variable {key}"
             assert "$(" not in value, f"{where}: {key}={value} refers to an undefined variable"
-        assert env.get("SWARM_LOG_FORMAT") == "json" and env.get("SWARM_MDNS") == "false", f"{where}: JSON logs, mDNS off"
+        assert env.get("SWARM_LOG_FORMAT") == "json" and env.get("SWARM_MDNS") == "false", (
+            f"{where}: JSON logs, mDNS off"
+        )
         assert "SWARM_SECRET" in env, f"{where}: the swarm secret is not mounted"
         # A Service named swarm-* would inject SWARM_*_PORT variables into every pod.
         assert pod.get("enableServiceLinks") is False, f"{where}: set enableServiceLinks: false"
@@ -387,7 +429,9 @@ def test_k8s_ports_probes_and_urls(rendered):
         port = int(env["SWARM_PORT"])
         assert port == default, f"k8s {name}: SWARM_PORT {port} is not the default {default}"
         assert env["SWARM_HOST"] == "0.0.0.0"
-        assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", port)], f"k8s {name}: ports {c['ports']}"
+        assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", port)], (
+            f"k8s {name}: ports {c['ports']}"
+        )
         for probe in ("readinessProbe", "livenessProbe"):
             get = c[probe]["httpGet"]
             assert get["path"] == "/health" and get["port"] in ("http", port), f"k8s {name}: {probe} {get}"
@@ -398,13 +442,19 @@ def test_k8s_ports_probes_and_urls(rendered):
     labels = _objects(docs, "Deployment")[coord_name]["spec"]["template"]["metadata"]["labels"]
     (service,) = [s for s in services.values() if s["spec"]["selector"].items() <= labels.items()]
     (svc_port,) = service["spec"]["ports"]
-    assert svc_port["port"] == COORDINATOR_PORT and svc_port["targetPort"] in ("http", COORDINATOR_PORT), f"k8s Service {service['metadata']['name']}: {svc_port}"
+    assert svc_port["port"] == COORDINATOR_PORT and svc_port["targetPort"] in ("http", COORDINATOR_PORT), (
+        f"k8s Service {service['metadata']['name']}: {svc_port}"
+    )
     host, port, _ = _url(coord_env["SWARM_ADVERTISE_URL"])
-    assert (host, port) == (service["metadata"]["name"], COORDINATOR_PORT), f"k8s coordinator advertises {coord_env['SWARM_ADVERTISE_URL']}"
+    assert (host, port) == (service["metadata"]["name"], COORDINATOR_PORT), (
+        f"k8s coordinator advertises {coord_env['SWARM_ADVERTISE_URL']}"
+    )
     for sub in ("server", "train"):
         name, _, _, env = workloads[sub]
         host, port, _ = _url(env["SWARM_COORDINATOR"])
-        assert (host, port) == (service["metadata"]["name"], COORDINATOR_PORT), f"k8s {name}: SWARM_COORDINATOR {env['SWARM_COORDINATOR']}"
+        assert (host, port) == (service["metadata"]["name"], COORDINATOR_PORT), (
+            f"k8s {name}: SWARM_COORDINATOR {env['SWARM_COORDINATOR']}"
+        )
 
 
 def test_k8s_workload_shapes(rendered):
@@ -415,11 +465,15 @@ def test_k8s_workload_shapes(rendered):
     name, pod, c, env = workloads["coordinator"]
     spec = deployments[name]["spec"]
     assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate", f"k8s {name}: one replica, Recreate"
-    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v
+    }
     assert set(claims.values()) <= set(_objects(docs, "PersistentVolumeClaim")), f"k8s {name}: claims {claims}"
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"] if m["name"] in claims}
     for key in ("SWARM_STATE_DB", "SWARM_CHECKPOINT_DIR"):
-        assert any(Path(env[key]).is_relative_to(m) for m in mounts), f"k8s {name}: {key}={env[key]} is on no persistent volume"
+        assert any(Path(env[key]).is_relative_to(m) for m in mounts), (
+            f"k8s {name}: {key}={env[key]} is on no persistent volume"
+        )
     assert pod["securityContext"].get("fsGroup") == 10001, f"k8s {name}: the volume must be writable by user 10001"
 
     name, pod, c, env = workloads["server"]
@@ -459,7 +513,11 @@ def _dockerfile() -> list[tuple[str, str]]:
 
 def test_dockerfile_pins_torch_and_matches_the_code():
     instructions = _dockerfile()
-    stages = {m.group(1): i for i, (op, arg) in enumerate(instructions) if op == "FROM" and (m := re.search(r" AS (\S+)$", arg, re.IGNORECASE))}
+    stages = {
+        m.group(1): i
+        for i, (op, arg) in enumerate(instructions)
+        if op == "FROM" and (m := re.search(r" AS (\S+)$", arg, re.IGNORECASE))
+    }
     assert {"torch-cpu", "torch-cuda"} <= set(stages), f"a CPU and a CUDA torch stage: {sorted(stages)}"
     args = dict(arg.split("=", 1) for op, arg in instructions if op == "ARG" and "=" in arg)
     assert args["DEVICE"] == "cpu" and args["TORCH_VERSION"] == TORCH_VERSION, args
@@ -469,16 +527,22 @@ def test_dockerfile_pins_torch_and_matches_the_code():
         end = min([i for i in stages.values() if i > start] + [len(instructions)])
         return " ".join(arg for op, arg in instructions[start:end] if op == "RUN")
 
-    assert '"torch==${TORCH_VERSION}"' in stage_runs("torch-cpu") and f"--index-url {TORCH_CPU_INDEX}" in stage_runs("torch-cpu")
+    assert '"torch==${TORCH_VERSION}"' in stage_runs("torch-cpu") and f"--index-url {TORCH_CPU_INDEX}" in stage_runs(
+        "torch-cpu"
+    )
     assert '"torch==${TORCH_VERSION}"' in stage_runs("torch-cuda") and "--index-url" not in stage_runs("torch-cuda")
-    assert f"TORCH_VERSION ?= {TORCH_VERSION}" in (ROOT / "Makefile").read_text(), "the Makefile and the image pin different torch versions"
+    assert f"TORCH_VERSION ?= {TORCH_VERSION}" in (ROOT / "Makefile").read_text(), (
+        "the Makefile and the image pin different torch versions"
+    )
 
     env_names = set()
     for op, arg in instructions:
         if op == "ENV":
             env_names |= set(re.findall(r"(\w+)=", arg))
     known = {f"SWARM_{f.upper()}" for f in known_settings_fields()}
-    assert {n for n in env_names if n.startswith("SWARM_")} <= known, f"Dockerfile sets unknown settings: {env_names - known}"
+    assert {n for n in env_names if n.startswith("SWARM_")} <= known, (
+        f"Dockerfile sets unknown settings: {env_names - known}"
+    )
     assert "SWARM_LOG_FORMAT" in env_names and "SWARM_HOST" in env_names
     exposed = {int(p) for op, arg in instructions if op == "EXPOSE" for p in arg.split()}
     assert exposed == {COORDINATOR_PORT, SERVER_PORT}, exposed
@@ -487,11 +551,15 @@ def test_dockerfile_pins_torch_and_matches_the_code():
     cmd = [arg for op, arg in instructions if op == "CMD"][-1]
     assert cmd.startswith('["swarm"'), cmd
 
-    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    allowed = {
+        line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")
+    }
     for op, arg in instructions:
         if op == "COPY":
             for source in shlex.split(arg)[:-1]:
-                assert (ROOT / source).exists() and source.rstrip("/") in allowed, f"COPY {source}: missing, or excluded by .dockerignore"
+                assert (ROOT / source).exists() and source.rstrip("/") in allowed, (
+                    f"COPY {source}: missing, or excluded by .dockerignore"
+                )
 
 
 # ---------------------------------------------------------------------------- docs
@@ -513,25 +581,39 @@ def test_operating_doc_lists_exactly_the_settings():
             rows[m.group(1)] = (m.group(2).strip(), m.group(3).strip())
     fields = known_settings_fields()
     documented = {name.removeprefix("SWARM_").lower() for name in rows}
-    assert documented == fields, f"docs/operating.md table: missing {sorted(fields - documented)}, not settings {sorted(documented - fields)}"
+    assert documented == fields, (
+        f"docs/operating.md table: missing {sorted(fields - documented)}, not settings {sorted(documented - fields)}"
+    )
     for name, (default_cell, read_by) in rows.items():
         field = name.removeprefix("SWARM_").lower()
         readers = {sub for sub, cls in SETTINGS_FOR.items() if field in cls.model_fields}
         listed = set(SETTINGS_FOR) if read_by == "all" else {w.strip() for w in read_by.split(",")}
         assert listed == readers, f"docs/operating.md {name}: read by {sorted(readers)}, the table says {read_by!r}"
         defaults = {_format_default(SETTINGS_FOR[sub].model_fields[field].default) for sub in readers} - {""}
-        assert set(re.findall(r"`([^`]*)`", default_cell)) == defaults, f"docs/operating.md {name}: default {default_cell!r}, the code says {sorted(defaults) or 'empty'}"
+        assert set(re.findall(r"`([^`]*)`", default_cell)) == defaults, (
+            f"docs/operating.md {name}: default {default_cell!r}, the code says {sorted(defaults) or 'empty'}"
+        )
 
 
 def test_operating_doc_commands_exist(rendered):
     text = DOCS.read_text()
     blocks = re.findall(r"```sh\n(.*?)```", text, re.DOTALL)
-    commands = [shlex.split(line.split("#")[0].replace("\\\n", " ")) for block in blocks for line in block.replace("\\\n", " ").splitlines()]
-    swarm = [c[c.index("swarm"):] for c in commands if "swarm" in c and c.index("swarm") < len(c) - 1 and c[c.index("swarm") + 1] in COMMANDS]
+    commands = [
+        shlex.split(line.split("#")[0].replace("\\\n", " "))
+        for block in blocks
+        for line in block.replace("\\\n", " ").splitlines()
+    ]
+    swarm = [
+        c[c.index("swarm") :]
+        for c in commands
+        if "swarm" in c and c.index("swarm") < len(c) - 1 and c[c.index("swarm") + 1] in COMMANDS
+    ]
     assert swarm, "docs/operating.md shows no swarm command"
     for command in swarm:
         _check_command(f"docs/operating.md `{' '.join(command)}`", command)
-    assert any(c[:2] == ["swarm", "server"] and {"--coordinator", "--advertise-url", "--stage"} <= set(c) for c in swarm)
+    assert any(
+        c[:2] == ["swarm", "server"] and {"--coordinator", "--advertise-url", "--stage"} <= set(c) for c in swarm
+    )
     names = {f"{d['kind'].lower()}/{d['metadata']['name']}" for d in rendered["base"]}
     for ref in re.findall(r"\b((?:deployment|job|service)/[a-z0-9-]+)", text):
         assert ref in names, f"docs/operating.md refers to {ref}, which k8s/ does not define"
@@ -554,6 +636,13 @@ def test_image_gets_every_data_file():
                     return True
         return False
 
-    data = [p for top in ("shared", "services") for p in (ROOT / top).rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
+    data = [
+        p
+        for top in ("shared", "services")
+        for p in (ROOT / top).rglob("*")
+        if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
+    ]
     missing = sorted(str(p.relative_to(ROOT)) for p in data if not covered(p))
-    assert not missing, f"not installed into the image (add them to [tool.setuptools.package-data] in pyproject.toml): {missing}"
+    assert not missing, (
+        f"not installed into the image (add them to [tool.setuptools.package-data] in pyproject.toml): {missing}"
+    )

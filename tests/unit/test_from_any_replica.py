@@ -30,18 +30,24 @@ def scripted(replies: dict[str, list]):
 
 def run(urls, fetch, deadline_s=5.0):
     errors: list[tuple[str, str]] = []
-    result = asyncio.run(from_any_replica(urls, fetch, deadline_s=deadline_s, on_error=lambda url, exc: errors.append((url, exc.code))))
+    result = asyncio.run(
+        from_any_replica(urls, fetch, deadline_s=deadline_s, on_error=lambda url, exc: errors.append((url, exc.code)))
+    )
     return result, errors
 
 
 def test_the_first_replica_that_answers_gives_it():
-    fetch, calls = scripted({"a": [RemoteError("a", None, "unreachable", "refused")], "b": ["state of b"], "c": ["state of c"]})
+    fetch, calls = scripted(
+        {"a": [RemoteError("a", None, "unreachable", "refused")], "b": ["state of b"], "c": ["state of c"]}
+    )
     result, errors = run(["a", "b", "c"], fetch)
     assert result == "state of b" and calls == ["a", "b"] and errors == [("a", "unreachable")]
 
 
 def test_a_busy_replica_is_asked_again_and_a_failed_one_is_not():
-    fetch, calls = scripted({"a": [busy("a"), busy("a"), "state of a"], "b": [RemoteError("b", 500, "internal", "boom")]})
+    fetch, calls = scripted(
+        {"a": [busy("a"), busy("a"), "state of a"], "b": [RemoteError("b", 500, "internal", "boom")]}
+    )
     result, errors = run(["a", "b"], fetch)
     assert result == "state of a"
     assert calls == ["a", "b", "a", "a"]  # b's 500 ruled it out after the first round

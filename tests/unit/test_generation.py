@@ -57,8 +57,16 @@ def test_the_cache_refuses_positions_past_its_capacity_and_sizes_as_computed():
 
 
 def test_sampling_params_refuse_bad_values():
-    for bad in ({"max_tokens": 0}, {"temperature": -1}, {"temperature": float("nan")}, {"top_k": -1}, {"top_p": 0}, {"top_p": 1.5},
-                {"stop": ("",)}, {"seed": -1}):  # fmt: skip
+    for bad in (
+        {"max_tokens": 0},
+        {"temperature": -1},
+        {"temperature": float("nan")},
+        {"top_k": -1},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"stop": ("",)},
+        {"seed": -1},
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
 

@@ -47,7 +47,14 @@ def relative_error(a, b):
 def test_configs_map_to_our_families(models, tmp_path):
     llama = read_hf_config(models["llama"])
     assert isinstance(llama, LlamaConfig)
-    assert (llama.n_layer, llama.n_head, llama.n_kv_head, llama.d_model, llama.ffn_dim, llama.head_dim) == (4, 4, 2, 64, 96, 16)
+    assert (llama.n_layer, llama.n_head, llama.n_kv_head, llama.d_model, llama.ffn_dim, llama.head_dim) == (
+        4,
+        4,
+        2,
+        64,
+        96,
+        16,
+    )
     assert llama.rope_theta == 50000.0 and llama.norm_eps == 1e-5 and not llama.tie_embeddings and not llama.qkv_bias
     assert read_hf_config(models["llama-tied"]).tie_embeddings
     assert read_hf_config(models["qwen2"]).qkv_bias
@@ -57,12 +64,15 @@ def test_configs_map_to_our_families(models, tmp_path):
     assert read_hf_config(tmp_path).block_size == 48
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"architectures": ["BertForMaskedLM"]}, "BertForMaskedLM"),
-    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, "Qwen3ForCausalLM"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "llama3"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"architectures": ["BertForMaskedLM"]}, "BertForMaskedLM"),
+        ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, "Qwen3ForCausalLM"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "llama3"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
 def test_unsupported_configs_are_refused_naming_the_file_and_what_is_supported(tmp_path, change, words):
     llama_config().save_pretrained(tmp_path)
     path = tmp_path / "config.json"
@@ -133,10 +143,14 @@ def test_a_stage_reads_only_its_own_layers_tensors(models, monkeypatch):
     assert len(read) == 9 == len(report.names)  # two norms, q, k, v, o, gate, up, down
     index = json.loads((models["llama"] / "model.safetensors.index.json").read_text())["weight_map"]
     assert {p.rsplit("/", 1)[-1] for p in opened} == {index[n] for n in read}  # only the shards holding them
-    assert report.bytes_read == sum(4 * n for n in (64, 64, 64 * 64, 32 * 64, 32 * 64, 64 * 64, 96 * 64, 96 * 64, 64 * 96))
+    assert report.bytes_read == sum(
+        4 * n for n in (64, 64, 64 * 64, 32 * 64, 32 * 64, 64 * 64, 96 * 64, 96 * 64, 64 * 96)
+    )
 
 
-@pytest.mark.parametrize("kind, stages", [("llama", 4), ("llama-tied", 2), ("llama-tied", 1), ("qwen2", 3), ("gpt2", 4)])
+@pytest.mark.parametrize(
+    "kind, stages", [("llama", 4), ("llama-tied", 2), ("llama-tied", 1), ("qwen2", 3), ("gpt2", 4)]
+)
 def test_stages_loaded_from_a_directory_compute_transformers_logits(models, kind, stages):
     ids = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -52,7 +52,9 @@ def test_preset_count_equals_transformers_model_of_the_same_config(name):
     transformers = pytest.importorskip("transformers")
     from shared.hf import hf_config_dict
 
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_config_dict(PRESETS[name]).items() if k != "architectures"})
+    config = transformers.AutoConfig.for_model(
+        **{k: v for k, v in hf_config_dict(PRESETS[name]).items() if k != "architectures"}
+    )
     with torch.device("meta"):
         theirs = transformers.AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in theirs.parameters()) == count_parameters(PRESETS[name])
@@ -165,7 +167,11 @@ def test_config_round_trips_through_its_dict_and_names_its_family(cfg):
 
 
 def test_a_dict_without_family_is_a_gpt_of_before_the_llama_family():
-    old = {k: v for k, v in PRESETS["tiny"].to_dict().items() if k in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "dropout", "bias")}
+    old = {
+        k: v
+        for k, v in PRESETS["tiny"].to_dict().items()
+        if k in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "dropout", "bias")
+    }
     assert config_from_dict(old) == PRESETS["tiny"]
     with pytest.raises(ValueError, match="family"):
         config_from_dict({**old, "family": "mamba"})

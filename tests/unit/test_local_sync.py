@@ -45,7 +45,15 @@ def test_outer_config_refuses_what_has_no_meaning(bad):
 
 
 def local_runtime(every=3) -> StageRuntime:
-    return StageRuntime(CFG, 1, 4, seed=0, optim=OptimizerConfig(global_batch=4), solo=False, outer=OuterConfig(every=every, lr=0.7, momentum=0.9))
+    return StageRuntime(
+        CFG,
+        1,
+        4,
+        seed=0,
+        optim=OptimizerConfig(global_batch=4),
+        solo=False,
+        outer=OuterConfig(every=every, lr=0.7, momentum=0.9),
+    )
 
 
 def hidden(seed=0):

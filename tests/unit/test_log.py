@@ -33,7 +33,13 @@ def test_json_format_writes_one_object_per_line_with_bound_ids():
     records = [json.loads(line) for line in run("json")]
     assert [r["event"] for r in records] == ["forward.done", "a library speaks", "request.crashed"]
     done = records[0]
-    assert (done["service"], done["run"], done["stage"], done["microbatch"], done["level"]) == ("stage_server", "r1", 2, "r1:t1:7", "info")
+    assert (done["service"], done["run"], done["stage"], done["microbatch"], done["level"]) == (
+        "stage_server",
+        "r1",
+        2,
+        "r1:t1:7",
+        "info",
+    )
     assert records[1]["logger"] == "aiohttp.server" and records[1]["level"] == "warning"
     assert "ZeroDivisionError" in records[2]["exception"]
     assert all("timestamp" in r for r in records)

@@ -11,8 +11,12 @@ from services.coordinator.openai_format import OpenAIError, ReplyFormat, parse_r
 
 
 def test_the_chat_template_is_one_line_per_message_then_the_assistants_turn():
-    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
-                {"role": "assistant", "content": None}, {"role": "user", "content": "Again"}]  # fmt: skip
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "Again"},
+    ]
     assert render_chat(messages) == "system: Be brief.\nuser: Hi there\nassistant: \nuser: Again\nassistant:"
     req = parse_request({"messages": messages, "stop": "."}, chat=True)
     assert req.stop == ("\nuser:", ".") and req.prompt_param == "messages"
@@ -25,17 +29,40 @@ def test_defaults_follow_openai_and_max_tokens_is_bounded_by_the_context():
     assert sampling_params(text, 120, 128).max_tokens == 8  # ... or what the context leaves
     chat = parse_request({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 7}, chat=True)
     assert chat.max_tokens_param == "max_completion_tokens" and sampling_params(chat, 5, 128).max_tokens == 7
-    assert sampling_params(parse_request({"messages": [{"role": "user", "content": "x"}]}, chat=True), 28, 128).max_tokens == 100  # chat: the rest
+    assert (
+        sampling_params(parse_request({"messages": [{"role": "user", "content": "x"}]}, chat=True), 28, 128).max_tokens
+        == 100
+    )  # chat: the rest
     for prompt_tokens, max_tokens, param in ((5, 124, "max_tokens"), (128, None, "prompt")):
         with pytest.raises(OpenAIError) as refused:
             sampling_params(parse_request({"prompt": "x", "max_tokens": max_tokens}, chat=False), prompt_tokens, 128)
         assert (refused.value.status, refused.value.param) == (400, param)
 
 
-@pytest.mark.parametrize("field, value", [("n", 2), ("echo", True), ("best_of", 3), ("logprobs", 5), ("presence_penalty", 0.5), ("temperature", -0.1),
-                                          ("temperature", True), ("top_p", 0), ("seed", -1), ("seed", 1.5), ("stop", ""), ("stop", ["a"] * 5),
-                                          ("max_tokens", 0), ("max_tokens", "8"), ("stream", 1), ("stream_options", {"include_usage": "yes"}),
-                                          ("prompt", [1, 2]), ("prompt", ["a", "b"]), ("prompt", None)])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n", 2),
+        ("echo", True),
+        ("best_of", 3),
+        ("logprobs", 5),
+        ("presence_penalty", 0.5),
+        ("temperature", -0.1),
+        ("temperature", True),
+        ("top_p", 0),
+        ("seed", -1),
+        ("seed", 1.5),
+        ("stop", ""),
+        ("stop", ["a"] * 5),
+        ("max_tokens", 0),
+        ("max_tokens", "8"),
+        ("stream", 1),
+        ("stream_options", {"include_usage": "yes"}),
+        ("prompt", [1, 2]),
+        ("prompt", ["a", "b"]),
+        ("prompt", None),
+    ],
+)
 def test_bad_fields_are_refused_naming_the_field(field, value):
     with pytest.raises(OpenAIError) as refused:
         parse_request({"prompt": "x", field: value}, chat=False)
@@ -46,8 +73,14 @@ def test_bad_fields_are_refused_naming_the_field(field, value):
 def test_replies_have_openais_shapes():
     text, chat = ReplyFormat(False, "run", "cmpl-1", 7), ReplyFormat(True, "run", "chatcmpl-1", 7)
     usage = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
-    assert text.whole("abc", "length", usage) == {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "run",
-                                                  "choices": [{"index": 0, "text": "abc", "logprobs": None, "finish_reason": "length"}], "usage": usage}  # fmt: skip
+    assert text.whole("abc", "length", usage) == {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 7,
+        "model": "run",
+        "choices": [{"index": 0, "text": "abc", "logprobs": None, "finish_reason": "length"}],
+        "usage": usage,
+    }
     assert chat.whole("abc", "stop", usage)["choices"][0]["message"] == {"role": "assistant", "content": "abc"}
 
     def data(event: bytes) -> dict:
@@ -58,5 +91,10 @@ def test_replies_have_openais_shapes():
     assert data(chat.chunk("b"))["object"] == "chat.completion.chunk"
     last = data(chat.chunk(None, "stop"))["choices"][0]
     assert (last["delta"], last["finish_reason"]) == ({}, "stop")
-    assert data(text.chunk("x\n\ny"))["choices"][0] == {"index": 0, "text": "x\n\ny", "logprobs": None, "finish_reason": None}
+    assert data(text.chunk("x\n\ny"))["choices"][0] == {
+        "index": 0,
+        "text": "x\n\ny",
+        "logprobs": None,
+        "finish_reason": None,
+    }
     assert data(text.usage_chunk(usage))["choices"] == []

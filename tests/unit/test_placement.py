@@ -12,8 +12,15 @@ import pytest
 from shared.config import CoordinatorSettings
 from shared.topology import INTRA_REGION, Peer, Replan, StageMove, Workload, plan, placement_cost, world_network
 from services.coordinator.placement import (
-    GB, Joiner, PlacementInputs, TopologyRebalancer, placement_inputs, split_moves, stage_for_joiner, uses_topology,
-)  # fmt: skip
+    GB,
+    Joiner,
+    PlacementInputs,
+    TopologyRebalancer,
+    placement_inputs,
+    split_moves,
+    stage_for_joiner,
+    uses_topology,
+)
 from services.coordinator.registry import ServerReport
 
 MIN_GAIN = CoordinatorSettings.model_fields["placement_min_gain"].default  # what the coordinator runs with
@@ -37,14 +44,25 @@ BIG_STAGE = ServerReport(parameters=50_000_000, samples_per_step=32)  # 0.19 GB 
 
 def inputs_for(live, rtt_ms=None, reports=None, *, num_stages=2, average_every_s=1.0, bandwidth_gbps=10.0, joiners=()):
     reports = {s.server_id: BIG_STAGE for s in live} if reports is None else reports
-    return placement_inputs(live, rtt_ms or {}, reports, num_stages=num_stages, average_every_s=average_every_s,
-                            averaging_codec="fp32", bandwidth_gbps=bandwidth_gbps, joiners=joiners)  # fmt: skip
+    return placement_inputs(
+        live,
+        rtt_ms or {},
+        reports,
+        num_stages=num_stages,
+        average_every_s=average_every_s,
+        averaging_codec="fp32",
+        bandwidth_gbps=bandwidth_gbps,
+        joiners=joiners,
+    )
 
 
 def two_clusters(near_ms: float = 1.0, far_ms: float = 150.0) -> dict[str, dict[str, float]]:
     """RTTs each of a, b, c, d measured to the others: {a, b} close together, {c, d} too, far apart."""
     cluster = {"a": 0, "b": 0, "c": 1, "d": 1}
-    return {x: {f"http://{y}:1": near_ms if cluster[x] == cluster[y] else far_ms for y in cluster if y != x} for x in cluster}
+    return {
+        x: {f"http://{y}:1": near_ms if cluster[x] == cluster[y] else far_ms for y in cluster if y != x}
+        for x in cluster
+    }
 
 
 # ------------------------------------------------------------------ inputs
@@ -52,7 +70,11 @@ def two_clusters(near_ms: float = 1.0, far_ms: float = 150.0) -> dict[str, dict[
 
 def test_inputs_take_regions_throughputs_and_measured_rtts():
     live = servers(("a", 0, 100.0), ("b", 0, 0.0), ("c", 1, 300.0))
-    reports = {"a": ServerReport("Tokyo", 10, 16, 1024.0), "b": ServerReport("London", 20, 32, 4096.0), "c": ServerReport("", 30, 32, 0.0)}
+    reports = {
+        "a": ServerReport("Tokyo", 10, 16, 1024.0),
+        "b": ServerReport("London", 20, 32, 4096.0),
+        "c": ServerReport("", 30, 32, 0.0),
+    }
     rtt = {"a": {"http://b:1": 200.0, "http://c:1": 10.0}, "b": {"http://a:1/": 220.0}}
     got = inputs_for(live, rtt, reports)
     peer = {p.peer_id: p for p in got.peers}
@@ -75,7 +97,15 @@ def test_averaging_off_weighs_nothing_and_a_codec_shrinks_the_rounds():
     live = servers(("a", 0, 1.0), ("b", 1, 1.0))
     off = inputs_for(live, average_every_s=0).workload
     assert off.average_every_steps >= 1e9
-    int8 = placement_inputs(live, {}, {s.server_id: BIG_STAGE for s in live}, num_stages=2, average_every_s=1.0, averaging_codec="int8", bandwidth_gbps=1.0)
+    int8 = placement_inputs(
+        live,
+        {},
+        {s.server_id: BIG_STAGE for s in live},
+        num_stages=2,
+        average_every_s=1.0,
+        averaging_codec="int8",
+        bandwidth_gbps=1.0,
+    )
     assert int8.workload.gradient_gb == pytest.approx(inputs_for(live).workload.gradient_gb / 4)
 
 
@@ -154,15 +184,21 @@ def test_a_move_is_ordered_only_when_confirmed_on_two_consecutive_checks():
     assert stages["a"] == stages["b"] != stages["c"] == stages["d"], stages  # each stage inside one cluster
     assert result.cost_after_s * 1.1 < result.cost_before_s and len(result.moves) == 2
     # a check that finds nothing worth moving starts the count again
-    settled = inputs_for(servers(("a", 0, 50.0), ("b", 0, 50.0), ("c", 1, 50.0), ("d", 1, 50.0)), two_clusters(), average_every_s=0.5)
+    settled = inputs_for(
+        servers(("a", 0, 50.0), ("b", 0, 50.0), ("c", 1, 50.0), ("d", 1, 50.0)), two_clusters(), average_every_s=0.5
+    )
     assert rebalancer.check(inputs, 2) is None and rebalancer.seen == 1
     assert rebalancer.check(settled, 2) is None and rebalancer.seen == 0
     assert rebalancer.check(inputs, 2) is None and rebalancer.seen == 1
 
 
 def test_the_move_limit_holds():
-    rebalancer = TopologyRebalancer(min_gain=0.1, max_moves_fraction=0.2, time_budget_s=10.0, confirmations=1, max_evaluations=3000)
-    assert rebalancer.check(inputs_for(crossed_swarm(), two_clusters(), average_every_s=0.5), 2) is None  # one move (20% of 4, at least 1) gains nothing here
+    rebalancer = TopologyRebalancer(
+        min_gain=0.1, max_moves_fraction=0.2, time_budget_s=10.0, confirmations=1, max_evaluations=3000
+    )
+    assert (
+        rebalancer.check(inputs_for(crossed_swarm(), two_clusters(), average_every_s=0.5), 2) is None
+    )  # one move (20% of 4, at least 1) gains nothing here
     assert rebalancer.last.moves == []
 
 
@@ -175,12 +211,22 @@ def test_measurement_noise_moves_nothing(seed):
     reports = {s.server_id: ServerReport(regions[s.stage], 20_000_000, 32, 65536.0) for s in live}
     truth = world_network()
     region = {s.server_id: regions[s.stage] for s in live}
-    rtt = {a.server_id: {b.url: truth.region_link(region[a.server_id], region[b.server_id]).rtt_ms * rng.uniform(0.95, 1.05)
-                         for b in live if b is not a} for a in live}  # fmt: skip
+    rtt = {
+        a.server_id: {
+            b.url: truth.region_link(region[a.server_id], region[b.server_id]).rtt_ms * rng.uniform(0.95, 1.05)
+            for b in live
+            if b is not a
+        }
+        for a in live
+    }
     inputs = inputs_for(live, rtt, reports, num_stages=3)
-    rebalancer = TopologyRebalancer(min_gain=MIN_GAIN, max_moves_fraction=MAX_MOVES, time_budget_s=10.0, confirmations=1, max_evaluations=3000)
+    rebalancer = TopologyRebalancer(
+        min_gain=MIN_GAIN, max_moves_fraction=MAX_MOVES, time_budget_s=10.0, confirmations=1, max_evaluations=3000
+    )
     assert rebalancer.check(inputs, 3) is None and rebalancer.last.moves == []
-    assert placement_cost(inputs.current, inputs.peers, inputs.network, inputs.workload, 3) == pytest.approx(rebalancer.last.cost_before_s)
+    assert placement_cost(inputs.current, inputs.peers, inputs.network, inputs.workload, 3) == pytest.approx(
+        rebalancer.last.cost_before_s
+    )
 
 
 CITIES = ["Oregon", "Virginia", "Ohio", "Tokyo", "Seoul", "London", "Frankfurt", "Ireland"]
@@ -205,8 +251,12 @@ def test_after_a_quarter_churn_the_coordinator_replans_near_a_fresh_plan():
     for i in range(16):
         joiner = Peer(f"j{i}", churn.choice(CITIES), churn.choice([4.0, 8.0, 16.0]))
         now.append(joiner)
-        current[joiner.peer_id] = stage_for_joiner(PlacementInputs(now, net, TRAFFIC_BOUND, current), joiner.peer_id, 8, time_budget_s=120.0)
-    rebalancer = TopologyRebalancer(min_gain=MIN_GAIN, max_moves_fraction=MAX_MOVES, time_budget_s=120.0, confirmations=1)
+        current[joiner.peer_id] = stage_for_joiner(
+            PlacementInputs(now, net, TRAFFIC_BOUND, current), joiner.peer_id, 8, time_budget_s=120.0
+        )
+    rebalancer = TopologyRebalancer(
+        min_gain=MIN_GAIN, max_moves_fraction=MAX_MOVES, time_budget_s=120.0, confirmations=1
+    )
     result = rebalancer.check(PlacementInputs(now, net, TRAFFIC_BOUND, current), 8)
     fresh = plan(now, net, TRAFFIC_BOUND, 8, time_budget_s=120.0, max_evaluations=30_000, seed=0)
     assert result is not None and 0 < len(result.moves) <= 12
@@ -221,12 +271,16 @@ def test_the_cheaper_of_the_confirming_replans_is_ordered(monkeypatch):
     replan cheapest under the latest inputs is ordered, unless the first started from an
     assignment that has changed since."""
     seeds = []
-    scripted = iter([
-        Replan({"a": 0, "c": 0, "b": 1, "d": 1}, [StageMove("c", 1, 0), StageMove("b", 0, 1)], {}, 9.0, 5.0),  # the cheap one
-        Replan({"a": 1, "c": 0, "b": 0, "d": 1}, [StageMove("a", 0, 1), StageMove("c", 1, 0)], {}, 9.0, 7.0),
-        Replan({"a": 0, "c": 0, "b": 1, "d": 1}, [StageMove("c", 1, 0), StageMove("b", 0, 1)], {}, 9.0, 5.0),
-        Replan({"a": 1, "c": 0, "b": 0, "d": 1}, [StageMove("a", 0, 1), StageMove("c", 1, 0)], {}, 9.0, 7.0),
-    ])
+    scripted = iter(
+        [
+            Replan(
+                {"a": 0, "c": 0, "b": 1, "d": 1}, [StageMove("c", 1, 0), StageMove("b", 0, 1)], {}, 9.0, 5.0
+            ),  # the cheap one
+            Replan({"a": 1, "c": 0, "b": 0, "d": 1}, [StageMove("a", 0, 1), StageMove("c", 1, 0)], {}, 9.0, 7.0),
+            Replan({"a": 0, "c": 0, "b": 1, "d": 1}, [StageMove("c", 1, 0), StageMove("b", 0, 1)], {}, 9.0, 5.0),
+            Replan({"a": 1, "c": 0, "b": 0, "d": 1}, [StageMove("a", 0, 1), StageMove("c", 1, 0)], {}, 9.0, 7.0),
+        ]
+    )
 
     def fake_replan(current, peers, network, workload, num_stages, *, seed, **kw):
         seeds.append(seed)
@@ -234,15 +288,26 @@ def test_the_cheaper_of_the_confirming_replans_is_ordered(monkeypatch):
 
     monkeypatch.setattr("services.coordinator.placement.replan", fake_replan)
     costs = {(0, 0, 1, 1): 5.0, (1, 0, 0, 1): 7.0}  # the stages of a, c, b, d -> seconds per step
-    monkeypatch.setattr("services.coordinator.placement.placement_cost",
-                        lambda assignment, *a, **kw: costs[tuple(assignment[x] for x in "acbd")])
+    monkeypatch.setattr(
+        "services.coordinator.placement.placement_cost",
+        lambda assignment, *a, **kw: costs[tuple(assignment[x] for x in "acbd")],
+    )
     rebalancer = TopologyRebalancer(min_gain=MIN_GAIN, max_moves_fraction=0.5, time_budget_s=1.0, seed=10)
     crossed = inputs_for(crossed_swarm(), two_clusters())
     assert rebalancer.check(crossed, 2) is None
     ordered = rebalancer.check(crossed, 2)
     assert seeds == [10, 11]
-    assert ordered.assignment == {"a": 0, "c": 0, "b": 1, "d": 1} and ordered.cost_after_s == 5.0 and len(ordered.moves) == 2
+    assert (
+        ordered.assignment == {"a": 0, "c": 0, "b": 1, "d": 1}
+        and ordered.cost_after_s == 5.0
+        and len(ordered.moves) == 2
+    )
     # the first replan started from another assignment: the confirming one is ordered as it is
-    assert rebalancer.check(inputs_for(servers(("a", 0, 50.0), ("c", 1, 50.0), ("b", 0, 50.0), ("d", 1, 50.0)), two_clusters()), 2) is None
+    assert (
+        rebalancer.check(
+            inputs_for(servers(("a", 0, 50.0), ("c", 1, 50.0), ("b", 0, 50.0), ("d", 1, 50.0)), two_clusters()), 2
+        )
+        is None
+    )
     ordered = rebalancer.check(crossed, 2)
     assert seeds == [10, 11, 12, 13] and ordered.cost_after_s == 7.0 and ordered.assignment["a"] == 1

@@ -18,7 +18,17 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def write_metrics(path, steps: int = 50, *, first: int = 1, loss0: float = 5.5) -> None:
     with open(path, "a") as f:
         for step in range(first, first + steps):
-            f.write(json.dumps({"step": step, "loss": round(loss0 * math.exp(-step / 20) + 2.4, 4), "tokens_per_s": 15000.0 + step, "elapsed_s": 0.3 * step}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "loss": round(loss0 * math.exp(-step / 20) + 2.4, 4),
+                        "tokens_per_s": 15000.0 + step,
+                        "elapsed_s": 0.3 * step,
+                    }
+                )
+                + "\n"
+            )
 
 
 def png_size(path) -> tuple[int, int]:
@@ -79,9 +89,15 @@ def test_a_failed_step_null_loss_and_a_line_still_being_written_are_plotted(tmp_
         ("", "is empty: no step recorded"),
         ("\n\n", "is empty: no step recorded"),
         ('{"step": 1, "loss": 2.0, "tokens_per_s": 5}\nnot json\n', ":2: not a metrics record (Expecting value"),
-        ('[1, 2]\n', ":1: not a metrics record (not a JSON object)"),
-        ('{"step": 0, "loss": 2.0, "tokens_per_s": 5}\n', ":1: not a metrics record ('step' must be an integer >= 1, got 0)"),
-        ('{"step": 1, "loss": "low", "tokens_per_s": 5}\n', ":1: not a metrics record ('loss' must be a number or null, got 'low')"),
+        ("[1, 2]\n", ":1: not a metrics record (not a JSON object)"),
+        (
+            '{"step": 0, "loss": 2.0, "tokens_per_s": 5}\n',
+            ":1: not a metrics record ('step' must be an integer >= 1, got 0)",
+        ),
+        (
+            '{"step": 1, "loss": "low", "tokens_per_s": 5}\n',
+            ":1: not a metrics record ('loss' must be a number or null, got 'low')",
+        ),
         ('{"step": 1, "loss": 2.0}\n', ":1: not a metrics record ('tokens_per_s' must be a number, got None)"),
     ],
 )

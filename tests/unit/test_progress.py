@@ -25,7 +25,10 @@ class Stream(io.StringIO):
 
 def records(losses: list[float | None], tokens_per_s: float = 15000.0) -> list[dict]:
     """Metrics records as the trainer writes them, one per step."""
-    return [{"step": i + 1, "loss": loss, "tokens_per_s": tokens_per_s + i, "elapsed_s": 0.3 * (i + 1)} for i, loss in enumerate(losses)]
+    return [
+        {"step": i + 1, "loss": loss, "tokens_per_s": tokens_per_s + i, "elapsed_s": 0.3 * (i + 1)}
+        for i, loss in enumerate(losses)
+    ]
 
 
 class FakeClock:
@@ -125,7 +128,11 @@ def test_plain_lines_when_polling_jumps_over_a_multiple_of_n():
         for done in (3, 9, 13, 13, 27, 29, 40):
             clock.now += 1.0
             display.show(done, 2.0, 1000.0)
-    assert [line.split(",")[0] for line in stream.getvalue().splitlines()] == ["progress: 13/40 steps (32%)", "progress: 27/40 steps (68%)", "progress: 40/40 steps (100%)"]
+    assert [line.split(",")[0] for line in stream.getvalue().splitlines()] == [
+        "progress: 13/40 steps (32%)",
+        "progress: 27/40 steps (68%)",
+        "progress: 40/40 steps (100%)",
+    ]
 
 
 def test_plain_lines_eta_counts_only_the_steps_of_this_session():
@@ -172,7 +179,11 @@ def test_follower_takes_the_furthest_global_step_sums_tokens_per_s_and_averages_
     append(paths[0], json.dumps({"step": 7, "loss": 3.0, "tokens_per_s": 100.0}) + "\n")
     append(paths[1], json.dumps({"step": 6, "loss": 2.0, "tokens_per_s": 50.0}) + "\n")
     follower.poll()
-    assert follower.totals() == (7, 2.5, 150.0)  # steps are the swarm's: the furthest any trainer saw; the third has none yet
+    assert follower.totals() == (
+        7,
+        2.5,
+        150.0,
+    )  # steps are the swarm's: the furthest any trainer saw; the third has none yet
 
 
 def test_follower_skips_an_earlier_run_in_the_file_and_counts_bad_lines(tmp_path):
@@ -181,7 +192,14 @@ def test_follower_skips_an_earlier_run_in_the_file_and_counts_bad_lines(tmp_path
     follower = MetricsFollower([path])
     follower.poll()
     assert follower.totals() == (0, None, 0)
-    append(path, "not json\n" + json.dumps({"step": "1"}) + "\n\n" + json.dumps({"step": 1, "loss": None, "tokens_per_s": 10}) + "\n")
+    append(
+        path,
+        "not json\n"
+        + json.dumps({"step": "1"})
+        + "\n\n"
+        + json.dumps({"step": 1, "loss": None, "tokens_per_s": 10})
+        + "\n",
+    )
     follower.poll()
     assert follower.totals() == (1, None, 10) and follower.bad_lines == 2
 
@@ -223,7 +241,16 @@ async def test_trainer_calls_on_step_with_each_metrics_record(tmp_path):
     batcher = ByteBatcher(torch.arange(4096, dtype=torch.int64).remainder(256).to(torch.uint8), 16, 2, seed=0)
     metrics = tmp_path / "metrics.jsonl"
     seen: list[dict] = []
-    trainer = Trainer(Client(), batcher, steps=3, global_batch=4, in_flight=2, eval_microbatches=1, metrics_file=str(metrics), on_step=seen.append)
+    trainer = Trainer(
+        Client(),
+        batcher,
+        steps=3,
+        global_batch=4,
+        in_flight=2,
+        eval_microbatches=1,
+        metrics_file=str(metrics),
+        on_step=seen.append,
+    )
     await trainer.run()
     assert seen == [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in seen] == [1, 2, 3]

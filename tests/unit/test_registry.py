@@ -219,22 +219,53 @@ def test_view_orders_stages_and_replicas_by_url(registry, clock):
     assert [s["capacity"] for s in view["stages"]] == [0.0, 3.5, 0.0, 0.0]
     assert [r["url"] for r in view["stages"][1]["replicas"]] == ["http://a:1", "http://b:1"]
     assert view["stages"][1]["replicas"][1] == {
-        "server_id": "b", "url": "http://b:1", "version": "v", "throughput": 1.5,
-        "queue_length": 4, "lease_age_s": 0.25, "registered_at": T0, "rtt_ms": {}, "region": "",
-    }  # fmt: skip
+        "server_id": "b",
+        "url": "http://b:1",
+        "version": "v",
+        "throughput": 1.5,
+        "queue_length": 4,
+        "lease_age_s": 0.25,
+        "registered_at": T0,
+        "rtt_ms": {},
+        "region": "",
+    }
 
 
 # --- validation and limits ----------------------------------------------------------------
 
 GOOD = dict(server_id="s1", stage=0, url="http://h:1", version="v", throughput=1.0, queue_length=0)
 BAD_FIELDS = [
-    ("server_id", ""), ("server_id", "x" * 65), ("server_id", "a b"), ("server_id", "é"), ("server_id", 7), ("server_id", None),
-    ("stage", "0"), ("stage", 1.0), ("stage", True), ("stage", None),
-    ("url", "ftp://h/"), ("url", "h:1"), ("url", "http://"), ("url", "http://h:99999"), ("url", "http://h/" + "x" * 512), ("url", None),
-    ("version", 1), ("version", "v" * 65), ("version", None),
-    ("throughput", -1.0), ("throughput", math.nan), ("throughput", math.inf), ("throughput", "1"), ("throughput", True), ("throughput", None),
-    ("queue_length", -1), ("queue_length", 1.0), ("queue_length", 2**31), ("queue_length", False), ("queue_length", None),
-]  # fmt: skip
+    ("server_id", ""),
+    ("server_id", "x" * 65),
+    ("server_id", "a b"),
+    ("server_id", "é"),
+    ("server_id", 7),
+    ("server_id", None),
+    ("stage", "0"),
+    ("stage", 1.0),
+    ("stage", True),
+    ("stage", None),
+    ("url", "ftp://h/"),
+    ("url", "h:1"),
+    ("url", "http://"),
+    ("url", "http://h:99999"),
+    ("url", "http://h/" + "x" * 512),
+    ("url", None),
+    ("version", 1),
+    ("version", "v" * 65),
+    ("version", None),
+    ("throughput", -1.0),
+    ("throughput", math.nan),
+    ("throughput", math.inf),
+    ("throughput", "1"),
+    ("throughput", True),
+    ("throughput", None),
+    ("queue_length", -1),
+    ("queue_length", 1.0),
+    ("queue_length", 2**31),
+    ("queue_length", False),
+    ("queue_length", None),
+]
 
 
 @pytest.mark.parametrize("field,value", BAD_FIELDS)
@@ -286,7 +317,12 @@ def test_run_state_is_kept_in_the_file_and_tied_to_one_run(tmp_path, clock):
 
     again = Registry(path, num_stages=2, heartbeat_s=1.0, clock=clock)
     again.bind_run("run-a")  # the same run comes back: allowed
-    assert again.run_state() == {"run_id": "run-a", "step": 120, "checkpoint": "/ckpt/step-00000120", "assignment": [["s0"], []]}
+    assert again.run_state() == {
+        "run_id": "run-a",
+        "step": 120,
+        "checkpoint": "/ckpt/step-00000120",
+        "assignment": [["s0"], []],
+    }
     with pytest.raises(ValueError, match="belongs to run 'run-a'"):
         again.bind_run("run-b")
     again.close()

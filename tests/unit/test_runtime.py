@@ -15,7 +15,15 @@ CFG = PRESETS["tiny"]
 
 
 def runtime(stage=1, *, global_batch=10**6, cache_size=16, cfg=CFG, warmup_steps=0, solo=True):
-    return StageRuntime(cfg, stage, 4, seed=0, optim=OptimizerConfig(global_batch=global_batch, warmup_steps=warmup_steps), cache_size=cache_size, solo=solo)
+    return StageRuntime(
+        cfg,
+        stage,
+        4,
+        seed=0,
+        optim=OptimizerConfig(global_batch=global_batch, warmup_steps=warmup_steps),
+        cache_size=cache_size,
+        solo=solo,
+    )
 
 
 def hidden(batch=2, seq=8, seed=0):
@@ -148,7 +156,11 @@ def test_validation_refuses_before_touching_the_model(stage, inputs, targets, gr
 
 def test_backward_of_a_middle_stage_needs_a_finite_grad_of_the_right_shape():
     rt = runtime()
-    for grad, match in ((None, "needs grad_outputs"), (hidden(seq=7), "shape"), (torch.full((2, 8, 128), float("inf")), "non-finite")):
+    for grad, match in (
+        (None, "needs grad_outputs"),
+        (hidden(seq=7), "shape"),
+        (torch.full((2, 8, 128), float("inf")), "non-finite"),
+    ):
         with pytest.raises(BadPayload, match=match):
             rt.backward("m", 0, hidden(), None, grad)
     assert rt.pending_samples == 0
@@ -209,7 +221,11 @@ def test_replicas_that_apply_the_same_gradient_stay_bit_identical():
     a.backward("x", 0, hidden(), None, hidden(seed=1))
     b.backward("y", 0, hidden(seed=2), None, hidden(seed=3))
     ga, gb = a.take_gradients(), b.take_gradients()
-    mean = Accumulated((ga.mean * ga.samples + gb.mean * gb.samples) / (ga.samples + gb.samples), 4, ga.microbatch_ids | gb.microbatch_ids)
+    mean = Accumulated(
+        (ga.mean * ga.samples + gb.mean * gb.samples) / (ga.samples + gb.samples),
+        4,
+        ga.microbatch_ids | gb.microbatch_ids,
+    )
     a.apply_step(mean)
     assert a.digest() != b.digest()
     b.apply_step(mean)

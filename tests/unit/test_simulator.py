@@ -15,8 +15,16 @@ from services.simulator.__main__ import main, render
 from shared.wiring import ReplicaBalancer
 
 # 200 peers across the 10 regions, a peer's mean lifetime 10 minutes, 5 simulated minutes.
-PREEMPTED = SimConfig(num_peers=200, num_stages=8, microbatches_in_flight=400, trainers=16, duration_s=300.0,
-                      mean_lifetime_s=600.0, planner_evaluations=400, seed=1)
+PREEMPTED = SimConfig(
+    num_peers=200,
+    num_stages=8,
+    microbatches_in_flight=400,
+    trainers=16,
+    duration_s=300.0,
+    mean_lifetime_s=600.0,
+    planner_evaluations=400,
+    seed=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +56,9 @@ def test_report_shows_both_modes(runs):
 
 
 def test_without_preemption_nothing_is_lost_and_fixed_pipelines_keep_going():
-    calm = dataclasses.replace(PREEMPTED, num_peers=64, microbatches_in_flight=128, trainers=8, duration_s=200.0,
-                               mean_lifetime_s=math.inf)
+    calm = dataclasses.replace(
+        PREEMPTED, num_peers=64, microbatches_in_flight=128, trainers=8, duration_s=200.0, mean_lifetime_s=math.inf
+    )
     for mode in ("swarm", "fixed"):
         report = simulate(dataclasses.replace(calm, mode=mode))
         assert report.deaths == report.joins == report.lost_microbatches == report.failed_hops == 0
@@ -72,8 +81,25 @@ def test_a_run_is_reproducible():
 
 def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "sim.json"
-    assert main(["--peers", "40", "--stages", "4", "--duration", "60", "--in-flight", "64", "--trainers", "4",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--peers",
+                "40",
+                "--stages",
+                "4",
+                "--duration",
+                "60",
+                "--in-flight",
+                "64",
+                "--trainers",
+                "4",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "swarm" in capsys.readouterr().out
     reports = json.loads(out.read_text())
     assert [r["mode"] for r in reports] == ["swarm", "fixed"]

@@ -69,14 +69,26 @@ def test_activation_checkpointing_in_a_stage_gives_the_same_gradients():
         assert torch.allclose(plain[name], checkpointed[name], atol=1e-6), name
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the bf16/CUDA path is untested on this machine")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device here: the bf16/CUDA path is untested on this machine"
+)
 def test_a_cuda_stage_in_bf16_with_checkpointing_runs_steps_and_keeps_fp32_weights():
     cpu = runtime_grads()
     cuda = runtime_grads(device="cuda", precision="bf16", activation_checkpointing=True)
     for name in cpu:  # bf16 compute: close, not equal
         cos = torch.nn.functional.cosine_similarity(cpu[name].flatten(), cuda[name].flatten().float(), dim=0)
         assert cos > 0.98, f"{name}: cosine {cos:.3f}"
-    rt = build_runtime(settings(model="llama-tiny", num_stages=2, stage=1, device="cuda", precision="bf16", activation_checkpointing=True, global_batch=2))
+    rt = build_runtime(
+        settings(
+            model="llama-tiny",
+            num_stages=2,
+            stage=1,
+            device="cuda",
+            precision="bf16",
+            activation_checkpointing=True,
+            global_batch=2,
+        )
+    )
     assert all(p.dtype == torch.float32 and p.is_cuda for p in rt.params)
     hidden = torch.randn(2, 16, rt.cfg.d_model, device="cuda")
     targets = torch.randint(0, rt.cfg.vocab_size, (2, 16), device="cuda")

@@ -161,13 +161,17 @@ async def test_a_reservation_given_back_wakes_the_held_ones_and_its_report_does_
     from services.coordinator.steps import StepScheduler
     from shared.log import get_logger
 
-    scheduler = StepScheduler(2, lambda: [], codec="fp32", timeout_s=30.0, aggregator="mean", log=get_logger(service="test"))
+    scheduler = StepScheduler(
+        2, lambda: [], codec="fp32", timeout_s=30.0, aggregator="mean", log=get_logger(service="test")
+    )
     first = [await scheduler.reserve(0, A, 0, 4, G) for _ in range(4)]  # steps 0 and 1, full
     assert [(r["bucket"], r["closes"]) for r in first] == [(0, False), (0, True), (1, False), (1, True)]
     held = asyncio.create_task(scheduler.reserve(0, B, 0, 4, G))
     await asyncio.sleep(0)  # let it reach its wait (a yield, not a timed wait)
     assert not held.done()
-    report = await asyncio.wait_for(scheduler.done(0, A, 0, 0, 4, 0, G, closes=True), 5.0)  # the closing one: a duplicate
+    report = await asyncio.wait_for(
+        scheduler.done(0, A, 0, 0, 4, 0, G, closes=True), 5.0
+    )  # the closing one: a duplicate
     assert report["step"] == 0
     woken = await asyncio.wait_for(held, 5.0)  # far below the scheduler's 30 s
     assert (woken["bucket"], woken["closes"]) == (0, True)
@@ -184,8 +188,12 @@ def test_a_replica_behind_a_step_nobody_holds_any_more_catches_up_and_the_count_
         c.round_started(0, f"r{k}")
         c.round_ended(0, {A: k + 1}, {A: 8})
     assert c.stages[0].step == 2
-    assert c.reserve(0, B, 1, 4, G, live=[A, B]).resync  # B rejoined from a checkpoint of step 1: A is alive, B takes its state
-    assert c.reserve(0, B, 1, 4, G, live=[B]).resync  # A left the registry, but reported within the lease: maybe only slow
+    assert c.reserve(
+        0, B, 1, 4, G, live=[A, B]
+    ).resync  # B rejoined from a checkpoint of step 1: A is alive, B takes its state
+    assert c.reserve(
+        0, B, 1, 4, G, live=[B]
+    ).resync  # A left the registry, but reported within the lease: maybe only slow
     clock.now += 3.5
     r = c.reserve(0, B, 1, 4, G, live=[B])  # A is gone: nobody holds step 2 any more
     assert r.catch_up and r.bucket is None and not r.resync and r.as_json(2)["catch_up"]
@@ -196,6 +204,10 @@ def test_a_replica_behind_a_step_nobody_holds_any_more_catches_up_and_the_count_
     assert c.ready(0, [B])
     assert c.reserve(1, A, 0, 4, G, live=[]).bucket == 0  # another stage is not touched
     c.reserve(1, A, 1, 4, G, live=[A])  # A said it is at step 1 of stage 1 (the stage moves with it)
-    assert c.reserve(1, A, 0, 4, G, live=[A]).resync  # a report of A's sent before that step: A holds the step, no catch-up
+    assert c.reserve(
+        1, A, 0, 4, G, live=[A]
+    ).resync  # a report of A's sent before that step: A holds the step, no catch-up
     c.registered(1, A, 0)  # A restarted (same URL) from a checkpoint of step 0: its old step is void
-    assert c.reserve(1, A, 0, 4, G, live=[A]).catch_up  # measured in the arena: both replicas of a stage back at step 2 of 15
+    assert c.reserve(
+        1, A, 0, 4, G, live=[A]
+    ).catch_up  # measured in the arena: both replicas of a stage back at step 2 of 15

@@ -59,11 +59,14 @@ def test_single_files_of_each_kind(tmp_path):
     assert list(iter_documents(root / "b" / "d.parquet")) == DOCS[200:299]
 
 
-@pytest.mark.parametrize("name, body, words", [
-    ("bad.jsonl", '{"text": "ok"}\n{"txt": "no"}\n', "bad.jsonl:2"),
-    ("bad.jsonl", '{"text": 3}\n', "not a string"),
-    ("bad.csv", "a,b\n", "unknown data format"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, body, words",
+    [
+        ("bad.jsonl", '{"text": "ok"}\n{"txt": "no"}\n', "bad.jsonl:2"),
+        ("bad.jsonl", '{"text": 3}\n', "not a string"),
+        ("bad.csv", "a,b\n", "unknown data format"),
+    ],
+)
 def test_bad_data_is_named_with_the_setting(tmp_path, name, body, words):
     (tmp_path / name).write_text(body)
     with pytest.raises(ValueError, match=words) as exc:
@@ -128,7 +131,10 @@ def test_two_trainers_see_disjoint_samples_within_a_pass(cache):
     spans = [{(int(s) * seq + i) for s in samples for i in range(seq)} for samples in seen]
     assert not spans[0] & spans[1]
     # and across later passes too: each trainer only ever reads its own shard
-    later = [set(np.concatenate([batchers[t].sample_numbers(t + 2 * k) for k in range(per_pass, 3 * per_pass)]).tolist()) for t in range(2)]
+    later = [
+        set(np.concatenate([batchers[t].sample_numbers(t + 2 * k) for k in range(per_pass, 3 * per_pass)]).tolist())
+        for t in range(2)
+    ]
     assert later[0] <= set(batchers[0].shards[0].tolist()) and later[1] <= set(batchers[0].shards[1].tolist())
 
 
@@ -154,7 +160,11 @@ def test_the_held_out_split_is_never_trained_on(cache):
         assert torch.equal(mb.inputs[:, 1:], mb.targets[:, :-1])
     # every held-out window comes from the last 5% of the ids
     tail = bytes(cache.tokens[cache.n_train :].tolist())
-    assert all(tail.find(bytes(batcher.microbatch(i, split="eval").inputs[r].tolist())) >= 0 for i in range(5) for r in range(4))
+    assert all(
+        tail.find(bytes(batcher.microbatch(i, split="eval").inputs[r].tolist())) >= 0
+        for i in range(5)
+        for r in range(4)
+    )
 
 
 def test_too_little_data_names_the_settings(tmp_path):
@@ -177,10 +187,23 @@ def test_a_byte_preset_on_the_bundled_corpus_keeps_the_byte_batcher(tmp_path):
 
 def test_jsonl_with_a_byte_preset_and_a_llama_with_its_tokenizer_use_the_cache(tmp_path):
     root = write_shards(tmp_path / "data")
-    batcher = make_batcher(settings(model="tiny", corpus=str(root), token_cache_dir=str(tmp_path / "c")), PRESETS["tiny"])
+    batcher = make_batcher(
+        settings(model="tiny", corpus=str(root), token_cache_dir=str(tmp_path / "c")), PRESETS["tiny"]
+    )
     assert isinstance(batcher, TokenBatcher) and batcher.cache.meta["eos_id"] == 0
     tok = train_bpe(DOCS, 300, tmp_path / "tok")
-    s = settings(model="llama-tiny", tokenizer=str(tmp_path / "tok"), corpus=str(root), token_cache_dir=str(tmp_path / "c"), num_shards=2, shard_index=1)
+    s = settings(
+        model="llama-tiny",
+        tokenizer=str(tmp_path / "tok"),
+        corpus=str(root),
+        token_cache_dir=str(tmp_path / "c"),
+        num_shards=2,
+        shard_index=1,
+    )
     batcher = make_batcher(s, PRESETS["llama-tiny"])
-    assert isinstance(batcher, TokenBatcher) and batcher.num_shards == 2 and batcher.cache.meta["tokenizer_fingerprint"] == tok.fingerprint
+    assert (
+        isinstance(batcher, TokenBatcher)
+        and batcher.num_shards == 2
+        and batcher.cache.meta["tokenizer_fingerprint"] == tok.fingerprint
+    )
     assert int(batcher.microbatch(1).inputs.max()) < 300

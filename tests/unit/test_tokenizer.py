@@ -23,7 +23,9 @@ def test_a_trained_bpe_has_its_vocabulary_round_trips_text_and_ends_text_with_id
     assert bpe.vocab_size == 512 and bpe.eos_id == 0 and bpe.token(0) == EOS_TOKEN
     ids = bpe.encode(TEXT)
     assert bpe.decode(ids) == TEXT
-    assert len(bpe.encode(SAMPLE[:5000])) < 5000 / 1.5  # it compresses what it was trained on (255 merges: 1.85 bytes a token)
+    assert (
+        len(bpe.encode(SAMPLE[:5000])) < 5000 / 1.5
+    )  # it compresses what it was trained on (255 merges: 1.85 bytes a token)
     assert bpe.encode_batch([TEXT, "x"]) == [ids, bpe.encode("x")]
     assert 0 not in ids  # the separator never comes out of text
 
@@ -43,7 +45,9 @@ def test_transformers_loads_the_trained_tokenizer_directory(bpe):
 def test_save_tokenizer_copies_a_file_so_that_autotokenizer_loads_it(bpe, tmp_path):
     transformers = pytest.importorskip("transformers")
     save_tokenizer(bpe.file, tmp_path)  # a bare tokenizer.json: the config is written
-    assert transformers.AutoTokenizer.from_pretrained(tmp_path).encode(TEXT, add_special_tokens=False) == bpe.encode(TEXT)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path).encode(TEXT, add_special_tokens=False) == bpe.encode(
+        TEXT
+    )
 
 
 def test_bytes_round_trip():

@@ -193,7 +193,9 @@ def test_stochastic_hop_between_two_regions():
     w = Workload(samples_per_step=10, activation_gb_per_sample=0.1, gradient_gb=0.2)
     flows = stochastic_flows(np.ones(2), np.ones(2))
     expected = 0.1 + 8 * (w.boundary_gb / 2) / 0.5
-    assert hop_time(flows, rtt[np.ix_([0, 1], [2, 3])], bw[np.ix_([0, 1], [2, 3])], w.boundary_gb) == pytest.approx(expected)
+    assert hop_time(flows, rtt[np.ix_([0, 1], [2, 3])], bw[np.ix_([0, 1], [2, 3])], w.boundary_gb) == pytest.approx(
+        expected
+    )
     cost = step_cost([[0, 1], [2, 3]], np.ones(4), rtt, bw, w)
     averaging = 2 * (INTRA_REGION.rtt_ms / 1e3 + 8 * 0.2 / (2 * INTRA_REGION.bandwidth_gbps))
     assert cost.total_s == pytest.approx(10 / 2 + 2 * expected + averaging)

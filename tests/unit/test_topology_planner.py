@@ -49,7 +49,9 @@ def test_dtfm_planner_is_near_optimal_on_30_small_instances():
         peers = [Peer(f"p{i}", rng.choice(CITIES)) for i in range(n)]
         obj = build_objective(peers, net, DTFM_GPT3_XL, stages, model="dtfm", order_free=True)
         optimum = exhaustive(obj).score.total
-        found = plan(peers, net, DTFM_GPT3_XL, stages, model="dtfm", time_budget_s=SLACK, max_evaluations=1500, seed=instance)
+        found = plan(
+            peers, net, DTFM_GPT3_XL, stages, model="dtfm", time_budget_s=SLACK, max_evaluations=1500, seed=instance
+        )
         assert found.cost_s >= optimum * (1 - 1e-9), "nothing beats the exhaustive optimum"
         ratios.append(found.cost_s / optimum)
         random_ratios.append(np.mean([obj.score(random_labels(obj, rng)).total for _ in range(20)]) / optimum)
@@ -104,7 +106,9 @@ def test_world_wide_scenario_reaches_dtfm_best_and_beats_random_placement():
 
 def test_regional_scenario_reaches_dtfm_best():
     peers = peers_in_regions({r: 16 for r in ["Virginia", "Oregon", "California", "Ohio"]})
-    found = plan(peers, regional_network(), DTFM_GPT3_XL, 8, model="dtfm", time_budget_s=SLACK, max_evaluations=4000, seed=0)
+    found = plan(
+        peers, regional_network(), DTFM_GPT3_XL, 8, model="dtfm", time_budget_s=SLACK, max_evaluations=4000, seed=0
+    )
     assert found.cost_s <= REGIONAL_BEST_S * 1.02
 
 
@@ -128,7 +132,9 @@ def _noisy(peers: list[Peer], net: Network, seed: int) -> tuple[list[Peer], Netw
     for i, a in enumerate(peers):
         for b in peers[i + 1 :]:
             link = net.link(a, b)
-            measured[a.peer_id, b.peer_id] = Link(link.rtt_ms * rng.uniform(0.95, 1.05), link.bandwidth_gbps * rng.uniform(0.95, 1.05))
+            measured[a.peer_id, b.peer_id] = Link(
+                link.rtt_ms * rng.uniform(0.95, 1.05), link.bandwidth_gbps * rng.uniform(0.95, 1.05)
+            )
     noisy_peers = [Peer(p.peer_id, p.region, p.throughput * rng.uniform(0.95, 1.05)) for p in peers]
     return noisy_peers, net.with_measurements(measured)
 
@@ -148,23 +154,42 @@ def communication_bound_plan():
 @pytest.fixture(scope="module")
 def dtfm_plan():
     peers = peers_in_regions({c: 8 for c in CITIES})
-    return peers, plan(peers, world_network(), DTFM_GPT3_XL, 8, model="dtfm", time_budget_s=SLACK, max_evaluations=4000, seed=0)
+    return peers, plan(
+        peers, world_network(), DTFM_GPT3_XL, 8, model="dtfm", time_budget_s=SLACK, max_evaluations=4000, seed=0
+    )
 
 
 @pytest.mark.parametrize("noise_seed", [100, 101])
 def test_measurement_noise_moves_no_server(swarm_plan, noise_seed):
     peers, fresh = swarm_plan
     noisy_peers, noisy_net = _noisy(peers, world_network(), noise_seed)
-    result = replan(fresh.assignment, noisy_peers, noisy_net, SWARM_WORKLOAD, 8, time_budget_s=SLACK,
-                    max_evaluations=20_000, seed=noise_seed)
+    result = replan(
+        fresh.assignment,
+        noisy_peers,
+        noisy_net,
+        SWARM_WORKLOAD,
+        8,
+        time_budget_s=SLACK,
+        max_evaluations=20_000,
+        seed=noise_seed,
+    )
     assert result.moves == [] and result.assignment == fresh.assignment
 
 
 def test_measurement_noise_moves_no_server_in_the_dtfm_world_wide_scenario(dtfm_plan):
     peers, fresh = dtfm_plan
     noisy_peers, noisy_net = _noisy(peers, world_network(), 7)
-    result = replan(fresh.assignment, noisy_peers, noisy_net, DTFM_GPT3_XL, 8, model="dtfm", time_budget_s=SLACK,
-                    max_evaluations=3000, seed=0)
+    result = replan(
+        fresh.assignment,
+        noisy_peers,
+        noisy_net,
+        DTFM_GPT3_XL,
+        8,
+        model="dtfm",
+        time_budget_s=SLACK,
+        max_evaluations=3000,
+        seed=0,
+    )
     assert result.moves == []
 
 
@@ -174,8 +199,9 @@ def test_measurement_noise_moves_no_server_in_a_communication_bound_swarm(commun
     its gain is spread over many moves, each earning little, and nobody moves."""
     peers, fresh = communication_bound_plan
     noisy_peers, noisy_net = _noisy(peers, world_network(), 100)
-    result = replan(fresh.assignment, noisy_peers, noisy_net, SWARM_WORKLOAD, 8, time_budget_s=SLACK,
-                    max_evaluations=40_000, seed=0)
+    result = replan(
+        fresh.assignment, noisy_peers, noisy_net, SWARM_WORKLOAD, 8, time_budget_s=SLACK, max_evaluations=40_000, seed=0
+    )
     assert result.moves == [] and result.assignment == fresh.assignment
 
 
@@ -187,16 +213,28 @@ def _churn(peers: list[Peer], churn_seed: int, speeds: tuple[float, ...]) -> tup
     return [p for i, p in enumerate(peers) if i not in gone] + joiners, joiners
 
 
-def _check_replan_after_churn(peers: list[Peer], fresh, churn_seed: int, speeds: tuple[float, ...],
-                              workload: Workload, model: str = "swarm") -> None:
+def _check_replan_after_churn(
+    peers: list[Peer], fresh, churn_seed: int, speeds: tuple[float, ...], workload: Workload, model: str = "swarm"
+) -> None:
     """After a quarter churn the replan is within 5% of a fresh plan of the new swarm
     (same evaluation budgets as the bench) and moves at most 20% of the servers."""
     now, joiners = _churn(peers, churn_seed, speeds)
     max_moves = math.floor(0.2 * len(now))
-    result = replan(fresh.assignment, now, world_network(), workload, 8, model=model, time_budget_s=SLACK,
-                    max_evaluations=40_000, max_moves=max_moves, seed=churn_seed)
-    again = plan(now, world_network(), workload, 8, model=model, time_budget_s=SLACK, max_evaluations=30_000,
-                 seed=churn_seed)
+    result = replan(
+        fresh.assignment,
+        now,
+        world_network(),
+        workload,
+        8,
+        model=model,
+        time_budget_s=SLACK,
+        max_evaluations=40_000,
+        max_moves=max_moves,
+        seed=churn_seed,
+    )
+    again = plan(
+        now, world_network(), workload, 8, model=model, time_budget_s=SLACK, max_evaluations=30_000, seed=churn_seed
+    )
     assert result.cost_after_s <= 1.05 * again.cost_s
     assert len(result.moves) <= max_moves
     assert set(result.joined) == {p.peer_id for p in joiners}
@@ -257,14 +295,18 @@ def test_interchangeable_servers_are_traded_so_that_the_fewest_count_as_moved():
 
 def test_replan_of_an_unchanged_plan_moves_nothing(swarm_plan):
     peers, fresh = swarm_plan
-    result = replan(fresh.assignment, peers, world_network(), SWARM_WORKLOAD, 8, time_budget_s=SLACK, max_evaluations=5000)
+    result = replan(
+        fresh.assignment, peers, world_network(), SWARM_WORKLOAD, 8, time_budget_s=SLACK, max_evaluations=5000
+    )
     assert result.moves == [] and result.joined == {} and result.cost_after_s == pytest.approx(fresh.cost_s)
 
 
 def test_replan_refills_a_stage_that_everyone_left(swarm_plan):
     peers, fresh = swarm_plan
     left = [p for p in peers if fresh.assignment[p.peer_id] != 3]
-    result = replan(fresh.assignment, left, world_network(), SWARM_WORKLOAD, 8, time_budget_s=SLACK, max_evaluations=3000)
+    result = replan(
+        fresh.assignment, left, world_network(), SWARM_WORKLOAD, 8, time_budget_s=SLACK, max_evaluations=3000
+    )
     assert math.isinf(result.cost_before_s) and math.isfinite(result.cost_after_s)
     assert any(move.to_stage == 3 for move in result.moves)
     assert set(result.assignment.values()) == set(range(8))

@@ -143,7 +143,15 @@ class FakeClient:
     lets everything through), so the test sees the trainer reach its concurrency without any
     timing; counts the calls in progress at each moment."""
 
-    def __init__(self, in_flight: int, fail: set[int], eval_loss: float = 5.0, per_step: int = 2, others: int = 0, complete_at: int | None = None):
+    def __init__(
+        self,
+        in_flight: int,
+        fail: set[int],
+        eval_loss: float = 5.0,
+        per_step: int = 2,
+        others: int = 0,
+        complete_at: int | None = None,
+    ):
         self.in_flight, self.fail, self.eval_loss, self.per_step = in_flight, fail, eval_loss, per_step
         self.completed = others  # microbatches other trainers fed
         self.complete_at = complete_at  # from this swarm step on, stage 0 says the run's steps are all reserved
@@ -203,8 +211,18 @@ async def test_trainer_accounts_for_every_microbatch_and_respects_in_flight(tmp_
     client = FakeClient(in_flight, fail)
     log = RecordingLog()
     metrics = tmp_path / "metrics.jsonl"
-    trainer = Trainer(client, make_batcher(), steps=steps, global_batch=4, in_flight=in_flight, seed=2,
-                      log_every=1, eval_microbatches=3, metrics_file=str(metrics), log=log)
+    trainer = Trainer(
+        client,
+        make_batcher(),
+        steps=steps,
+        global_batch=4,
+        in_flight=in_flight,
+        seed=2,
+        log_every=1,
+        eval_microbatches=3,
+        metrics_file=str(metrics),
+        log=log,
+    )
     assert trainer.microbatches_per_step == per_step
     summary = await run_guarded(trainer)
 
@@ -259,7 +277,9 @@ async def test_trainer_accounts_for_every_microbatch_and_respects_in_flight(tmp_
 @pytest.mark.parametrize("in_flight", [1, 4])
 async def test_trainer_concurrency_is_bounded_by_in_flight(in_flight):
     client = FakeClient(in_flight, fail=set())
-    trainer = Trainer(client, make_batcher(microbatch_size=4), steps=6, global_batch=8, in_flight=in_flight, eval_microbatches=1)
+    trainer = Trainer(
+        client, make_batcher(microbatch_size=4), steps=6, global_batch=8, in_flight=in_flight, eval_microbatches=1
+    )
     summary = await run_guarded(trainer)
     assert client.max_current == in_flight
     assert summary.microbatches_completed == summary.microbatches_scheduled == 12
@@ -277,7 +297,16 @@ async def test_trainer_concurrency_is_bounded_by_in_flight(in_flight):
 async def test_trainer_stops_feeding_once_the_swarm_reached_its_steps():
     """Another trainer fed most of the run: this one stops when it sees stage 0 at ``steps``."""
     client = FakeClient(1, fail=set(), per_step=2, others=2 * 5)  # the swarm is at step 5 of 6
-    trainer = Trainer(client, make_batcher(microbatch_size=4), steps=6, global_batch=8, in_flight=1, eval_microbatches=1, shard_index=1, num_shards=2)
+    trainer = Trainer(
+        client,
+        make_batcher(microbatch_size=4),
+        steps=6,
+        global_batch=8,
+        in_flight=1,
+        eval_microbatches=1,
+        shard_index=1,
+        num_shards=2,
+    )
     summary = await run_guarded(trainer)
     assert summary.microbatches_scheduled == 2  # the last step's two microbatches, not its budget of 12
     assert [i for i, _ in client.train_calls] == [1, 3]  # its shard of the run's sequence
@@ -286,7 +315,9 @@ async def test_trainer_stops_feeding_once_the_swarm_reached_its_steps():
 
 async def test_trainer_stops_feeding_when_stage_0_has_every_step_of_the_run():
     client = FakeClient(1, fail=set(), per_step=2, complete_at=1)
-    trainer = Trainer(client, make_batcher(microbatch_size=4), steps=6, global_batch=8, in_flight=1, eval_microbatches=1)
+    trainer = Trainer(
+        client, make_batcher(microbatch_size=4), steps=6, global_batch=8, in_flight=1, eval_microbatches=1
+    )
     summary = await run_guarded(trainer)
     assert summary.microbatches_scheduled == 2 and summary.microbatches_surplus == 1
 
@@ -294,7 +325,9 @@ async def test_trainer_stops_feeding_when_stage_0_has_every_step_of_the_run():
 async def test_metrics_file_is_strict_json_when_a_whole_step_failed(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     client = FakeClient(1, fail={0, 1})
-    trainer = Trainer(client, make_batcher(), steps=2, global_batch=4, in_flight=1, eval_microbatches=1, metrics_file=str(metrics))
+    trainer = Trainer(
+        client, make_batcher(), steps=2, global_batch=4, in_flight=1, eval_microbatches=1, metrics_file=str(metrics)
+    )
     await run_guarded(trainer)
 
     def reject(constant):
@@ -311,6 +344,8 @@ async def test_held_out_loss_every_n_steps_gives_the_loss_against_samples_and_ti
     # after steps 2 and 4 (step 6 is the final evaluation's), on the same held-out microbatches
     assert [(p["step"], p["samples"], p["loss"]) for p in summary.eval_curve] == [(2, 8, 3.25), (4, 16, 3.25)]
     # timed when the step was seen done (the weights evaluated are those of that step, or a little later)
-    assert [p["elapsed_s"] for p in summary.eval_curve] == [round(summary.step_elapsed_s[p["step"] - 1], 3) for p in summary.eval_curve]
+    assert [p["elapsed_s"] for p in summary.eval_curve] == [
+        round(summary.step_elapsed_s[p["step"] - 1], 3) for p in summary.eval_curve
+    ]
     assert client.eval_calls == [0, 1] * 4  # before, after step 2, after step 4, after the run
     assert json.loads(summary_json(summary))["eval_curve"] == summary.eval_curve

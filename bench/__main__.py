@@ -21,8 +21,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.log import configure_logging
 from bench.report import BenchResult, format_markdown, format_table, machine, write_json
+from shared.log import configure_logging
 
 BENCHES = {
     "codec": "encode+decode speed, error and bytes of every wire codec against memcpy (and hivemind)",

@@ -33,10 +33,10 @@ from datetime import timedelta
 import torch
 import torch.nn.functional as F
 
+from bench.workload import Workload
+from services.stage_server.runtime import OptimizerConfig
 from shared.config import StageServerSettings
 from shared.model import build_stage
-from services.stage_server.runtime import OptimizerConfig
-from bench.workload import Workload
 
 EVAL_MICROBATCHES = 4  # the trainer's held-out microbatches (Trainer.eval_microbatches)
 TIMEOUT_S = 300.0

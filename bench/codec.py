@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from bench.report import NOT_INSTALLED, BenchResult
 from shared.codec import (
     FLOAT_CODECS,
     decode_tensor,
@@ -34,7 +35,6 @@ from shared.codec import (
     unpack_message,
     warm_up,
 )
-from bench.report import NOT_INSTALLED, BenchResult
 
 WIDTH = 1024
 FULL_TOKENS = (100, 512, 2048, 4096, 8192)  # x 1024 x 4 bytes: 0.4, 2, 8, 16, 32 MiB of fp32

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from shared.config import CoordinatorSettings, StageServerSettings
+from bench.pump import MeshClient
+from bench.report import BenchResult
 from services.coordinator.app import create_app as create_coordinator
 from services.local_swarm import free_port
 from services.stage_server.app import create_app as create_stage
 from services.trainer.trainer import Trainer
-from bench.pump import MeshClient
-from bench.report import BenchResult
+from shared.config import CoordinatorSettings, StageServerSettings
 
 COLUMNS = [
     "wire",

@@ -25,10 +25,10 @@ import time
 import aiohttp
 import torch
 
-from shared.inference import SamplingParams, SwarmSession, sample
-from shared.wiring import ReplicaBalancer
 from bench.processes import BenchProcesses, run_id
 from bench.report import BenchResult
+from shared.inference import SamplingParams, SwarmSession, sample
+from shared.wiring import ReplicaBalancer
 
 DIMS = {"d_model": 512, "n_layer": 8, "n_head": 8}
 MODEL = "base"  # block_size 1024; its other dimensions are replaced by DIMS

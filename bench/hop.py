@@ -21,10 +21,10 @@ import time
 import aiohttp
 import torch
 
-from shared.codec import encode_tensor
-from shared.http import post_message
 from bench.processes import BenchProcesses, run_id
 from bench.report import NOT_INSTALLED, BenchResult
+from shared.codec import encode_tensor
+from shared.http import post_message
 
 DIMS = {"d_model": 256, "n_layer": 3, "n_head": 4}
 NUM_STAGES, STAGE = 3, 1

@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shared.model import build_gpt, build_stage
-from services.local_swarm import free_port
 from bench.processes import BenchProcesses, run_id
 from bench.report import BenchResult
 from bench.square_cube import mesh_figures, plan
 from bench.workload import Workload
+from services.local_swarm import free_port
+from shared.model import build_gpt, build_stage
 
 TIMEOUT_S = 900.0
 COLUMNS = [

@@ -16,11 +16,11 @@ from typing import Callable
 
 import aiohttp
 
-from shared.config import TrainerSettings
-from shared.retry import RetryPolicy
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import HopTimeouts, MicrobatchFailed, PipelineClient
 from services.trainer.swarm_view import SwarmView
+from shared.config import TrainerSettings
+from shared.retry import RetryPolicy
 from shared.wiring import ReplicaBalancer
 
 

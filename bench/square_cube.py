@@ -13,10 +13,10 @@ on the same tokens, comm = the rest of the CPU the mesh used, idle = cores left 
 
 from __future__ import annotations
 
-from shared.model import GPT
 from bench.processes import BenchProcesses, run_id
 from bench.report import BenchResult
 from bench.workload import Workload, cores, measure_mesh, measure_one_process, time_shares
+from shared.model import GPT
 
 STAGES, CODEC, IN_FLIGHT = 4, "int8", 8
 # d_model -> (warm-up, measured) microbatches of 8 x 128 tokens: about 10-50 s a side at 2 cores

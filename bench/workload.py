@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import aiohttp
 import torch
 
-from shared.model import GPTConfig, build_gpt, config_from_preset
-from services.trainer.data import ByteBatcher, load_corpus
 from bench.processes import BenchProcesses, machine_idle_seconds
 from bench.pump import MeshClient
+from services.trainer.data import ByteBatcher, load_corpus
+from shared.model import GPTConfig, build_gpt, config_from_preset
 
 PRESET = "tiny"  # vocabulary 256 (bytes), block 128; the dimensions below replace the preset's
 

@@ -29,13 +29,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from services.plot import MetricsError, plot_metrics
+from services.trainer.progress import PROGRESS_SETTINGS, MetricsFollower, ProgressDisplay, choose_display
 from shared import checkpoint
 from shared.codec import FLOAT_CODECS
 from shared.config import CommonSettings
 from shared.http import urlopen_swarm
 from shared.model import PRESETS
-from services.plot import MetricsError, plot_metrics
-from services.trainer.progress import PROGRESS_SETTINGS, MetricsFollower, ProgressDisplay, choose_display
 
 STOP_GRACE_S = 10.0
 PROGRESS_POLL_S = 0.5  # how often the trainers' metrics files are read for the progress display
@@ -292,10 +292,10 @@ def check_model_and_data(args: argparse.Namespace) -> None:
     preset, or a directory with every weight file), its cut, the tokenizer against its
     vocabulary, and the corpus, tokenized here into the cache the trainers then reuse.
     ValueError naming the file or the setting."""
+    from services.trainer.data import make_batcher
     from shared.config import TrainerSettings
     from shared.hf import check_hf_dir
     from shared.model import partition
-    from services.trainer.data import make_batcher
 
     settings = TrainerSettings(
         model=args.model,
@@ -315,7 +315,8 @@ def check_model_and_data(args: argparse.Namespace) -> None:
 
 def generate_text(coordinator: str, args: argparse.Namespace) -> int:
     """``swarm generate`` through the swarm just trained: the prompt, then its continuation."""
-    from services.generate import parse_args as generate_args, run as generate
+    from services.generate import parse_args as generate_args
+    from services.generate import run as generate
 
     print(f"swarm up: generating {args.generate_tokens} tokens through the swarm (greedy):", flush=True)
     argv = [

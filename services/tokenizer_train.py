@@ -17,10 +17,10 @@ import argparse
 import sys
 import time
 
-from shared.model import PRESETS
-from shared.tokenizer import train_bpe
 from services.trainer.data import BUNDLED_CORPUS
 from services.trainer.documents import iter_documents
+from shared.model import PRESETS
+from shared.tokenizer import train_bpe
 
 
 def main(argv: list[str] | None = None) -> int:

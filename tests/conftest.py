@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from shared.config import StageServerSettings
 from services.stage_server.app import create_app
+from shared.config import StageServerSettings
 from shared.wiring import ReplicaBalancer
 
 

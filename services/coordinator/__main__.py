@@ -6,10 +6,10 @@ import sys
 
 from aiohttp import web
 
+from services.coordinator.app import create_app
 from shared.config import CoordinatorSettings, parse_settings
 from shared.http import server_ssl_context
 from shared.log import configure_logging
-from services.coordinator.app import create_app
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,19 +9,12 @@ import sqlite3
 import aiohttp
 from aiohttp import web
 
-from shared import checkpoint, package_version
-from shared.errors import BadPayload, Overloaded, RemoteError
-from shared.config import CoordinatorSettings, advertised_url
-from shared.auth import OPEN_PATHS
-from shared.http import auth_middlewares, error_middleware, post_message, request_log_middleware, swarm_session
-from shared.log import get_logger
-from shared.metrics import Metrics, add_metrics_route, metrics_middleware
 from services.coordinator.assignment import Rebalancer
 from services.coordinator.averaging import AveragingScheduler
 from services.coordinator.checkpointer import Checkpointer
 from services.coordinator.completions import add_completion_routes, openai_middleware, outside_api
 from services.coordinator.dashboard import EventRecorder, RecentEvents
-from services.coordinator.dashboard_routes import EVENTS, PROGRESS, add_dashboard_routes, DASHBOARD_PATHS
+from services.coordinator.dashboard_routes import DASHBOARD_PATHS, EVENTS, PROGRESS, add_dashboard_routes
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.placement import TopologyRebalancer, placement_inputs, split_moves, uses_topology
 from services.coordinator.registry import RegisteredServer, Registry, ServerReport
@@ -37,6 +30,13 @@ from services.coordinator.routes import (
     read_json,
 )
 from services.coordinator.steps import StepScheduler, check_report
+from shared import checkpoint, package_version
+from shared.auth import OPEN_PATHS
+from shared.config import CoordinatorSettings, advertised_url
+from shared.errors import BadPayload, Overloaded, RemoteError
+from shared.http import auth_middlewares, error_middleware, post_message, request_log_middleware, swarm_session
+from shared.log import get_logger
+from shared.metrics import Metrics, add_metrics_route, metrics_middleware
 
 
 def build_registry(settings: CoordinatorSettings) -> Registry:

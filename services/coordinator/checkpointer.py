@@ -20,11 +20,10 @@ from pathlib import Path
 
 import aiohttp
 
+from services.coordinator.registry import Registry
 from shared import checkpoint
 from shared.errors import BadPayload, RemoteError
 from shared.http import OCTET_STREAM, from_any_replica, request_bytes
-from services.coordinator.registry import Registry
-
 
 ALIGN_ATTEMPTS = 3  # downloads of every stage until all are at one step
 

@@ -63,6 +63,8 @@ from typing import AsyncIterator, Callable
 import aiohttp
 from aiohttp import web
 
+from services.coordinator.openai_format import OpenAIError, ReplyFormat, event, parse_request, sampling_params, usage
+from services.coordinator.routes import LOG, MAX_BODY_BYTES, SETTINGS, swarm_view
 from shared.config import CoordinatorSettings
 from shared.errors import RemoteError, SwarmError
 from shared.hf import is_hf_dir
@@ -71,8 +73,6 @@ from shared.inference import SamplingParams, SessionFailed, SwarmSession, TextSt
 from shared.model import ModelConfig, config_from_dict
 from shared.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from shared.wiring import ReplicaBalancer
-from services.coordinator.openai_format import OpenAIError, ReplyFormat, event, parse_request, sampling_params, usage
-from services.coordinator.routes import LOG, MAX_BODY_BYTES, SETTINGS, swarm_view
 
 API_PREFIX = "/v1/"
 OWNER = "swarm-mesh"

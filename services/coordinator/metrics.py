@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from shared.metrics import Metrics, counter, gauge
 from services.coordinator.dashboard import RecentEvents, TrainingProgress, weakest_stage
 from services.coordinator.registry import Registry
+from shared.metrics import Metrics, counter, gauge
 
 
 class CoordinatorMetrics:

@@ -37,12 +37,12 @@ import json
 import structlog
 from aiohttp import web
 
-from shared.config import CoordinatorSettings
-from shared.errors import BadPayload, SwarmError
-from shared.http import read_body
 from services.coordinator.placement import Joiner, placement_inputs, stage_for_joiner, uses_topology
 from services.coordinator.registry import Registry, check_region, check_report, check_rtt
 from services.coordinator.steps import StepScheduler
+from shared.config import CoordinatorSettings
+from shared.errors import BadPayload, SwarmError
+from shared.http import read_body
 
 SETTINGS = web.AppKey("settings", CoordinatorSettings)
 REGISTRY = web.AppKey("registry", Registry)

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from shared.errors import BadPayload, Overloaded, SwarmError
 from services.coordinator.averaging import StageRound, start_round, wait_round_ended
+from shared.errors import BadPayload, Overloaded, SwarmError
 
 STARTING = "<starting>"  # round_id while a round's start messages are on their way
 CHECK_EVERY_S = 0.5  # how often stalled steps are looked for

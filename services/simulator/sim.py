@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.wiring import NoReplica, ReplicaBalancer
+from services.coordinator.placement import PlacementInputs, TopologyRebalancer, split_moves
 from shared.topology.cost import Workload, butterfly_time
 from shared.topology.network import Network, Peer, world_network
 from shared.topology.planner import place_joiners
-from services.coordinator.placement import PlacementInputs, TopologyRebalancer, split_moves
+from shared.wiring import NoReplica, ReplicaBalancer
 
 BACKWARD_COST = 2.5  # backward (with the forward recomputed) over forward, as the balancer assumes
 MODES = ("swarm", "fixed")

@@ -16,14 +16,14 @@ import sys
 import torch
 from aiohttp import web
 
-from shared.config import StageServerSettings, parse_settings
-from shared.http import server_ssl_context, swarm_session
-from shared.log import configure_logging, get_logger
 from services.stage_server.app import create_app
-from services.stage_server.routes import MOVE
-from shared.errors import RemoteError
 from services.stage_server.latency import probe_swarm
 from services.stage_server.membership import assign_stage
+from services.stage_server.routes import MOVE
+from shared.config import StageServerSettings, parse_settings
+from shared.errors import RemoteError
+from shared.http import server_ssl_context, swarm_session
+from shared.log import configure_logging, get_logger
 
 
 async def resolve(settings: StageServerSettings, log) -> StageServerSettings:

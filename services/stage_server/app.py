@@ -6,9 +6,24 @@ import asyncio
 
 from aiohttp import web
 
+from services.stage_server.averaging_routes import AVERAGER, add_averaging_routes
+from services.stage_server.chain import add_chain_routes
+from services.stage_server.latency import LatencyProbe
+from services.stage_server.local_sync import OuterConfig
+from services.stage_server.membership import Membership
+from services.stage_server.memory import check_stage_memory
+from services.stage_server.metrics import STAGE_METRICS, StageMetrics
+from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, STEPPER, WORKER, MoveOrder, add_routes
+from services.stage_server.runtime import OptimizerConfig, StageRuntime
+from services.stage_server.sessions import add_session_routes
+from services.stage_server.state import load_stage_state
+from services.stage_server.state_routes import add_state_routes, download_state
+from services.stage_server.stepping import StepClient
+from services.stage_server.worker import ComputeWorker
 from shared import checkpoint, codec, package_version
-from shared.errors import RemoteError
 from shared.config import StageServerSettings, advertised_url
+from shared.errors import RemoteError
+from shared.hf import load_stage_from_hf
 from shared.http import (
     auth_middlewares,
     error_middleware,
@@ -18,24 +33,9 @@ from shared.http import (
     request_log_middleware,
     swarm_session,
 )
-from shared.hf import load_stage_from_hf
 from shared.log import get_logger
 from shared.metrics import Metrics, add_metrics_route, metrics_middleware
 from shared.model import PRESETS, partition
-from services.stage_server.averaging_routes import AVERAGER, add_averaging_routes
-from services.stage_server.latency import LatencyProbe
-from services.stage_server.local_sync import OuterConfig
-from services.stage_server.membership import Membership
-from services.stage_server.memory import check_stage_memory
-from services.stage_server.metrics import STAGE_METRICS, StageMetrics
-from services.stage_server.chain import add_chain_routes
-from services.stage_server.sessions import add_session_routes
-from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, STEPPER, WORKER, MoveOrder, add_routes
-from services.stage_server.runtime import OptimizerConfig, StageRuntime
-from services.stage_server.state import load_stage_state
-from services.stage_server.state_routes import add_state_routes, download_state
-from services.stage_server.stepping import StepClient
-from services.stage_server.worker import ComputeWorker
 
 MEMBERSHIP = web.AppKey("membership", Membership)
 

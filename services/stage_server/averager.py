@@ -15,16 +15,13 @@ from typing import Any
 
 import torch
 
-from services.stage_server.runtime import Accumulated
-from shared.codec import encode_tensor, pack_message
-from shared.errors import BadPayload, RemoteError, SwarmError
 from services.stage_server.averaging import (
+    EPSILON_WEIGHT,
     FETCH_BY,
     REDUCE_AT,
     RETRY_FETCH_BY,
     RETRY_REDUCE_AT,
     RETRY_SEP,
-    EPSILON_WEIGHT,
     START_WAIT_S,
     AveragingRound,
     PartMessage,
@@ -33,14 +30,17 @@ from services.stage_server.averaging import (
     RoundSpec,
     Transport,
     _off_loop,
-    backup_reducer,
     apply_average,
+    backup_reducer,
     byzantine_values,
     parse_reduced,
     retry_round_id,
     sample_weight,
     snapshot,
 )
+from services.stage_server.runtime import Accumulated
+from shared.codec import encode_tensor, pack_message
+from shared.errors import BadPayload, RemoteError, SwarmError
 
 
 class Averager:

@@ -25,9 +25,6 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from shared.errors import BadPayload, WrongStage
-from shared.http import MSGPACK, msgpack_response, post_message, read_message, swarm_session
-from shared.log import get_logger
 from services.stage_server.averager import Averager
 from services.stage_server.averaging import (
     OFF_LOOP_VALUES,
@@ -38,6 +35,9 @@ from services.stage_server.averaging import (
     parse_part_request,
 )
 from services.stage_server.routes import RUNTIME, SETTINGS, WORKER
+from shared.errors import BadPayload, WrongStage
+from shared.http import MSGPACK, msgpack_response, post_message, read_message, swarm_session
+from shared.log import get_logger
 
 AVERAGER = web.AppKey("averager", Averager)
 

@@ -60,10 +60,6 @@ import time
 
 from aiohttp import web
 
-from shared.codec import decode_tensor
-from shared.config import StageServerSettings
-from shared.errors import BadPayload, Overloaded, RemoteError, SwarmError, WrongStage
-from shared.http import MICROBATCH_HEADER, post_message, read_message, swarm_session
 from services.stage_server.metrics import STAGE_METRICS
 from services.stage_server.routes import (
     RUNTIME,
@@ -74,6 +70,10 @@ from services.stage_server.routes import (
     run_backward,
     run_forward,
 )
+from shared.codec import decode_tensor
+from shared.config import StageServerSettings
+from shared.errors import BadPayload, Overloaded, RemoteError, SwarmError, WrongStage
+from shared.http import MICROBATCH_HEADER, post_message, read_message, swarm_session
 
 MAX_ALTERNATES = 8  # replicas per stage in a route, the preferred one included
 MAX_URL_LEN = 512

@@ -39,15 +39,15 @@ from typing import Callable
 import torch
 from aiohttp import web
 
+from services.stage_server.metrics import STAGE_METRICS
+from services.stage_server.runtime import NO_BUCKET, StageRuntime
+from services.stage_server.stepping import StepClient
+from services.stage_server.worker import ComputeWorker
 from shared import WIRE_VERSION, package_version
 from shared.codec import FLOAT_CODECS, decode_tensor, encode_tensor
 from shared.config import StageServerSettings
 from shared.errors import BadPayload, WrongStage
 from shared.http import MSGPACK, msgpack_response, read_message
-from services.stage_server.metrics import STAGE_METRICS
-from services.stage_server.runtime import NO_BUCKET, StageRuntime
-from services.stage_server.stepping import StepClient
-from services.stage_server.worker import ComputeWorker
 
 
 @dataclass

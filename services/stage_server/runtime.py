@@ -37,7 +37,6 @@ from services.stage_server.local_sync import OuterConfig, OuterOptimizer
 from shared.errors import BadPayload, SwarmError
 from shared.model import ModelConfig, build_stage
 
-
 LR_SCHEDULES = ("constant", "cosine")
 NO_BUCKET = -1  # backward(bucket=NO_BUCKET): the input gradient only, nothing accumulated
 DEDUP_STEPS = 16  # a microbatch accumulated in one of this many last steps is not accumulated again (a re-run, a retry)

@@ -50,13 +50,13 @@ from typing import Callable
 import torch
 from aiohttp import web
 
+from services.stage_server.routes import RUNTIME, SESSIONS, SETTINGS, WORKER, check_stage_and_run
+from services.stage_server.runtime import StageRuntime
 from shared.codec import FLOAT_CODECS, decode_tensor, encode_tensor
 from shared.config import StageServerSettings
 from shared.errors import BadPayload, Overloaded, SwarmError
 from shared.http import msgpack_response, read_message
 from shared.kv_cache import KVCache, kv_cache_bytes
-from services.stage_server.routes import RUNTIME, SESSIONS, SETTINGS, WORKER, check_stage_and_run
-from services.stage_server.runtime import StageRuntime
 
 MAX_SESSION_ID_LEN = 128
 

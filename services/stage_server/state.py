@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from services.stage_server.runtime import StageRuntime
 from shared.checkpoint import OPTIM_PREFIX, state_from_bytes, state_to_bytes
 from shared.errors import BadPayload, WrongStage
 from shared.model import config_from_dict
-from services.stage_server.runtime import StageRuntime
 
 __all__ = ["load_stage_state", "stage_state", "state_from_bytes", "state_to_bytes"]
 

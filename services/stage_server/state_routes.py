@@ -22,11 +22,11 @@ import aiohttp
 import torch
 from aiohttp import web
 
-from shared.errors import BadPayload, RemoteError
-from shared.http import OCTET_STREAM, read_body, request_bytes
 from services.stage_server.averaging_routes import AVERAGER
 from services.stage_server.routes import RUNTIME, SETTINGS, WORKER
 from services.stage_server.state import load_stage_state, stage_state, state_from_bytes, state_to_bytes
+from shared.errors import BadPayload, RemoteError
+from shared.http import OCTET_STREAM, read_body, request_bytes
 
 
 async def get_state(request: web.Request) -> web.Response:

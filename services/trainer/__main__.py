@@ -15,17 +15,17 @@ from pathlib import Path
 
 import aiohttp
 
-from shared.config import TrainerSettings, parse_settings
-from shared.discovery import find_coordinator
-from shared.http import swarm_session
-from shared.log import configure_logging, get_logger
-from shared.retry import RetryPolicy
 from services.trainer.data import make_batcher
 from services.trainer.pipeline import HopTimeouts, PipelineClient
 from services.trainer.progress import ProgressDisplay, choose_display
 from services.trainer.swarm_view import SwarmView
 from services.trainer.telemetry import TrainerTelemetry
 from services.trainer.trainer import Trainer, summary_json
+from shared.config import TrainerSettings, parse_settings
+from shared.discovery import find_coordinator
+from shared.http import swarm_session
+from shared.log import configure_logging, get_logger
+from shared.retry import RetryPolicy
 from shared.wiring import ReplicaBalancer
 
 READY_WAIT_S = 60.0

@@ -44,13 +44,12 @@ from typing import Any, Awaitable, Callable
 
 import aiohttp
 
+from services.trainer.data import Microbatch
 from shared.codec import encode_tensor, pack_message
 from shared.errors import RemoteError
 from shared.http import MICROBATCH_HEADER, post_message
 from shared.retry import RetryPolicy
-from services.trainer.data import Microbatch
 from shared.wiring import NoReplica, ReplicaBalancer
-
 
 MAX_RERUNS = 8  # times a microbatch runs again from the start after a stale backward or a broken chain
 CHAIN_ALTERNATES = 2  # replicas per later stage a chain may fall back on, besides its choice

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from shared.errors import RemoteError
-from shared.http import post_message
-from shared.codec import encode_tensor
-from shared.retry import RetryPolicy
 from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import HopTimeouts, PipelineClient
+from shared.codec import encode_tensor
+from shared.errors import RemoteError
+from shared.http import post_message
+from shared.retry import RetryPolicy
 from tests.conftest import balancer_for, stage_settings
 
 

@@ -20,14 +20,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from shared.auth import NONCE, SIGNATURE, TIMESTAMP, sign_headers
-from shared.codec import encode_tensor, pack_message
-from shared.config import CoordinatorSettings, StageServerSettings
-from shared.http import server_ssl_context, swarm_session
 from services.coordinator.app import create_app as create_coordinator
 from services.coordinator.routes import REGISTRY
 from services.stage_server.app import create_app
 from services.stage_server.routes import RUNTIME
+from shared.auth import NONCE, SIGNATURE, TIMESTAMP, sign_headers
+from shared.codec import encode_tensor, pack_message
+from shared.config import CoordinatorSettings, StageServerSettings
+from shared.http import server_ssl_context, swarm_session
 from tests.conftest import stage_settings
 
 SECRET = "a-test-secret-of-the-swarm-0123456789"

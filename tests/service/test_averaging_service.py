@@ -17,17 +17,16 @@ import asyncio
 import math
 
 import aiohttp
-
 import pytest
 import torch
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from shared.codec import decode_tensor, encode_tensor, pack_message, unpack_message
 from services.coordinator.averaging import start_round
 from services.stage_server.app import create_app
 from services.stage_server.averaging import flat_parameters, split_bounds
 from services.stage_server.routes import RUNTIME, WORKER
+from shared.codec import decode_tensor, encode_tensor, pack_message, unpack_message
 from tests.conftest import stage_settings
 
 STAGE = 1
@@ -373,8 +372,8 @@ async def test_the_coordinator_runs_rounds_and_its_metrics_show_it_moves_no_tens
     """The coordinator's own averaging loop starts rounds among registered replicas; its
     /health traffic shows a few hundred bytes of control messages against the members'
     megabyte each."""
-    from shared.config import CoordinatorSettings
     from services.coordinator.app import create_app as create_coordinator
+    from shared.config import CoordinatorSettings
 
     _, _, urls = await replicas(serve, [1, 2, 3], [10, 20, 30])
     settings = CoordinatorSettings(
@@ -420,8 +419,8 @@ async def test_post_average_runs_a_pass_now_and_answers_when_it_ended(serve, htt
     """``POST /average`` (what a trainer asks before its final evaluation): with periodic
     averaging off, the coordinator runs one round per stage with 2+ replicas and answers
     once the members report it ended; the replicas then hold the weighted mean."""
-    from shared.config import CoordinatorSettings
     from services.coordinator.app import create_app as create_coordinator
+    from shared.config import CoordinatorSettings
 
     samples = [10, 30]
     apps, _, urls = await replicas(serve, [7, 8], samples)

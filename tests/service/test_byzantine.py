@@ -20,13 +20,13 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from shared.config import CoordinatorSettings
 from services.coordinator.app import create_app as create_coordinator
 from services.local_swarm import free_port
 from services.stage_server.app import MEMBERSHIP, create_app
 from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import PipelineClient
+from shared.config import CoordinatorSettings
 from tests.conftest import balancer_for, stage_settings
 
 ROUNDS = 4

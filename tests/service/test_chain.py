@@ -6,18 +6,17 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-
 import pytest
 import torch
 
-from shared.codec import encode_tensor
-from shared.errors import RemoteError
-from shared.http import post_message
-from shared.retry import RetryPolicy
 from services.local_swarm import free_port
 from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import MicrobatchFailed, PipelineClient
+from shared.codec import encode_tensor
+from shared.errors import RemoteError
+from shared.http import post_message
+from shared.retry import RetryPolicy
 from tests.conftest import balancer_for, stage_settings
 
 NUM_STAGES = 4

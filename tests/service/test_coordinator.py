@@ -13,11 +13,11 @@ import json
 import pytest
 from structlog.testing import capture_logs
 
-from shared.config import CoordinatorSettings
 from services.coordinator.__main__ import main
 from services.coordinator.app import build_registry, create_app, expire_leases
 from services.coordinator.registry import Registry, ServerReport
 from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY
+from shared.config import CoordinatorSettings
 
 RUN_ID = "test-run"
 HEARTBEAT_S, LEASE_S = 2.0, 6.0

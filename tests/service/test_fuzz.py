@@ -23,13 +23,13 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.codec import encode_tensor
-from shared.config import CoordinatorSettings
 from services.coordinator.app import create_app as create_coordinator
 from services.coordinator.routes import REGISTRY
 from services.stage_server.app import create_app
 from services.stage_server.averaging import flat_parameters
 from services.stage_server.routes import RUNTIME
+from shared.codec import encode_tensor
+from shared.config import CoordinatorSettings
 from tests.conftest import stage_settings
 
 STAGE, NUM_STAGES, SEQ = 1, 4, 8

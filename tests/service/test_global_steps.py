@@ -23,13 +23,8 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from shared import checkpoint
-from shared.codec import encode_tensor
-from shared.config import CoordinatorSettings
-from shared.errors import RemoteError
-from shared.http import post_message
-from shared.model import PRESETS, build_gpt, build_stage
-from services.coordinator.app import STEPS, create_app as create_coordinator
+from services.coordinator.app import STEPS
+from services.coordinator.app import create_app as create_coordinator
 from services.coordinator.routes import TRAFFIC
 from services.local_swarm import free_port
 from services.stage_server.app import MEMBERSHIP, create_app
@@ -40,6 +35,12 @@ from services.stage_server.runtime import OptimizerConfig
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import PipelineClient
 from services.trainer.trainer import Trainer
+from shared import checkpoint
+from shared.codec import encode_tensor
+from shared.config import CoordinatorSettings
+from shared.errors import RemoteError
+from shared.http import post_message
+from shared.model import PRESETS, build_gpt, build_stage
 from tests.conftest import balancer_for, stage_settings
 
 RUN_ID = "test"

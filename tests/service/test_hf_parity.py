@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.codec import decode_tensor, encode_tensor
-from shared.hf import hf_name, read_hf_config
-from shared.http import post_message
 from services.stage_server.routes import RUNTIME
 from services.trainer.data import Microbatch
 from services.trainer.pipeline import PipelineClient
+from shared.codec import decode_tensor, encode_tensor
+from shared.hf import hf_name, read_hf_config
+from shared.http import post_message
 from tests.conftest import balancer_for, stage_settings
 from tests.hf_models import VOCAB, gpt2_config, llama_config, load_model, save_model_dir
 

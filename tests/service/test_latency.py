@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 from aiohttp.test_utils import TestServer
 
-from shared.config import CoordinatorSettings
-from shared.errors import BadPayload
 from services.coordinator.app import create_app as create_coordinator
 from services.coordinator.registry import Registry
 from services.stage_server.app import create_app
 from services.stage_server.latency import LatencyProbe, peers_to_probe
+from shared.config import CoordinatorSettings
+from shared.errors import BadPayload
 from tests.conftest import stage_settings
 
 

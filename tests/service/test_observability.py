@@ -17,16 +17,16 @@ from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from shared.config import CoordinatorSettings
-from shared.http import MICROBATCH_HEADER
-from shared.log import get_logger
-from shared.retry import RetryPolicy
 from services.coordinator.app import create_app as create_coordinator
 from services.local_swarm import free_port
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import HopTimeouts, PipelineClient
 from services.trainer.telemetry import TrainerTelemetry
 from services.trainer.trainer import Trainer
+from shared.config import CoordinatorSettings
+from shared.http import MICROBATCH_HEADER
+from shared.log import get_logger
+from shared.retry import RetryPolicy
 from tests.conftest import balancer_for, stage_settings
 
 RUN_ID = "test"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from shared.retry import RetryPolicy
 from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import HopTimeouts, MicrobatchFailed, PipelineClient
 from services.trainer.trainer import Trainer
+from shared.retry import RetryPolicy
 from tests.conftest import balancer_for, stage_settings
 
 NUM_STAGES = 4

@@ -13,9 +13,9 @@ import asyncio
 
 from aiohttp import web
 
+from services.coordinator.app import create_app
 from shared.config import CoordinatorSettings
 from shared.http import msgpack_response, read_message
-from services.coordinator.app import create_app
 
 RUN_ID = "placement-run"
 CLUSTER = {"a": 0, "b": 0, "c": 1, "d": 1}

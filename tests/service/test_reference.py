@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.codec import decode_tensor, encode_tensor
-from shared.http import post_message
-from shared.model import PRESETS, build_gpt
 from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import PipelineClient
+from shared.codec import decode_tensor, encode_tensor
+from shared.http import post_message
+from shared.model import PRESETS, build_gpt
 from tests.conftest import balancer_for, stage_settings
 
 NUM_STAGES = 4

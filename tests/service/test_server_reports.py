@@ -5,18 +5,17 @@ with ``--stage auto`` measures before it asks for a stage."""
 
 from __future__ import annotations
 
-
 import torch
 from aiohttp.test_utils import TestServer
 
-from shared.codec import encode_tensor, pack_message
-from shared.config import CoordinatorSettings
 from services.coordinator.app import create_app as create_coordinator
 from services.coordinator.routes import REGISTRY
 from services.stage_server.app import create_app
 from services.stage_server.latency import probe_swarm, spread_over_stages
 from services.stage_server.metrics import STAGE_METRICS
 from services.stage_server.routes import RUNTIME
+from shared.codec import encode_tensor, pack_message
+from shared.config import CoordinatorSettings
 from tests.conftest import stage_settings, until
 
 MSGPACK = {"Content-Type": "application/msgpack"}

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.stage_server.routes import RUNTIME, SESSIONS
+from services.stage_server.sessions import SessionStore
 from shared.codec import encode_tensor
 from shared.errors import RemoteError
 from shared.http import post_message
 from shared.inference import LocalSession, SamplingParams, SwarmSession, generate
 from shared.model import build_model, config_from_preset
-from services.stage_server.routes import RUNTIME, SESSIONS
-from services.stage_server.sessions import SessionStore
 from tests.conftest import balancer_for, stage_settings
 
 PROMPT = [ord(c) for c in "ROMEO:\nBut soft"]

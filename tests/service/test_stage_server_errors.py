@@ -16,11 +16,11 @@ import msgpack
 import pytest
 import torch
 
+from services.stage_server.app import create_app
+from services.stage_server.routes import RUNTIME
 from shared import WIRE_VERSION
 from shared.codec import decode_tensor, encode_tensor, pack_message, unpack_message
 from shared.config import StageServerSettings
-from services.stage_server.app import create_app
-from services.stage_server.routes import RUNTIME
 
 MSGPACK = "application/msgpack"
 RUN_ID = "test-run"

@@ -16,15 +16,15 @@ import aiohttp
 import pytest
 import torch
 
-from shared.codec import decode_tensor, encode_tensor
-from shared.errors import RemoteError
-from shared.http import post_message
-from shared.model import PRESETS
 from services.coordinator.checkpointer import Checkpointer
 from services.coordinator.registry import Registry
 from services.stage_server.routes import RUNTIME, WORKER
 from services.stage_server.state import stage_state
 from services.stage_server.state_routes import OCTET_STREAM, download_state
+from shared.codec import decode_tensor, encode_tensor
+from shared.errors import RemoteError
+from shared.http import post_message
+from shared.model import PRESETS
 from tests.conftest import stage_settings
 
 STAGE, D_MODEL = 1, PRESETS["tiny"].d_model

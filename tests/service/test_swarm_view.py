@@ -6,9 +6,9 @@ import random
 
 from aiohttp.test_utils import TestServer
 
-from shared.config import CoordinatorSettings
 from services.coordinator.app import create_app
 from services.trainer.swarm_view import SwarmView
+from shared.config import CoordinatorSettings
 from shared.wiring import ReplicaBalancer
 
 

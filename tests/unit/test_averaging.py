@@ -10,17 +10,14 @@ import itertools
 import pytest
 import torch
 
-from shared.codec import unpack_message
-from shared.errors import BadPayload, WrongStage
-from shared.model import PRESETS
 from services.stage_server.averaging import (
-    apply_average,
     EPSILON_WEIGHT,
     AveragingRound,
     PartMessage,
     PartReducer,
     RoundConflict,
     RoundSpec,
+    apply_average,
     backup_reducer,
     centered_clip,
     flat_parameters,
@@ -34,6 +31,9 @@ from services.stage_server.averaging import (
     weighted_mean,
 )
 from services.stage_server.runtime import StageRuntime
+from shared.codec import unpack_message
+from shared.errors import BadPayload, WrongStage
+from shared.model import PRESETS
 
 
 @pytest.mark.parametrize("n, k", [(10, 3), (9, 3), (2, 5), (0, 2), (7, 1), (198272, 7)])

@@ -11,15 +11,15 @@ import pytest
 import safetensors.torch
 import torch
 
-from shared import checkpoint
-from shared.checkpoint import OPTIM_PREFIX
-from shared.errors import BadPayload, WrongStage
-from shared.model import PRESETS, build_gpt
 from services import cli
 from services.export import load_exported
 from services.export import main as export_main
 from services.stage_server.runtime import OptimizerConfig, StageRuntime
 from services.stage_server.state import load_stage_state, stage_state, state_from_bytes, state_to_bytes
+from shared import checkpoint
+from shared.checkpoint import OPTIM_PREFIX
+from shared.errors import BadPayload, WrongStage
+from shared.model import PRESETS, build_gpt
 
 CFG = PRESETS["tiny"]
 NUM_STAGES = 4

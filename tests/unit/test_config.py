@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from services.cli import main as cli_main
 from shared.config import (
     CommonSettings,
     ModelSettings,
@@ -15,7 +16,6 @@ from shared.config import (
     parse_settings,
     unknown_swarm_variables,
 )
-from services.cli import main as cli_main
 
 
 @pytest.fixture(autouse=True)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 from structlog.testing import capture_logs
 
-from shared.errors import BadPayload
-from shared.log import get_logger
 from services.coordinator.dashboard import (
     EventRecorder,
     RecentEvents,
@@ -15,6 +13,8 @@ from services.coordinator.dashboard import (
     replica_health,
     weakest_stage,
 )
+from shared.errors import BadPayload
+from shared.log import get_logger
 
 
 class Clock:

@@ -9,8 +9,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from shared.config import CoordinatorSettings
-from shared.topology import INTRA_REGION, Peer, Replan, StageMove, Workload, plan, placement_cost, world_network
 from services.coordinator.placement import (
     GB,
     Joiner,
@@ -22,6 +20,8 @@ from services.coordinator.placement import (
     uses_topology,
 )
 from services.coordinator.registry import ServerReport
+from shared.config import CoordinatorSettings
+from shared.topology import INTRA_REGION, Peer, Replan, StageMove, Workload, placement_cost, plan, world_network
 
 MIN_GAIN = CoordinatorSettings.model_fields["placement_min_gain"].default  # what the coordinator runs with
 MAX_MOVES = CoordinatorSettings.model_fields["placement_max_moves"].default

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from shared.errors import BadPayload, Overloaded
 from services.coordinator.registry import Registry, RegistryFull, StageOutOfRange, UnknownServer
+from shared.errors import BadPayload, Overloaded
 
 HEARTBEAT_S = 2.0
 LEASE_S = 3 * HEARTBEAT_S

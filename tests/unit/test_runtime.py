@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from services.stage_server.runtime import Accumulated, OptimizerConfig, StageRuntime, StaleForward
 from shared.errors import BadPayload
 from shared.model import PRESETS
-from services.stage_server.runtime import Accumulated, OptimizerConfig, StageRuntime, StaleForward
 
 CFG = PRESETS["tiny"]
 

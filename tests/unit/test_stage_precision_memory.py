@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.config import StageServerSettings
-from shared.model import PRESETS, partition
 from services.stage_server.app import build_runtime
 from services.stage_server.memory import BYTES_PER_PARAMETER, check_stage_memory, free_memory_bytes, stage_parameters
 from services.stage_server.runtime import OptimizerConfig, StageRuntime
+from shared.config import StageServerSettings
+from shared.model import PRESETS, partition
 
 GiB = 2**30
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from shared.config import TrainerSettings
-from shared.model import PRESETS
-from shared.tokenizer import ByteTokenizer, train_bpe
 from services.trainer.data import ByteBatcher, make_batcher
 from services.trainer.documents import data_files, iter_documents
 from services.trainer.token_cache import TokenBatcher, open_token_cache
+from shared.config import TrainerSettings
+from shared.model import PRESETS
+from shared.tokenizer import ByteTokenizer, train_bpe
 
 DOCS = [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1) for i in range(300)]
 

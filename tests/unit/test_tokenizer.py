@@ -6,9 +6,9 @@ import gzip
 
 import pytest
 
+from services.trainer.data import BUNDLED_CORPUS
 from shared.model import PRESETS
 from shared.tokenizer import EOS_TOKEN, ByteTokenizer, HFTokenizer, load_tokenizer, save_tokenizer, train_bpe
-from services.trainer.data import BUNDLED_CORPUS
 
 SAMPLE = gzip.decompress(BUNDLED_CORPUS.read_bytes())[:200_000].decode()
 TEXT = "Now is the winter of our discontent\nMade glorious summer by this sun of York; ünïcödé ✓\n\n  spaces  "

@@ -11,12 +11,11 @@ import random
 import pytest
 import torch
 
+from services.trainer.data import ByteBatcher
+from services.trainer.pipeline import MicrobatchFailed, TrainResult
+from services.trainer.trainer import StepLosses, Trainer, summary_json
 from shared.errors import RemoteError
 from shared.retry import RetryPolicy
-from services.trainer.data import ByteBatcher
-from services.trainer.pipeline import MicrobatchFailed
-from services.trainer.pipeline import TrainResult
-from services.trainer.trainer import StepLosses, Trainer, summary_json
 
 # --- StepLosses ----------------------------------------------------------------------
 

@@ -142,7 +142,9 @@ class StepCounter:
     ) -> Reservation:
         """The step a microbatch of ``samples`` gets, or None: the replica must resync
         (``resync``), the trainer's run ends before that step (``complete``: its ``until_step``
-        steps are all reserved), or the stage is a whole step ahead already (wait for it to step).
+        steps are all reserved and accumulated), or the stage is a whole step ahead already, or
+        the run's last step still has reservations out (wait: one given back opens that step
+        again, and a backward told ``complete`` meanwhile would leave it short for good).
         ``live`` (the stage's registered replicas) and ``reported`` (URL -> the step of their
         registration or heartbeat): a replica behind its stage when none of them, nor any that
         reported within the lease, holds the stage's step is told to catch up instead."""
@@ -160,6 +162,8 @@ class StepCounter:
         if k is None:
             return Reservation(None)  # a whole step ahead already: wait
         if until_step is not None and k >= until_step:
+            if any(st.reserved.get(j, 0) > st.done.get(j, 0) for j in open_steps if j < until_step):
+                return Reservation(None)  # the run's last steps have reservations out, which may come back: wait
             return Reservation(None, complete=True)
         st.reserved[k] = st.reserved.get(k, 0) + samples
         by_url = st.outstanding.setdefault(k, {})

@@ -121,10 +121,33 @@ def test_a_round_nobody_completed_is_tried_again_later_with_nothing_lost():
 
 def test_the_last_step_of_a_run_and_the_replicas_after_a_coordinator_restart():
     c, _ = counter()
-    assert c.reserve(0, A, 0, 8, G, until_step=1).closes
+    closing = c.reserve(0, A, 0, 8, G, until_step=1)
+    assert closing.closes
+    held = c.reserve(0, A, 0, 8, G, until_step=1)
+    assert held.bucket is None and not held.complete  # step 0's reservation is still out: wait
+    c.done(0, A, 0, closing.bucket, 8, 8, G)
     assert c.reserve(0, A, 0, 8, G, until_step=1).complete  # step 1 is past the run's end
     fresh, _ = counter()  # a restarted coordinator learns the step from the replicas
     assert fresh.reserve(1, A, 7, 4, G).bucket == 7 and fresh.stages[1].step == 7
+
+
+def test_a_run_s_last_step_given_back_is_filled_again_not_left_short():
+    """Found in CI: the reservation that closed a run's last step was a duplicate backward (a
+    re-run microbatch) and gave its samples back after another backward had been told the run
+    was complete; the stage never took its last step. Now that backward waits and fills it."""
+    c, _ = counter()
+    first = c.reserve(0, A, 0, 4, G, until_step=1)
+    duplicate = c.reserve(0, B, 0, 4, G, until_step=1)
+    assert duplicate.closes
+    c.done(0, A, 0, first.bucket, 4, 4, G)
+    waiting = c.reserve(0, A, 0, 4, G, until_step=1)
+    assert waiting.bucket is None and not waiting.complete
+    c.done(0, B, 0, duplicate.bucket, 4, 0, G)  # already accumulated: 0 samples, the reservation goes back
+    assert not c.ready(0)
+    again = c.reserve(0, A, 0, 4, G, until_step=1)
+    assert again.bucket == 0 and again.closes
+    c.done(0, A, 0, again.bucket, 4, 4, G)
+    assert c.ready(0) and c.stages[0].done[0] == G
 
 
 def test_replicas_must_agree_on_the_global_batch():

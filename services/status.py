@@ -14,13 +14,15 @@ import sys
 import urllib.error
 import urllib.request
 
+from shared.policy.throughput import weakest
+
 
 def render(view: dict) -> str:
     """A readable table of GET /swarm: stages with their global step (and the samples
     accumulated of the next global batch), their replicas, throughput and lease age."""
     stages = view["stages"]
-    capacities = [s["capacity"] for s in stages]
-    weakest = capacities.index(min(capacities)) if stages else -1
+    weakest_index = weakest([s["capacity"] for s in stages], [len(s["replicas"]) for s in stages])
+    weakest_stage = -1 if weakest_index is None else stages[weakest_index]["stage"]
     lines = [
         f"run {view.get('run_id', '?')}: {len(stages)} stages, {sum(len(s['replicas']) for s in stages)} replicas, "
         f"heartbeat {view['heartbeat_s']:g} s, lease {view['lease_s']:g} s",
@@ -28,15 +30,17 @@ def render(view: dict) -> str:
         f"{'stage':>5}  {'replicas':>8}  {'capacity':>12}  {'global step':>11}  {'next batch':>12}  {'dropped':>7}",
     ]
     for s in stages:
-        mark = "  <- weakest" if s["stage"] == weakest and len(stages) > 1 else ""
+        mark = "  <- weakest" if s["stage"] == weakest_stage and len(stages) > 1 else ""
         step = s.get("step") or {}
         batch = f"{step.get('accumulated', 0)}/{step.get('global_batch', 0)}" if step.get("global_batch") else "-"
         lines.append(
-            f"{s['stage']:>5}  {len(s['replicas']):>8}  {s['capacity']:>10.1f}/s  {step.get('step', '-'):>11}  {batch:>12}  {step.get('samples_dropped', 0):>7}{mark}"
+            f"{s['stage']:>5}  {len(s['replicas']):>8}  {s['capacity']:>10.1f}/s  {step.get('step', '-'):>11}  "
+            f"{batch:>12}  {step.get('samples_dropped', 0):>7}{mark}"
         )
         for r in s["replicas"]:
             lines.append(
-                f"{'':>7}{r['url']:<32} {r['server_id']:<20} {r['throughput']:>8.1f} samples/s  queue {r['queue_length']:>3}  lease age {r['lease_age_s']:>5.1f} s"
+                f"{'':>7}{r['url']:<32} {r['server_id']:<20} {r['throughput']:>8.1f} samples/s  "
+                f"queue {r['queue_length']:>3}  lease age {r['lease_age_s']:>5.1f} s"
             )
     return "\n".join(lines)
 

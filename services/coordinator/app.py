@@ -9,14 +9,13 @@ import sqlite3
 import aiohttp
 from aiohttp import web
 
-from services.coordinator.assignment import Rebalancer
+from services.coordinator.assignment import rebalancing_policy, swarm_view
 from services.coordinator.averaging import AveragingScheduler
 from services.coordinator.checkpointer import Checkpointer
 from services.coordinator.completions import add_completion_routes, openai_middleware, outside_api
 from services.coordinator.dashboard import EventRecorder, RecentEvents
 from services.coordinator.dashboard_routes import DASHBOARD_PATHS, EVENTS, PROGRESS, add_dashboard_routes
 from services.coordinator.metrics import CoordinatorMetrics
-from services.coordinator.placement import TopologyRebalancer, placement_inputs, split_moves, uses_topology
 from services.coordinator.registry import RegisteredServer, Registry, ServerReport
 from services.coordinator.routes import (
     LOG,
@@ -87,7 +86,8 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
         get_logger(service="coordinator", run=settings.run_id), RecentEvents()
     )  # its events feed the dashboard
     metrics = Metrics("coordinator", run_id=settings.run_id, version=package_version())
-    # /v1/ (the OpenAI-compatible API) answers in OpenAI's error shape and takes a bearer token instead of the swarm's signature
+    # /v1/ (the OpenAI-compatible API) answers in OpenAI's error shape and takes a bearer token
+    # instead of the swarm's signature
     signed = outside_api(auth_middlewares(settings, log, open_paths=OPEN_PATHS | DASHBOARD_PATHS))
     app = web.Application(
         client_max_size=MAX_BODY_BYTES,
@@ -208,7 +208,8 @@ async def average_now(request: web.Request) -> web.Response:
     """``POST /average``: once the step rounds running now have ended (a trainer asks before
     its final evaluation, which must see the run's last step applied), check that each
     stage's replicas are identical, repair those that drifted, and answer when the repairs
-    ended: {checks: [{stage, verdict, replicas, steps, digests}], rounds: [{stage, round_id, members, accepted, ended}]}."""
+    ended: {checks: [{stage, verdict, replicas, steps, digests}],
+    rounds: [{stage, round_id, members, accepted, ended}]}."""
     await request.app[STEPS].settled()
     scheduler = request.app[AVERAGING]
     rounds = await scheduler.average_now()
@@ -216,82 +217,56 @@ async def average_now(request: web.Request) -> web.Response:
 
 
 def _rebalancing(settings: CoordinatorSettings, log):
-    """Every ``rebalance_every_s``: the planner's moves (confirmed on consecutive checks), if
-    any, are ordered: each server drains, switches stage, loads that stage's state, rejoins.
+    """Every ``rebalance_every_s``: the policy's moves (``RebalancingPolicy.check``, confirmed
+    on consecutive checks), if any, are ordered: each server drains, switches stage, loads
+    that stage's state, rejoins.
 
     With topology placement (see ``placement.py``) the network cost model replans, moving
     a few servers at most; else the single move that raises the weakest stage's capacity."""
 
     async def loop(registry: Registry, session: aiohttp.ClientSession) -> None:
-        rebalancer = Rebalancer(min_gain=settings.rebalance_min_gain)
-        topology = TopologyRebalancer(
-            min_gain=settings.placement_min_gain,
-            max_moves_fraction=settings.placement_max_moves,
-            time_budget_s=settings.placement_budget_s,
-        )
+        policy = rebalancing_policy(settings)
         while True:
             await asyncio.sleep(settings.rebalance_every_s)
             live = registry.live()
             url_of = {s.server_id: s.url for s in live}
-            if uses_topology(settings.placement, registry.rtt_ms, registry.reports):
-                if any(s.throughput <= 0 for s in live):
-                    continue  # a server that has not measured its speed yet: wait for it
-                inputs = placement_inputs(
-                    live,
-                    registry.rtt_ms,
-                    registry.reports,
-                    num_stages=registry.num_stages,
-                    average_every_s=settings.average_every_s,
-                    averaging_codec=settings.averaging_codec,
-                    bandwidth_gbps=settings.placement_bandwidth_gbps,
-                )
-                try:
-                    result = await asyncio.to_thread(topology.check, inputs, registry.num_stages)
-                except (ValueError, KeyError) as exc:  # inputs the planner cannot work with: say so, keep the loop
-                    log.error("rebalance.failed", error=repr(exc), servers=len(live))
-                    continue
-                if result is None:
-                    continue
-                now, later = split_moves(inputs.current, result.moves)
+            view = swarm_view(registry, settings, live)
+            try:
+                moves = await asyncio.to_thread(policy.check, view)
+            except (ValueError, KeyError) as exc:  # inputs the planner cannot work with: say so, keep the loop
+                log.error("rebalance.failed", error=repr(exc), servers=len(view.replicas))
+                continue
+            if policy.replan is not None:
                 log.info(
                     "rebalance.replan",
-                    cost_before_s=round(result.cost_before_s, 4),
-                    cost_after_s=round(result.cost_after_s, 4),
-                    moves=len(now),
-                    deferred=len(later),
-                    servers=len(live),
+                    cost_before_s=round(policy.replan.cost_before_s, 4),
+                    cost_after_s=round(policy.replan.cost_after_s, 4),
+                    moves=len(moves),
+                    deferred=len(policy.deferred),
+                    servers=len(view.replicas),
                 )
-                for move in now:
-                    log.info(
-                        "rebalance.move",
-                        server_id=move.peer_id,
-                        replica=url_of[move.peer_id],
-                        from_stage=move.from_stage,
-                        to_stage=move.to_stage,
-                        placement="topology",
-                    )
-                await asyncio.gather(
-                    *(
-                        _order_move(session, settings, url_of[m.peer_id], m.peer_id, m.from_stage, m.to_stage, log)
-                        for m in now
-                    )
+            for move in moves:
+                figures = {"placement": "topology"}
+                if move.capacity_before is not None:
+                    figures = {
+                        "capacity_before": round(move.capacity_before, 1),
+                        "capacity_after": round(move.capacity_after, 1),
+                        "placement": "throughput",
+                    }
+                log.info(
+                    "rebalance.move",
+                    server_id=move.server_id,
+                    replica=url_of[move.server_id],
+                    from_stage=move.from_stage,
+                    to_stage=move.to_stage,
+                    **figures,
                 )
-                continue
-            move = rebalancer.check({s.server_id: (s.stage, s.throughput) for s in live}, registry.num_stages)
-            if move is None:
-                continue
-            url = url_of[move.server_id]
-            log.info(
-                "rebalance.move",
-                server_id=move.server_id,
-                replica=url,
-                from_stage=move.from_stage,
-                to_stage=move.to_stage,
-                capacity_before=round(move.capacity_before, 1),
-                capacity_after=round(move.capacity_after, 1),
-                placement="throughput",
+            await asyncio.gather(
+                *(
+                    _order_move(session, settings, url_of[m.server_id], m.server_id, m.from_stage, m.to_stage, log)
+                    for m in moves
+                )
             )
-            await _order_move(session, settings, url, move.server_id, move.from_stage, move.to_stage, log)
 
     return _background("rebalancing", lambda app, session: loop(app[REGISTRY], session))
 

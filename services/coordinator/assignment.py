@@ -1,178 +1,53 @@
-"""Which stage each replica serves: capacities, the best single move, and hysteresis.
+"""The coordinator's side of rebalancing: its registry seen as the policy's view, and the
+policy built from its settings.
 
-Pure logic, no I/O. A swarm runs at the speed of its weakest stage, whose capacity is
-the sum of its replicas' throughputs. ``replicas`` maps ``server_id -> (stage,
-throughput)``; a replica's throughput is taken to be the same on every stage (the
-partition balances the stages' work). See docs/architecture.md, "Rebalancing".
+The decisions themselves live in :mod:`shared.policy` (the weakest stage, the best
+single move, topology replans, confirmation on consecutive checks); the rebalancing loop
+in ``app.py`` calls :func:`swarm_view` and :meth:`RebalancingPolicy.check` each period
+and orders what comes back. Pure logic, no I/O.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-Replicas = Mapping[str, tuple[int, float]]
-
-
-def stage_capacities(replicas: Replicas, num_stages: int) -> list[float]:
-    """Sum of the replicas' throughputs per stage, stages ``0..num_stages-1`` in order.
-
-    Raises ``ValueError`` when a replica's stage is outside ``[0, num_stages)``.
-    """
-    capacity = [0.0] * num_stages
-    for server_id, (stage, throughput) in replicas.items():
-        if not 0 <= stage < num_stages:
-            raise ValueError(f"replica {server_id!r} is on stage {stage}, outside [0, {num_stages}) (num_stages)")
-        capacity[stage] += throughput
-    return capacity
+from services.coordinator.placement import placement_inputs, uses_topology
+from services.coordinator.registry import RegisteredServer, Registry
+from shared.config import CoordinatorSettings
+from shared.policy.rebalancing import RebalancingPolicy
+from shared.policy.throughput import ThroughputRebalancer
+from shared.policy.throughput import best_assignment as best_assignment  # bench/rebalancing.py imports it from here
+from shared.policy.topology import TopologyRebalancer
+from shared.policy.view import SwarmView
 
 
-def _replica_counts(replicas: Replicas, num_stages: int) -> list[int]:
-    counts = [0] * num_stages
-    for stage, _ in replicas.values():
-        counts[stage] += 1
-    return counts
+def rebalancing_policy(settings: CoordinatorSettings) -> RebalancingPolicy:
+    """The policy with the coordinator's settings: ``rebalance_min_gain`` for the throughput
+    rule, ``placement_min_gain``, ``placement_max_moves`` and ``placement_budget_s`` for the
+    topology rule; both confirm a move on two consecutive checks."""
+    return RebalancingPolicy(
+        throughput=ThroughputRebalancer(min_gain=settings.rebalance_min_gain),
+        topology=TopologyRebalancer(
+            min_gain=settings.placement_min_gain,
+            max_moves_fraction=settings.placement_max_moves,
+            time_budget_s=settings.placement_budget_s,
+        ),
+    )
 
 
-def weakest_stage(replicas: Replicas, num_stages: int) -> int:
-    """The stage a new server joins: least capacity, then fewest replicas, then lowest index.
-
-    The same rule as ``Registry.assign_stage``.
-    """
-    capacity = stage_capacities(replicas, num_stages)
-    counts = _replica_counts(replicas, num_stages)
-    return min(range(num_stages), key=lambda stage: (capacity[stage], counts[stage], stage))
-
-
-@dataclass(frozen=True)
-class Move:
-    """Move replica ``server_id`` from ``from_stage`` to ``to_stage``.
-
-    ``capacity_before`` and ``capacity_after`` are the swarm's minimum stage capacity
-    before and after the move.
-    """
-
-    server_id: str
-    from_stage: int
-    to_stage: int
-    capacity_before: float
-    capacity_after: float
-
-    @property
-    def gain(self) -> float:
-        """``capacity_after / capacity_before``; ``inf`` when before is 0 and after > 0 (1.0 when both are 0)."""
-        if self.capacity_before == 0:
-            return math.inf if self.capacity_after > 0 else 1.0
-        return self.capacity_after / self.capacity_before
-
-    def same_as(self, other: Move) -> bool:
-        """Whether both move the same replica between the same stages (capacities aside)."""
-        return (self.server_id, self.from_stage, self.to_stage) == (other.server_id, other.from_stage, other.to_stage)
-
-
-def plan_move(replicas: Replicas, num_stages: int) -> Move | None:
-    """The single move of one replica to another stage that raises the minimum capacity most.
-
-    Only a move into the weakest stage can raise the minimum, and only when that stage is
-    the unique weakest one (if two stages tie for weakest, one move leaves the other at
-    the minimum): so there is no move when the weakest stage is tied. A stage's last
-    replica never moves, so no stage is emptied. Returns ``None`` when no move raises the
-    minimum strictly.
-
-    Among the moves that raise it, the choice is deterministic: the largest minimum
-    capacity after the move; then the leximin-best capacities after it (the sorted
-    capacities compared weakest first, so that a tie leaves the other stages as strong as
-    possible and no new tie for weakest blocks the next move); then the smallest moved
-    throughput (the slowest replica that does the job); then the smallest ``server_id``.
-    O(replicas x stages log stages).
-    """
-    capacity = stage_capacities(replicas, num_stages)
-    counts = _replica_counts(replicas, num_stages)
-    before = min(capacity, default=0.0)
-    weakest = [stage for stage in range(num_stages) if capacity[stage] == before]
-    if len(weakest) != 1:
-        return None
-    (target,) = weakest
-    best: tuple[tuple[float, ...], float, str] | None = None  # the sort key of the best move so far
-    for server_id, (stage, throughput) in replicas.items():
-        if stage == target or counts[stage] < 2:
-            continue
-        after = _capacities_after(capacity, stage, target, throughput)
-        key = (tuple(-c for c in after), throughput, server_id)
-        if after[0] > before and (best is None or key < best):
-            best = key
-    if best is None:
-        return None
-    server_id = best[2]
-    return Move(server_id, replicas[server_id][0], target, before, -best[0][0])
-
-
-def _capacities_after(capacity: list[float], from_stage: int, to_stage: int, throughput: float) -> list[float]:
-    """The stage capacities, weakest first, once ``throughput`` moves from one stage to the other."""
-    moved = list(capacity)
-    moved[from_stage] -= throughput
-    moved[to_stage] += throughput
-    return sorted(moved)
-
-
-class Rebalancer:
-    """Orders a move only once it has been the best, and good enough, on consecutive checks.
-
-    Moving costs the replica a download of its new stage's state, so a move is returned
-    only when :func:`plan_move`'s best move has ``gain >= min_gain`` on ``confirmations``
-    consecutive calls of :meth:`check` and is the same move (same replica, from and to
-    stage) each time. A check without such a move, or with a different best move, starts
-    the count again (a different qualifying move counts as its own first confirmation);
-    returning a move also resets it.
-    """
-
-    def __init__(self, min_gain: float = 1 / 0.75, confirmations: int = 2):
-        if not min_gain >= 1:
-            raise ValueError(f"min_gain must be >= 1 (a ratio of minimum capacities), got {min_gain}")
-        if confirmations < 1:
-            raise ValueError(f"confirmations must be >= 1, got {confirmations}")
-        self.min_gain = min_gain
-        self.confirmations = confirmations
-        self._pending: Move | None = None
-        self._seen = 0
-
-    def check(self, replicas: Replicas, num_stages: int) -> Move | None:
-        """Plan on the current throughputs; the move to order now, or ``None``."""
-        move = plan_move(replicas, num_stages)
-        if move is None or move.gain < self.min_gain:
-            self._pending, self._seen = None, 0
-            return None
-        if self._pending is not None and move.same_as(self._pending):
-            self._seen += 1
-        else:
-            self._seen = 1
-        self._pending = move
-        if self._seen < self.confirmations:
-            return None
-        self._pending, self._seen = None, 0
-        return move
-
-
-def best_assignment(throughputs: list[float], num_stages: int) -> tuple[list[int], float]:
-    """The assignment of replicas to stages with the largest minimum stage capacity.
-
-    Exhaustive over all ``num_stages ** len(throughputs)`` assignments with every stage
-    non-empty, so for small inputs only (benchmarks, tests). Returns ``(stage of each
-    replica, that minimum capacity)``; among optima, the first in lexicographic order of
-    the stage list. Raises ``ValueError`` unless ``1 <= num_stages <= len(throughputs)``.
-    """
-    if not 1 <= num_stages <= len(throughputs):
-        raise ValueError(f"{len(throughputs)} replicas cannot fill {num_stages} stages (num_stages)")
-    best: tuple[list[int], float] | None = None
-    for stages in itertools.product(range(num_stages), repeat=len(throughputs)):
-        capacity = [0.0] * num_stages
-        counts = [0] * num_stages
-        for stage, throughput in zip(stages, throughputs):
-            capacity[stage] += throughput
-            counts[stage] += 1
-        if min(counts) > 0 and (best is None or min(capacity) > best[1]):
-            best = (list(stages), min(capacity))
-    assert best is not None, "some assignment fills every stage when replicas >= stages"
-    return best
+def swarm_view(registry: Registry, settings: CoordinatorSettings, live: Sequence[RegisteredServer]) -> SwarmView:
+    """The ``live`` servers (``registry.live()``) as the policy's view, with the topology
+    planner's inputs when placement plans with the network (``settings.placement``, see
+    ``uses_topology``)."""
+    topology = None
+    if uses_topology(settings.placement, registry.rtt_ms, registry.reports):
+        topology = placement_inputs(
+            live,
+            registry.rtt_ms,
+            registry.reports,
+            num_stages=registry.num_stages,
+            average_every_s=settings.average_every_s,
+            averaging_codec=settings.averaging_codec,
+            bandwidth_gbps=settings.placement_bandwidth_gbps,
+        )
+    return SwarmView.of(live, registry.num_stages, topology=topology)

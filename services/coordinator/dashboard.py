@@ -21,6 +21,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 
 from shared.errors import BadPayload
+from shared.policy.throughput import weakest
 
 DASHBOARD_EVENTS = frozenset(
     {
@@ -199,11 +200,11 @@ def _parse_record(record, now: float) -> dict:
 
 
 def weakest_stage(stages: list[dict]) -> int | None:
-    """The stage the swarm waits on: least capacity, then fewest replicas, then lowest index
-    (the order ``Registry.assign_stage`` uses); None without stages."""
-    if not stages:
-        return None
-    return min(stages, key=lambda s: (s["capacity"], len(s["replicas"]), s["stage"]))["stage"]
+    """The stage the swarm waits on, by the policy's rule (:func:`shared.policy.throughput.weakest`)
+    on ``Registry.view()``'s stages (``stage``, ``capacity``, ``replicas``, in stage order);
+    None without stages."""
+    index = weakest([s["capacity"] for s in stages], [len(s["replicas"]) for s in stages])
+    return None if index is None else stages[index]["stage"]
 
 
 def replica_health(lease_age_s: float, heartbeat_s: float) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.coordinator.dashboard import RecentEvents, TrainingProgress, weakest_stage
+from services.coordinator.dashboard import RecentEvents, TrainingProgress
 from services.coordinator.registry import Registry
 from shared.metrics import Metrics, counter, gauge
 
@@ -20,38 +20,38 @@ class CoordinatorMetrics:
         metrics.add_state(self.collect)
 
     def collect(self) -> Iterable:
-        stages = self.registry.view()["stages"]
-        per_stage = lambda value: {(str(s["stage"]),): value(s) for s in stages}  # noqa: E731
+        swarm = self.registry.swarm()  # the placement policy's view: capacities and the weakest stage by its rule
+        per_stage = lambda values: {(str(stage),): value for stage, value in enumerate(values)}  # noqa: E731
         yield gauge(
-            "swarm_coordinator_replicas", "live replicas per stage", per_stage(lambda s: len(s["replicas"])), ["stage"]
+            "swarm_coordinator_replicas", "live replicas per stage", per_stage(swarm.replica_counts()), ["stage"]
         )
+        capacities = swarm.capacities()
         yield gauge(
             "swarm_coordinator_stage_capacity_samples_per_second",
             "sum of the replicas' reported throughput, per stage",
-            per_stage(lambda s: s["capacity"]),
+            per_stage(capacities),
             ["stage"],
         )
         yield gauge(
             "swarm_coordinator_stage_queue_length",
             "sum of the replicas' reported queue lengths, per stage",
-            per_stage(lambda s: sum(r["queue_length"] for r in s["replicas"])),
+            per_stage(swarm.queue_lengths()),
             ["stage"],
         )
-        weakest = weakest_stage(stages)
+        weakest = swarm.weakest_stage()
         yield gauge(
             "swarm_coordinator_weakest_stage", "the stage with the least capacity (the swarm's speed limit)", weakest
         )
         yield gauge(
             "swarm_coordinator_weakest_stage_capacity_samples_per_second",
             "capacity of the weakest stage: the swarm trains no faster",
-            stages[weakest]["capacity"],
+            capacities[weakest],
         )
-        yield gauge(
-            "swarm_coordinator_live_servers", "stage servers whose lease runs", sum(len(s["replicas"]) for s in stages)
-        )
+        yield gauge("swarm_coordinator_live_servers", "stage servers whose lease runs", len(swarm.replicas))
         yield counter(
             "swarm_coordinator_events",
-            "swarm events since the coordinator started, by name (registry.registered, rebalance.move, averaging.round.started, step.round.started, ...)",
+            "swarm events since the coordinator started, by name (registry.registered, rebalance.move, "
+            "averaging.round.started, step.round.started, ...)",
             {(name,): n for name, n in self.events.counts.items()},
             ["event"],
         )

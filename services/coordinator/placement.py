@@ -1,6 +1,6 @@
 """Topology-aware placement in the coordinator: the registry's view turned into the
-planner's inputs (:mod:`shared.topology`), a stage for a joining server, and rebalancing
-moves confirmed on consecutive checks.
+planner's inputs (:mod:`shared.topology`) and a stage for a joining server. Rebalancing
+with these inputs is the policy's topology rule (:mod:`shared.policy.topology`).
 
 What the planner needs and where it comes from:
 
@@ -25,33 +25,19 @@ a thread.
 from __future__ import annotations
 
 import functools
-import math
 import statistics
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from shared.topology import (
-    INTRA_REGION,
-    Link,
-    Network,
-    Peer,
-    Replan,
-    StageMove,
-    Workload,
-    place_joiners,
-    placement_cost,
-    replan,
-    world_network,
-)
+from shared.policy.topology import TopologyRebalancer  # noqa: F401 - bench/topology.py imports it from here
+from shared.policy.view import PlacementInputs
+from shared.topology import INTRA_REGION, Link, Network, Peer, Workload, place_joiners, world_network
 
 BYTES_PER_VALUE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 GB = 2**30
 DEFAULT_SAMPLES_PER_STEP = 32
 NEVER_AVERAGED_STEPS = 1e12  # averaging off: its traffic weighs nothing per step
 JOIN_EVALUATIONS = 5_000  # placements a join may evaluate (it also has a time budget)
-REBALANCE_EVALUATIONS = 40_000  # placements a rebalancing check may evaluate (it also has a time budget)...
-EVALUATIONS_PER_SERVER = 2_000  # ...and no more than this many per server: a small swarm is planned in milliseconds
 
 
 @dataclass(frozen=True)
@@ -62,14 +48,6 @@ class Joiner:
     region: str = ""
     rtt_ms: Mapping[str, float] = field(default_factory=dict)  # peer URL -> ms, measured by the joiner
     stage: int | None = None
-
-
-@dataclass(frozen=True)
-class PlacementInputs:
-    peers: list[Peer]
-    network: Network
-    workload: Workload
-    current: dict[str, int]  # stage of every peer that has one (live servers, pending hand-outs)
 
 
 def uses_topology(mode: str, rtt_ms: Mapping[str, Mapping], reports: Mapping, joiner: Joiner | None = None) -> bool:
@@ -194,91 +172,3 @@ def stage_for_joiner(
         max_evaluations=max_evaluations,
     )
     return placed[joiner_id]
-
-
-def split_moves(current: Mapping[str, int], moves: Sequence[StageMove]) -> tuple[list[StageMove], list[StageMove]]:
-    """(moves to order now, moves to leave for a later check): a server leaves its stage
-    now only if the stage keeps a member that is not leaving now, so no stage is ever
-    emptied while servers are between stages (and joiners of it can download its state)."""
-    members = Counter(current.values())
-    leaving: Counter = Counter()
-    now, later = [], []
-    for move in moves:
-        if members[move.from_stage] - leaving[move.from_stage] > 1:
-            leaving[move.from_stage] += 1
-            now.append(move)
-        else:
-            later.append(move)
-    return now, later
-
-
-class TopologyRebalancer:
-    """Replans with the network cost model and orders the moves only once a replan has
-    found a placement at least ``min_gain`` cheaper on ``confirmations`` consecutive
-    checks (each replan ignores gains below ``min_gain``: measurement noise moves
-    nothing), moving at most ``max_moves_fraction`` of the servers (at least one).
-
-    Each check searches with a seed of its own, so the confirming checks are independent
-    searches: of their replans from the same assignment, the one cheapest under the
-    latest measurements is ordered (an unlucky search is neither repeated nor final)."""
-
-    def __init__(
-        self,
-        *,
-        min_gain: float,
-        max_moves_fraction: float,
-        time_budget_s: float,
-        confirmations: int = 2,
-        max_evaluations: float = REBALANCE_EVALUATIONS,
-        seed: int = 0,
-    ):
-        if confirmations < 1:
-            raise ValueError(f"confirmations must be >= 1, got {confirmations}")
-        self.min_gain, self.max_moves_fraction, self.time_budget_s = min_gain, max_moves_fraction, time_budget_s
-        self.confirmations, self.max_evaluations, self.seed = confirmations, max_evaluations, seed
-        self.checks = 0  # replans so far: the next one's seed is seed + checks
-        self.last: Replan | None = None  # the latest replan, confirmed or not
-        self._streak: list[
-            tuple[dict[str, int], Replan]
-        ] = []  # (assignment it started from, replan) of the unconfirmed checks
-
-    @property
-    def seen(self) -> int:
-        """Consecutive checks so far that found moves worth making, not yet confirmed."""
-        return len(self._streak)
-
-    def check(self, inputs: PlacementInputs, num_stages: int) -> Replan | None:
-        """Replan from the current assignment; the replan to carry out now, or None."""
-        if len(inputs.current) < 2 or len(inputs.peers) != len(inputs.current):
-            self.last, self._streak = None, []  # nothing to move, or servers without a stage (not planned here)
-            return None
-        max_moves = max(1, math.floor(self.max_moves_fraction * len(inputs.current)))
-        self.last = replan(
-            inputs.current,
-            inputs.peers,
-            inputs.network,
-            inputs.workload,
-            num_stages,
-            min_gain=self.min_gain,
-            max_moves=max_moves,
-            time_budget_s=self.time_budget_s,
-            seed=self.seed + self.checks,
-            max_evaluations=min(self.max_evaluations, EVALUATIONS_PER_SERVER * len(inputs.peers)),
-        )
-        self.checks += 1
-        if not self.last.moves:
-            self._streak = []
-            return None
-        self._streak.append((dict(inputs.current), self.last))
-        if self.seen < self.confirmations:
-            return None
-        best = self.last
-        for start, earlier in self._streak[:-1]:
-            if start != inputs.current:
-                continue  # planned from an assignment that has changed since
-            cost = placement_cost(earlier.assignment, inputs.peers, inputs.network, inputs.workload, num_stages)
-            if cost < best.cost_after_s:
-                best = Replan(earlier.assignment, earlier.moves, earlier.joined, self.last.cost_before_s, cost)
-        self._streak = []
-        self.last = best
-        return self.last

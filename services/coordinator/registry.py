@@ -15,11 +15,12 @@ import math
 import re
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from shared.errors import BadPayload, Overloaded, SwarmError
+from shared.policy.view import SwarmView
 
 SERVER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 MAX_URL_LEN = 512
@@ -148,7 +149,8 @@ class Registry:
         (top,) = self._db.execute("SELECT MAX(stage) FROM servers").fetchone()
         if top is not None and top >= self.num_stages:
             raise ValueError(
-                f"the registry file holds a server of stage {top} but num_stages is {self.num_stages}; use another file for this run"
+                f"the registry file holds a server of stage {top} but num_stages is {self.num_stages}; "
+                "use another file for this run"
             )
 
     def close(self) -> None:
@@ -243,7 +245,8 @@ class Registry:
         now = self._clock()
         with self._db:
             renewed = self._db.execute(
-                "UPDATE servers SET throughput = ?, queue_length = ?, last_heartbeat = ? WHERE server_id = ? AND last_heartbeat >= ?",
+                "UPDATE servers SET throughput = ?, queue_length = ?, last_heartbeat = ? "
+                "WHERE server_id = ? AND last_heartbeat >= ?",
                 (throughput, queue_length, now, server_id, now - self.lease_s),
             ).rowcount
         if not renewed:
@@ -295,22 +298,15 @@ class Registry:
         return stage
 
     def assign_stage(self) -> int:
-        """The stage most in need of a replica: least capacity, then fewest replicas, then
-        lowest index. Stages handed out in the last lease period to servers that have not
-        registered yet count as a replica each, with the live servers' mean throughput."""
-        pending = self.pending_joins()
-        servers = self.live()
-        capacity = [0.0] * self.num_stages
-        replicas = [0] * self.num_stages
-        for s in servers:
-            capacity[s.stage] += s.throughput
-            replicas[s.stage] += 1
-        mean = sum(capacity) / len(servers) if servers else 0.0
-        for p in pending:
-            capacity[p.stage] += mean
-            replicas[p.stage] += 1
-        chosen = min(range(self.num_stages), key=lambda stage: (capacity[stage], replicas[stage], stage))
-        return self.hand_out(chosen)
+        """The stage most in need of a replica: the policy's weakest stage (least capacity,
+        then fewest replicas, then lowest index) with the stages handed out in the last lease
+        period to servers that have not registered yet as pending joins."""
+        pending = [p.stage for p in self.pending_joins()]
+        return self.hand_out(self.swarm(pending).weakest_stage())
+
+    def swarm(self, pending: Iterable[int] = ()) -> SwarmView:
+        """The live servers as the placement policy's view, with these ``pending`` joins."""
+        return SwarmView.of(self.live(), self.num_stages, pending=pending)
 
     def view(self) -> dict:
         """The swarm as JSON: every stage in order with its capacity and live replicas by URL."""
@@ -367,7 +363,8 @@ MAX_RTT_PEERS = 64
 
 
 def check_rtt(value) -> dict[str, float]:
-    """``{peer URL: round-trip ms}`` from a heartbeat: at most MAX_RTT_PEERS valid URLs with finite times in [0, 600000]."""
+    """``{peer URL: round-trip ms}`` from a heartbeat: at most MAX_RTT_PEERS valid URLs with
+    finite times in [0, 600000]."""
     if not isinstance(value, dict) or len(value) > MAX_RTT_PEERS:
         raise BadPayload(f"'rtt_ms' must be an object of at most {MAX_RTT_PEERS} peer URLs")
     out = {}

@@ -13,12 +13,12 @@ What is simulated, and with which code:
   one stage to the server of the next, gradients back (the hand-off of SWARM and DT-FM);
 - **coordinator**: a registry that sees a dead peer only when its lease expires and
   publishes its view to trainers every ``registry_refresh_s``; places joiners with
-  :func:`shared.topology.planner.place_joiners`; every ``rebalance_every_s`` replans with
-  the coordinator's :class:`services.coordinator.placement.TopologyRebalancer`
-  (:func:`shared.topology.planner.replan`, moves ordered once confirmed on consecutive
-  checks, never emptying a stage; a moved server drains, downloads its new stage's
-  state, then serves); starts averaging rounds (each member's uplink is busy with
-  its butterfly all-reduce share, which delays its activations);
+  :func:`shared.topology.planner.place_joiners`; every ``rebalance_every_s`` asks the
+  coordinator's placement policy (:meth:`shared.policy.rebalancing.RebalancingPolicy.check`
+  on its :class:`~shared.policy.view.SwarmView`, with the topology rule: moves ordered
+  once confirmed on consecutive checks, never emptying a stage; a moved server drains,
+  downloads its new stage's state, then serves); starts averaging rounds (each member's
+  uplink is busy with its butterfly all-reduce share, which delays its activations);
 - **preemption**: every peer lives an exponential time (``mean_lifetime_s``); new peers
   join as a Poisson process (``join_rate_per_s``, by default the rate that keeps the
   swarm's size steady).
@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.coordinator.placement import PlacementInputs, TopologyRebalancer, split_moves
+from shared.policy.rebalancing import RebalancingPolicy
+from shared.policy.topology import TopologyRebalancer
+from shared.policy.view import PlacementInputs, Replica, SwarmView
 from shared.topology.cost import Workload, butterfly_time
 from shared.topology.network import Network, Peer, world_network
 from shared.topology.planner import place_joiners
@@ -98,7 +100,7 @@ class SimConfig:
 
 
 @dataclass(frozen=True)
-class StageModel:
+class StageCost:
     """What one stage weighs: FLOPs per sample (forward + backward), activation and state bytes."""
 
     flops_per_sample: float
@@ -107,7 +109,7 @@ class StageModel:
     tokens_per_sample: int
 
     @classmethod
-    def from_preset(cls, name: str, num_stages: int, wire_bytes: float) -> StageModel:
+    def from_preset(cls, name: str, num_stages: int, wire_bytes: float) -> StageCost:
         from shared.model import config_from_preset  # torch: imported only when a run starts
 
         cfg = config_from_preset(name)
@@ -138,7 +140,9 @@ class SimPeer:
 
 
 @dataclass
-class Microbatch:
+class MicrobatchTrip:
+    """One microbatch's way through the pipeline: forward up the stages, backward down."""
+
     trainer: int
     stage: int = 0
     kind: str = "forward"
@@ -179,10 +183,10 @@ class Report:
 class Simulation:
     """One run: :meth:`run` returns the :class:`Report`."""
 
-    def __init__(self, config: SimConfig, network: Network | None = None, stage_model: StageModel | None = None):
+    def __init__(self, config: SimConfig, network: Network | None = None, stage_cost: StageCost | None = None):
         self.cfg = config
         self.net = network or world_network()
-        self.model = stage_model or StageModel.from_preset(config.model, config.num_stages, config.wire_bytes)
+        self.stage_cost = stage_cost or StageCost.from_preset(config.model, config.num_stages, config.wire_bytes)
         self.rng = random.Random(config.seed)
         regions = list(config.regions or self.net.regions)
         self.region_names = regions
@@ -217,13 +221,15 @@ class Simulation:
         self.stage_serving = [0.0] * config.num_stages
         self.workload = self._planner_workload()
         self._pending_joiners: list[str] = []
-        self.rebalancer = TopologyRebalancer(
-            min_gain=config.rebalance_min_gain,
-            max_moves_fraction=config.max_moves_fraction,
-            time_budget_s=config.planner_budget_s,
-            confirmations=config.rebalance_confirmations,
-            max_evaluations=config.planner_evaluations,
-            seed=config.seed,
+        self.policy = RebalancingPolicy(
+            topology=TopologyRebalancer(
+                min_gain=config.rebalance_min_gain,
+                max_moves_fraction=config.max_moves_fraction,
+                time_budget_s=config.planner_budget_s,
+                confirmations=config.rebalance_confirmations,
+                max_evaluations=config.planner_evaluations,
+                seed=config.seed,
+            )
         )
 
     # --- the event queue -----------------------------------------------------------
@@ -247,7 +253,7 @@ class Simulation:
     # --- set-up ----------------------------------------------------------------------
     def _new_peer(self, index: int) -> SimPeer:
         region = self.rng.randrange(len(self.region_names))
-        speed = self.model.samples_per_s(self.rng.choice(self.cfg.gpu_tflops))
+        speed = self.stage_cost.samples_per_s(self.rng.choice(self.cfg.gpu_tflops))
         peer = SimPeer(Peer(f"peer-{index}", self.region_names[region], speed), region)
         self.peers[peer.peer.peer_id] = peer
         if math.isfinite(self.cfg.mean_lifetime_s):
@@ -315,7 +321,7 @@ class Simulation:
             self.at(cfg.rebalance_every_s, self._rebalance)
 
     def _planner_workload(self) -> Workload:
-        cfg, m = self.cfg, self.model
+        cfg, m = self.cfg, self.stage_cost
         mean_speed = sum(m.samples_per_s(t) for t in cfg.gpu_tflops) / len(cfg.gpu_tflops)
         samples_per_s = mean_speed * cfg.num_peers / cfg.num_stages
         samples_per_step = float(cfg.microbatches_in_flight * cfg.microbatch)
@@ -387,7 +393,7 @@ class Simulation:
         sources = [self.peers[u].region for u in self.view[stage] if self.peers[u].state == "serving"]
         if sources:
             seconds = min(
-                self.rtt_s[peer.region, r] + self.model.state_bytes / self.bytes_s[peer.region, r] for r in sources
+                self.rtt_s[peer.region, r] + self.stage_cost.state_bytes / self.bytes_s[peer.region, r] for r in sources
             )
         else:
             seconds = self.cfg.lease_s  # from the latest checkpoint
@@ -422,9 +428,9 @@ class Simulation:
 
     # --- the data plane ----------------------------------------------------------------
     def _start_microbatch(self, trainer: int) -> None:
-        self._dispatch(Microbatch(trainer))
+        self._dispatch(MicrobatchTrip(trainer))
 
-    def _transfer_s(self, mb: Microbatch, peer: SimPeer, nbytes: float) -> float:
+    def _transfer_s(self, mb: MicrobatchTrip, peer: SimPeer, nbytes: float) -> float:
         """When the hop's input reaches ``peer``: the sender's uplink serialises its sends."""
         if mb.source is None:  # stage 0's input from the trainer: token ids, a few KB
             return self.now + self.rtt_s[self.trainer_region[mb.trainer], peer.region]
@@ -433,7 +439,7 @@ class Simulation:
         sender.uplink_free = start + nbytes / self.bytes_s[sender.region, peer.region]
         return sender.uplink_free + self.rtt_s[sender.region, peer.region]
 
-    def _dispatch(self, mb: Microbatch) -> None:
+    def _dispatch(self, mb: MicrobatchTrip) -> None:
         balancer = self.balancers[mb.trainer]
         try:
             url = balancer.choose(mb.stage, kind=mb.kind, batch_size=self.cfg.microbatch, exclude=mb.tried)
@@ -445,10 +451,10 @@ class Simulation:
         if peer.state == "dead":
             self.at(self.now + self.cfg.dead_peer_timeout_s, self._failed, mb, url)
             return
-        nbytes = self.model.activation_bytes_per_sample * self.cfg.microbatch
+        nbytes = self.stage_cost.activation_bytes_per_sample * self.cfg.microbatch
         self.at(self._transfer_s(mb, peer, nbytes), self._arrive, mb, url, peer.generation)
 
-    def _arrive(self, mb: Microbatch, url: str, generation: int) -> None:
+    def _arrive(self, mb: MicrobatchTrip, url: str, generation: int) -> None:
         peer = self.peers[url]
         if peer.generation != generation or peer.state != "serving" or peer.stage != mb.stage:
             delay = self.cfg.dead_peer_timeout_s if peer.state == "dead" else self.rtt_s[peer.region, peer.region]
@@ -462,7 +468,7 @@ class Simulation:
         peer.queued.append((start, peer.busy_until))
         self.at(peer.busy_until, self._done, mb, url, generation, seconds)
 
-    def _done(self, mb: Microbatch, url: str, generation: int, seconds: float) -> None:
+    def _done(self, mb: MicrobatchTrip, url: str, generation: int, seconds: float) -> None:
         peer = self.peers[url]
         if peer.generation != generation:  # died with this op queued: its partial work counted in _die
             self.at(self.now + max(0.0, peer.died_at + self.cfg.dead_peer_timeout_s - self.now), self._failed, mb, url)
@@ -486,15 +492,15 @@ class Simulation:
             return
         self._dispatch(mb)
 
-    def _completed(self, mb: Microbatch) -> None:
-        tokens = self.cfg.microbatch * self.model.tokens_per_sample
+    def _completed(self, mb: MicrobatchTrip) -> None:
+        tokens = self.cfg.microbatch * self.stage_cost.tokens_per_sample
         self.stats["tokens"] += tokens
         self.stats["completed"] += 1
         window = min(self.cfg.windows - 1, int(self.now / self.cfg.duration_s * self.cfg.windows))
         self.window_tokens[window] += tokens
         self._start_microbatch(mb.trainer)
 
-    def _failed(self, mb: Microbatch, url: str) -> None:
+    def _failed(self, mb: MicrobatchTrip, url: str) -> None:
         self.stats["failed"] += 1
         self.balancers[mb.trainer].report_failure(mb.stage, url)
         mb.tried.append(url)
@@ -506,14 +512,14 @@ class Simulation:
             return
         self._dispatch(mb)
 
-    def _retry(self, mb: Microbatch) -> None:
+    def _retry(self, mb: MicrobatchTrip) -> None:
         self._dispatch(mb)
 
     # --- control plane: averaging and rebalancing ------------------------------------------
     def _average(self) -> None:
         """A butterfly all-reduce per stage: each member's uplink carries its share."""
         self.at(self.now + self.cfg.average_every_s, self._average)
-        gradient_gb = self.model.state_bytes / 1e9
+        gradient_gb = self.stage_cost.state_bytes / 1e9
         for stage in range(self.cfg.num_stages):
             members = [p for p in self.peers.values() if p.stage == stage and p.state == "serving"]
             if len(members) < 2:
@@ -531,26 +537,27 @@ class Simulation:
             for peer, seconds in zip(members, busy):
                 peer.uplink_free = max(peer.uplink_free, self.now) + float(seconds)
 
+    def swarm_view(self) -> SwarmView:
+        """The swarm as the coordinator's registry would show it: the serving peers, with the
+        topology planner's inputs (the simulated coordinator always plans with the network)."""
+        serving = [p for p in self.peers.values() if p.state == "serving"]
+        current = {p.peer.peer_id: p.stage for p in serving}
+        replicas = tuple(Replica(p.peer.peer_id, p.stage, p.peer.throughput) for p in serving)
+        topology = PlacementInputs([p.peer for p in serving], self.net, self.workload, current)
+        return SwarmView(self.cfg.num_stages, replicas, topology=topology)
+
     def _rebalance(self) -> None:
-        """The coordinator replans from the current assignment; moved servers drain first."""
+        """The coordinator asks its placement policy; moved servers drain first."""
         self.at(self.now + self.cfg.rebalance_every_s, self._rebalance)
-        serving = {pid: p for pid, p in self.peers.items() if p.state == "serving"}
-        current = {pid: p.stage for pid, p in serving.items()}
         started = time.perf_counter()
-        inputs = PlacementInputs([p.peer for p in serving.values()], self.net, self.workload, current)
-        result = self.rebalancer.check(
-            inputs, self.cfg.num_stages
-        )  # the coordinator's: confirmed on consecutive checks
+        moves = self.policy.check(self.swarm_view())  # confirmed on consecutive checks, no stage emptied
         self.stats["planner_s"] += time.perf_counter() - started
-        if result is None:
-            return
-        ordered, _deferred = split_moves(current, result.moves)  # as the coordinator: no stage emptied meanwhile
-        for move in ordered:
-            peer = serving[move.peer_id]
+        for move in moves:
+            peer = self.peers[move.server_id]
             self._stop_serving(peer)
             peer.state, peer.next_stage = "draining", move.to_stage
             self.dirty.add(peer.stage)
-            self.at(max(self.now, peer.busy_until), self._drained, move.peer_id, peer.generation)
+            self.at(max(self.now, peer.busy_until), self._drained, move.server_id, peer.generation)
             self.stats["moves"] += 1
 
     def _drained(self, pid: str, generation: int) -> None:

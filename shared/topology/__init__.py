@@ -11,7 +11,7 @@ Pure computation: no I/O besides reading the shipped data, no networking.
 
 from .cost import DTFM_GPT3_XL, StepCost, Workload, dtfm_cost, step_cost
 from .network import INTRA_REGION, Link, Network, Peer, regional_network, world_network
-from .planner import Placement, Replan, StageMove, place_joiners, placement_cost, plan, replan
+from .planner import Placement, Replan, place_joiners, placement_cost, plan, replan
 
 __all__ = [
     "DTFM_GPT3_XL",
@@ -21,7 +21,6 @@ __all__ = [
     "Peer",
     "Placement",
     "Replan",
-    "StageMove",
     "StepCost",
     "Workload",
     "dtfm_cost",

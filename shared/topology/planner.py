@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shared.policy.move import Move
+
 from .cost import Workload
 from .network import Network, Peer
 from .objective import DTFMObjective, Objective, State, SwarmObjective
@@ -52,22 +54,13 @@ class Placement:
 
 
 @dataclass(frozen=True)
-class StageMove:
-    """Server ``peer_id`` leaves ``from_stage`` for ``to_stage`` (it downloads the new stage's state)."""
-
-    peer_id: str
-    from_stage: int
-    to_stage: int
-
-
-@dataclass(frozen=True)
 class Replan:
     """The assignment after a replan: ``moves`` of servers that already had a stage,
     ``joined`` stages of servers that had none, the cost before (current assignment with
     the joiners placed) and after."""
 
     assignment: dict[str, int]
-    moves: list[StageMove]
+    moves: list[Move]
     joined: dict[str, int]
     cost_before_s: float
     cost_after_s: float
@@ -267,7 +260,7 @@ def replan(
         final = start
     assignment = {p.peer_id: final.labels[i] for i, p in enumerate(peers)}
     moves = [
-        StageMove(peers[i].peer_id, current[peers[i].peer_id], final.labels[i])
+        Move(peers[i].peer_id, current[peers[i].peer_id], final.labels[i])
         for i in kept
         if final.labels[i] != current[peers[i].peer_id]
     ]

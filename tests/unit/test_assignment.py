@@ -8,15 +8,15 @@ import random
 
 import pytest
 
-from services.coordinator.assignment import (
-    Move,
-    Rebalancer,
+from services.coordinator.registry import Registry
+from shared.policy.move import Move
+from shared.policy.throughput import (
+    ThroughputRebalancer,
     best_assignment,
     plan_move,
     stage_capacities,
     weakest_stage,
 )
-from services.coordinator.registry import Registry
 
 
 def replicas_of(speeds: list[float], stages: list[int]) -> dict[str, tuple[int, float]]:
@@ -119,7 +119,7 @@ BALANCED = {"a": (0, 1.0), "b": (0, 1.0), "c": (1, 1.0), "d": (1, 1.0)}
 
 
 def test_a_move_is_ordered_on_its_second_consecutive_confirmation_only():
-    rebalancer = Rebalancer()
+    rebalancer = ThroughputRebalancer()
     assert rebalancer.check(MOVE_A, 2) is None
     assert rebalancer.check(MOVE_A, 2) == plan_move(MOVE_A, 2)
     assert rebalancer.check(MOVE_A, 2) is None  # the count starts again after an order
@@ -127,7 +127,7 @@ def test_a_move_is_ordered_on_its_second_consecutive_confirmation_only():
 
 
 def test_a_different_best_move_or_no_move_in_between_resets_the_count():
-    rebalancer = Rebalancer()
+    rebalancer = ThroughputRebalancer()
     for replicas in (MOVE_A, MOVE_B, MOVE_A, BALANCED, MOVE_A):
         assert rebalancer.check(replicas, 2) is None
     assert rebalancer.check(MOVE_A, 2).server_id == "a"
@@ -136,30 +136,30 @@ def test_a_different_best_move_or_no_move_in_between_resets_the_count():
 def test_a_move_below_min_gain_is_never_ordered():
     replicas = {"a": (0, 5.0), "b": (0, 1.0), "c": (0, 1.0), "d": (1, 5.0)}  # [7, 5] -> moving b: [6, 6], gain 1.2
     assert plan_move(replicas, 2).gain == pytest.approx(1.2)
-    rebalancer = Rebalancer()
+    rebalancer = ThroughputRebalancer()
     assert all(rebalancer.check(replicas, 2) is None for _ in range(5))
-    assert Rebalancer(min_gain=1.1).check(replicas, 2) is None
-    assert Rebalancer(min_gain=1.1, confirmations=1).check(replicas, 2) == plan_move(replicas, 2)
+    assert ThroughputRebalancer(min_gain=1.1).check(replicas, 2) is None
+    assert ThroughputRebalancer(min_gain=1.1, confirmations=1).check(replicas, 2) == plan_move(replicas, 2)
 
 
 def test_rebalancer_rejects_bad_settings():
     with pytest.raises(ValueError, match="min_gain"):
-        Rebalancer(min_gain=0.5)
+        ThroughputRebalancer(min_gain=0.5)
     with pytest.raises(ValueError, match="confirmations"):
-        Rebalancer(confirmations=0)
+        ThroughputRebalancer(confirmations=0)
 
 
 def test_noise_on_a_balanced_swarm_orders_no_move():
     speeds = [4.0, 6.0, 5.0, 5.0, 3.0, 7.0, 2.0, 8.0]  # 4 stages x 2 replicas, 10 each
     stages = [0, 0, 1, 1, 2, 2, 3, 3]
     rng = random.Random(1234)
-    rebalancer = Rebalancer()
+    rebalancer = ThroughputRebalancer()
     for _ in range(200):
         noisy = [speed * rng.uniform(0.9, 1.1) for speed in speeds]
         assert rebalancer.check(replicas_of(noisy, stages), 4) is None
 
 
-def rebalance(replicas: dict[str, tuple[int, float]], rebalancer: Rebalancer, checks: int = 30) -> list[Move]:
+def rebalance(replicas: dict[str, tuple[int, float]], rebalancer: ThroughputRebalancer, checks: int = 30) -> list[Move]:
     """Check ``checks`` times, applying every ordered move; returns the moves in order."""
     moves = []
     for _ in range(checks):
@@ -181,7 +181,7 @@ def rebalance(replicas: dict[str, tuple[int, float]], rebalancer: Rebalancer, ch
 def test_repeated_moves_converge_near_the_optimum_then_stop(speeds, stages, min_gain):
     replicas = replicas_of(speeds, stages)
     _, optimum = best_assignment(speeds, 3)
-    rebalancer = Rebalancer(min_gain=min_gain)
+    rebalancer = ThroughputRebalancer(min_gain=min_gain)
     moves = rebalance(replicas, rebalancer)
     assert 1 <= len(moves) <= 3
     assert min(stage_capacities(replicas, 3)) >= 0.95 * optimum
@@ -193,7 +193,7 @@ def test_the_default_min_gain_can_stop_short_of_the_optimum():
     # so the swarm stays at 4 where 6 ([4+1+1 | 4+2 | 4+2]) is possible: hysteresis wins.
     speeds, stages = [1, 2, 4, 4, 2, 1, 4], [2, 2, 2, 2, 2, 0, 1]
     replicas = replicas_of(speeds, stages)
-    assert len(rebalance(replicas, Rebalancer())) == 1
+    assert len(rebalance(replicas, ThroughputRebalancer())) == 1
     assert stage_capacities(replicas, 3) == [5.0, 4.0, 9.0]
     assert best_assignment(speeds, 3)[1] == 6.0
 

@@ -1,4 +1,4 @@
-"""The coordinator's topology placement (services/coordinator/placement.py): the
+"""The coordinator's topology placement (services/coordinator/placement.py, shared/policy/topology.py): the
 registry's view turned into the planner's inputs, joiners placed by the network, moves
 confirmed on consecutive checks and ordered without ever emptying a stage."""
 
@@ -9,19 +9,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.coordinator.placement import (
-    GB,
-    Joiner,
-    PlacementInputs,
-    TopologyRebalancer,
-    placement_inputs,
-    split_moves,
-    stage_for_joiner,
-    uses_topology,
-)
+from services.coordinator.placement import GB, Joiner, placement_inputs, stage_for_joiner, uses_topology
 from services.coordinator.registry import ServerReport
 from shared.config import CoordinatorSettings
-from shared.topology import INTRA_REGION, Peer, Replan, StageMove, Workload, placement_cost, plan, world_network
+from shared.policy.move import Move
+from shared.policy.topology import TopologyRebalancer, split_moves
+from shared.policy.view import PlacementInputs
+from shared.topology import INTRA_REGION, Peer, Replan, Workload, placement_cost, plan, world_network
 
 MIN_GAIN = CoordinatorSettings.model_fields["placement_min_gain"].default  # what the coordinator runs with
 MAX_MOVES = CoordinatorSettings.model_fields["placement_max_moves"].default
@@ -161,9 +155,9 @@ def test_a_joiner_fills_an_empty_stage_and_pending_hand_outs_count():
 
 def test_moves_never_empty_a_stage():
     current = {"a": 0, "b": 0, "c": 1, "d": 2, "e": 2}
-    moves = [StageMove("a", 0, 1), StageMove("b", 0, 2), StageMove("c", 1, 0), StageMove("d", 2, 0)]
+    moves = [Move("a", 0, 1), Move("b", 0, 2), Move("c", 1, 0), Move("d", 2, 0)]
     now, later = split_moves(current, moves)
-    assert now == [StageMove("a", 0, 1), StageMove("d", 2, 0)] and later == [StageMove("b", 0, 2), StageMove("c", 1, 0)]
+    assert now == [Move("a", 0, 1), Move("d", 2, 0)] and later == [Move("b", 0, 2), Move("c", 1, 0)]
     for stage in set(current.values()):
         assert sum(1 for s in current.values() if s == stage) > sum(1 for m in now if m.from_stage == stage)
 
@@ -262,7 +256,9 @@ def test_after_a_quarter_churn_the_coordinator_replans_near_a_fresh_plan():
     assert result is not None and 0 < len(result.moves) <= 12
     assert result.cost_before_s > 1.05 * fresh.cost_s  # the joins alone left it off
     assert result.cost_after_s <= 1.05 * fresh.cost_s
-    assert all(current[m.peer_id] == m.from_stage and result.assignment[m.peer_id] == m.to_stage for m in result.moves)
+    assert all(
+        current[m.server_id] == m.from_stage and result.assignment[m.server_id] == m.to_stage for m in result.moves
+    )
     assert placement_cost(result.assignment, now, net, TRAFFIC_BOUND, 8) == pytest.approx(result.cost_after_s)
 
 
@@ -273,12 +269,10 @@ def test_the_cheaper_of_the_confirming_replans_is_ordered(monkeypatch):
     seeds = []
     scripted = iter(
         [
-            Replan(
-                {"a": 0, "c": 0, "b": 1, "d": 1}, [StageMove("c", 1, 0), StageMove("b", 0, 1)], {}, 9.0, 5.0
-            ),  # the cheap one
-            Replan({"a": 1, "c": 0, "b": 0, "d": 1}, [StageMove("a", 0, 1), StageMove("c", 1, 0)], {}, 9.0, 7.0),
-            Replan({"a": 0, "c": 0, "b": 1, "d": 1}, [StageMove("c", 1, 0), StageMove("b", 0, 1)], {}, 9.0, 5.0),
-            Replan({"a": 1, "c": 0, "b": 0, "d": 1}, [StageMove("a", 0, 1), StageMove("c", 1, 0)], {}, 9.0, 7.0),
+            Replan({"a": 0, "c": 0, "b": 1, "d": 1}, [Move("c", 1, 0), Move("b", 0, 1)], {}, 9.0, 5.0),  # the cheap one
+            Replan({"a": 1, "c": 0, "b": 0, "d": 1}, [Move("a", 0, 1), Move("c", 1, 0)], {}, 9.0, 7.0),
+            Replan({"a": 0, "c": 0, "b": 1, "d": 1}, [Move("c", 1, 0), Move("b", 0, 1)], {}, 9.0, 5.0),
+            Replan({"a": 1, "c": 0, "b": 0, "d": 1}, [Move("a", 0, 1), Move("c", 1, 0)], {}, 9.0, 7.0),
         ]
     )
 
@@ -286,10 +280,10 @@ def test_the_cheaper_of_the_confirming_replans_is_ordered(monkeypatch):
         seeds.append(seed)
         return next(scripted)
 
-    monkeypatch.setattr("services.coordinator.placement.replan", fake_replan)
+    monkeypatch.setattr("shared.policy.topology.replan", fake_replan)
     costs = {(0, 0, 1, 1): 5.0, (1, 0, 0, 1): 7.0}  # the stages of a, c, b, d -> seconds per step
     monkeypatch.setattr(
-        "services.coordinator.placement.placement_cost",
+        "shared.policy.topology.placement_cost",
         lambda assignment, *a, **kw: costs[tuple(assignment[x] for x in "acbd")],
     )
     rebalancer = TopologyRebalancer(min_gain=MIN_GAIN, max_moves_fraction=0.5, time_budget_s=1.0, seed=10)

@@ -245,7 +245,9 @@ def _check_replan_after_churn(
     else:  # DT-FM's cost picks its own pipeline order; the replan's keeps the stages' numbers
         assert predicted <= result.cost_after_s * (1 + 1e-9)
     for move in result.moves:
-        assert fresh.assignment[move.peer_id] == move.from_stage and result.assignment[move.peer_id] == move.to_stage
+        assert (
+            fresh.assignment[move.server_id] == move.from_stage and result.assignment[move.server_id] == move.to_stage
+        )
     if model == "dtfm":
         assert all(len(stage) == 8 for stage in stages_of(result.assignment, 8))
 

@@ -1,0 +1,23 @@
+"""The placement policy: which stage each server serves, and when one should move.
+
+Pure decisions, no I/O, no aiohttp, no torch; every process that places or shows
+servers reaches them here (the coordinator's rebalancing loop, registry, dashboard and
+metrics, ``swarm status``, the simulator):
+
+- :mod:`.move`: :class:`~.move.Move`, the one record of a decision (a leaf module: the
+  topology planner emits moves too);
+- :mod:`.view`: :class:`~.view.SwarmView`, what the rules decide on (stages, replicas
+  with throughput and queue length, pending joins, topology inputs);
+- :mod:`.throughput`: the weakest-stage rule (:func:`~.throughput.weakest`) and the
+  best single move between stages (:func:`~.throughput.plan_move`);
+- :mod:`.hysteresis`: :class:`~.hysteresis.Confirmation`, a decision confirmed on
+  consecutive checks before anyone acts on it;
+- :mod:`.topology`: replans with the network cost model (:mod:`shared.topology`),
+  never emptying a stage;
+- :mod:`.rebalancing`: :meth:`RebalancingPolicy.check(view) -> moves
+  <.rebalancing.RebalancingPolicy.check>`, the one entry point that picks the rule.
+
+Import from the modules: this package re-exports nothing, because :mod:`shared.topology`
+imports :mod:`.move` while :mod:`.topology` and :mod:`.rebalancing` import
+:mod:`shared.topology`.
+"""

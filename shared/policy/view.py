@@ -1,0 +1,118 @@
+"""What the policy decides on: the swarm as one process sees it at one moment.
+
+A :class:`SwarmView` is plain data: the stages, the replicas serving them with what they
+report (throughput, queue length), the stages handed to joiners that have not registered
+yet, and, when placement plans with the network, the topology planner's inputs. The
+coordinator builds it from its registry, the simulator from its peers; every rule of the
+policy reads it. Pure data, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shared.policy.throughput import weakest
+
+if TYPE_CHECKING:  # annotations only: shared.topology's planner imports shared.policy.move
+    from shared.topology import Network, Peer, Workload
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A server serving ``stage``: ``throughput`` in samples per second as it reports it
+    (0: not measured yet), ``queue_length`` requests waiting on it."""
+
+    server_id: str
+    stage: int
+    throughput: float
+    queue_length: int = 0
+
+
+@dataclass(frozen=True)
+class PlacementInputs:
+    """The topology planner's inputs: every peer (region, throughput), the network between
+    them, the workload, and the stage of every peer that has one."""
+
+    peers: list[Peer]
+    network: Network
+    workload: Workload
+    current: dict[str, int]
+
+
+@dataclass(frozen=True)
+class SwarmView:
+    """The swarm: ``num_stages`` stages, the ``replicas`` serving them, the stages of
+    ``pending`` joins (handed to a server that has not registered yet: each counts as one
+    replica at the replicas' mean throughput), and ``topology``, the planner's inputs when
+    placement plans with the network (``None``: placement balances throughput).
+
+    Raises ``ValueError`` when ``num_stages < 1`` or a stage is outside ``[0, num_stages)``.
+    """
+
+    num_stages: int
+    replicas: tuple[Replica, ...] = ()
+    pending: tuple[int, ...] = ()
+    topology: PlacementInputs | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        for r in self.replicas:
+            if not 0 <= r.stage < self.num_stages:
+                raise ValueError(
+                    f"replica {r.server_id!r} is on stage {r.stage}, outside [0, {self.num_stages}) (num_stages)"
+                )
+        for stage in self.pending:
+            if not 0 <= stage < self.num_stages:
+                raise ValueError(f"a pending join of stage {stage} is outside [0, {self.num_stages}) (num_stages)")
+
+    @classmethod
+    def of(
+        cls,
+        servers: Iterable,
+        num_stages: int,
+        *,
+        pending: Iterable[int] = (),
+        topology: PlacementInputs | None = None,
+    ) -> SwarmView:
+        """The view of ``servers``: objects with ``server_id``, ``stage``, ``throughput`` and
+        ``queue_length`` (the registry's ``RegisteredServer``)."""
+        replicas = tuple(Replica(s.server_id, s.stage, s.throughput, s.queue_length) for s in servers)
+        return cls(num_stages, replicas, tuple(pending), topology)
+
+    def throughputs(self) -> dict[str, tuple[int, float]]:
+        """``{server_id: (stage, throughput)}``: the throughput rule's input."""
+        return {r.server_id: (r.stage, r.throughput) for r in self.replicas}
+
+    def capacities(self) -> list[float]:
+        """Per stage, the sum of its replicas' throughputs, pending joins counted at the replicas' mean."""
+        capacity = [0.0] * self.num_stages
+        for r in self.replicas:
+            capacity[r.stage] += r.throughput
+        if self.pending:
+            mean = sum(capacity) / len(self.replicas) if self.replicas else 0.0
+            for stage in self.pending:
+                capacity[stage] += mean
+        return capacity
+
+    def replica_counts(self) -> list[int]:
+        """Per stage, its replicas, pending joins included."""
+        counts = [0] * self.num_stages
+        for stage in [r.stage for r in self.replicas] + list(self.pending):
+            counts[stage] += 1
+        return counts
+
+    def queue_lengths(self) -> list[int]:
+        """Per stage, the sum of its replicas' queue lengths."""
+        queued = [0] * self.num_stages
+        for r in self.replicas:
+            queued[r.stage] += r.queue_length
+        return queued
+
+    def weakest_stage(self) -> int:
+        """The stage the swarm waits on and a new server joins (:func:`~shared.policy.throughput.weakest`)."""
+        stage = weakest(self.capacities(), self.replica_counts())
+        assert stage is not None, "a view has at least one stage"
+        return stage

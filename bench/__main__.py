@@ -32,7 +32,10 @@ BENCHES = {
     "churn": "tokens/s with a replica killed and restarted every 20 s, against no faults",
     "rebalancing": "throughput before and after rebalancing 1:2:4 replicas, against the exhaustive optimum",
     "convergence": "loss after the same samples: fp32/fp16/int8 wires, 1 vs 2 replicas, global vs local (DiLoCo) sync",
-    "generation": "time per new token through the swarm at 32 and 512 tokens of context: sessions with KV caches vs the whole prefix",
+    "generation": (
+        "time per new token through the swarm at 32 and 512 tokens "
+        "of context: sessions with KV caches vs the whole prefix"
+    ),
     "arena": "time to a target loss on shaped links, uneven peers and churn: mesh int8/fp32 vs torch pipelining (root)",
 }
 ALIASES = {"square-cube": "square_cube"}
@@ -114,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # Ctrl-C works even where SIGINT was ignored (a background job)
     info = machine()
     print(
-        f"swarm bench: {', '.join(args.names)} on {info['cores']} cores ({info['cpu']}), load {info['load_avg_1m']}; results in {out}/",
+        (
+            f"swarm bench: {', '.join(args.names)} on {info['cores']} cores ({info['cpu']}), load "
+            f"{info['load_avg_1m']}; results in {out}/"
+        ),
         flush=True,
     )
     started, failed, markdown = time.monotonic(), [], []
@@ -137,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     total = time.monotonic() - started
     if args.markdown:
-        header = f"Command: `{command}`. Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, load {info['load_avg_1m']} at start. Date: {info['date_utc']} UTC. Total {total:.0f} s.\n\n"
+        header = (
+            f"Command: `{command}`. Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
+            f"load {info['load_avg_1m']} at start. Date: {info['date_utc']} UTC. Total {total:.0f} s.\n\n"
+        )
         Path(args.markdown).write_text(header + "\n".join(markdown))
     print(
         f"swarm bench: {len(args.names)} benches in {total:.0f} s"

@@ -53,7 +53,9 @@ from bench.workload import Workload
 COORD_PORT, SERVER_PORT, GLOO_PORT = 7000, 7100, 29500
 START_TIMEOUT_S = 240.0  # many processes import torch at once on 2 cores, some capped
 POLL_S = 0.25
-STALL_GRACE_S = 60.0  # a side this long past its budget in wall time (from its start) without the budget in training time has stalled: stopped
+# a side this long past its budget in wall time (from its start) without the budget in training time has
+# stalled: stopped
+STALL_GRACE_S = 60.0
 TRAINERS = ("t0", "t1", "t2", "t3")  # the peers trainers run in (stopped before the servers)
 HOMOGENEOUS_CPUS = 0.4  # per stage peer: 4 x 0.4 leaves the machine's rest to trainers, coordinator and the switch
 HETERO_UNIT = 1.6 / 24  # caps 1:1:2:2:2:4:4:4 of this many cores: 1.6 cores in all
@@ -82,7 +84,8 @@ class Scenario:
     churn: tuple[float, float] | None = None  # (kill a stage server every S, restart it S later)
     target_steps: int | None = None  # the target: the loss one process reaches after this many steps (None: the plan's)
     rebalance_every_s: float = 0.0  # the coordinator's rebalancing (0: off; one server per stage)
-    checkpoint_every_s: float = 0.0  # the mesh's checkpoints (0: none): a restarted server whose stage has no live replica resumes from the latest
+    # the mesh's checkpoints (0: none): a restarted server whose stage has no live replica resumes from the latest
+    checkpoint_every_s: float = 0.0
     sweep_mesh: bool = False  # sweep the mesh's trainers x in-flight here (else the last sweep's best)
     description: str = ""
 
@@ -130,7 +133,10 @@ def _homogeneous(rate: float, budget_s: float, sweep: bool = False) -> Scenario:
         rate,
         budget_s,
         sweep_mesh=sweep,
-        description=f"4 stages x 1 peer, every link {rate:g} Mbit/s and 10 ms (20 ms one way peer to peer), stage peers capped at {HOMOGENEOUS_CPUS} cores",
+        description=(
+            f"4 stages x 1 peer, every link {rate:g} Mbit/s and 10 ms (20 ms one way peer to peer), stage peers capped "
+            f"at {HOMOGENEOUS_CPUS} cores"
+        ),
     )
 
 
@@ -147,7 +153,10 @@ HETERO = Scenario(
     150.0,
     rebalance_every_s=10.0,
     sweep_mesh=True,
-    description="8 servers, CPU caps 1:1:2:2:2:4:4:4 (1.6 cores in all), links 10-100 Mbit/s mixed, 10 ms each; mesh: stages assigned and rebalanced by the coordinator",
+    description=(
+        "8 servers, CPU caps 1:1:2:2:2:4:4:4 (1.6 cores in all), links 10-100 Mbit/s mixed, 10 ms each; mesh: stages "
+        "assigned and rebalanced by the coordinator"
+    ),
 )
 FULL = Plan(
     work=Workload(d_model=256, n_layer=8, seq_len=64),  # microbatches of 8, 32 samples per global step
@@ -166,7 +175,10 @@ FULL = Plan(
             rebalance_every_s=10.0,
             target_steps=24,
             checkpoint_every_s=20.0,
-            description="heterogeneous, with a random stage server SIGKILLed every 60 s and restarted 30 s later; a later target, so that the runs see several kills",
+            description=(
+                "heterogeneous, with a random stage server SIGKILLed every 60 s and restarted 30 s later; a later "
+                "target, so that the runs see several kills"
+            ),
         ),
     ),
     target_steps=8,
@@ -491,7 +503,7 @@ class MeshSide(SideRun):
             )
             seen = self._follow(
                 watch,
-                lambda ev: ev.get("event") == "train.step" and ev.get("step", 0) >= done + steps,
+                lambda ev, until_step=done + steps: ev.get("event") == "train.step" and ev.get("step", 0) >= until_step,
                 START_TIMEOUT_S + 60 * steps,
             )
             times = {ev["step"]: ev["elapsed_s"] for ev in seen if ev.get("event") == "train.step"}
@@ -730,10 +742,8 @@ def run_scenario(
     with Arena(sc.peer_specs(trainers)) as arena:
         detail["links"] = _links(arena, sc, quick)
         detail["qdiscs"] = arena.qdiscs()
-        print(
-            f"arena {sc.name}: links {[(l['set_mbit'], l['mbit_s'], l['set_rtt_ms'], l['rtt_ms']) for l in detail['links']]}",
-            flush=True,
-        )
+        measured = [(x["set_mbit"], x["mbit_s"], x["set_rtt_ms"], x["rtt_ms"]) for x in detail["links"]]
+        print(f"arena {sc.name}: links {measured}", flush=True)
         rows = []
         setting = None if sc.sweep_mesh or best_mesh is None else best_mesh
         for codec in plan.codecs:
@@ -786,7 +796,10 @@ def run(ctx) -> BenchResult:
     )
     target = targets[plan.target_steps]
     print(
-        f"arena: target held-out losses {targets} (one process, after that many global steps, {time.monotonic() - started:.0f} s)",
+        (
+            f"arena: target held-out losses {targets} (one process, after that many global steps, "
+            f"{time.monotonic() - started:.0f} s)"
+        ),
         flush=True,
     )
     compute_s = stage_compute_s(plan.work, stages)
@@ -801,26 +814,35 @@ def run(ctx) -> BenchResult:
         details.append(detail)
     w = plan.work
     notes = [
-        f"model: {w.n_layer} layers, d_model {w.d_model}, {w.n_head} heads, byte vocabulary, seq {w.seq_len}; global steps of {w.samples_per_step} samples "
-        f"(mesh microbatches of {w.microbatch_size}); the stage servers' AdamW (lr warm-up 10 steps, each stage clipped to norm 1) on every side",
-        f"target: held-out loss {target:.4f}, what the same model reaches in one process after {plan.target_steps} global steps (churn: its own, below); "
-        f"every side evaluates the same 4 held-out microbatches every {plan.eval_every} steps; the mesh's evaluation counts when it ends (it runs beside "
-        "the training), pipelining's evaluations (between steps) are left out of its clock",
-        "tokens/s: tokens of the global steps done over their time; bytes/token: bytes all of a side's peers sent on their links (interface counters) per such token",
-        "mesh / pipelining time: pipelining's time to the target over the mesh's (above 1: the mesh got there sooner); tok/s likewise",
+        f"model: {w.n_layer} layers, d_model {w.d_model}, {w.n_head} heads, byte vocabulary, seq {w.seq_len}; global "
+        f"steps of {w.samples_per_step} samples (mesh microbatches of {w.microbatch_size}); the stage servers' AdamW "
+        "(lr warm-up 10 steps, each stage clipped to norm 1) on every side",
+        f"target: held-out loss {target:.4f}, what the same model reaches in one process after {plan.target_steps} "
+        "global steps (churn: its own, below); every side evaluates the same 4 held-out microbatches every "
+        f"{plan.eval_every} steps; the mesh's evaluation counts when it ends (it runs beside the training), "
+        "pipelining's evaluations (between steps) are left out of its clock",
+        (
+            "tokens/s: tokens of the global steps done over their time; bytes/token: bytes all of a side's peers sent "
+            "on their links (interface counters) per such token"
+        ),
+        (
+            "mesh / pipelining time: pipelining's time to the target over the mesh's (above 1: the mesh got there "
+            "sooner); tok/s likewise"
+        ),
     ]
     for d in details:
         links = "; ".join(
-            f"{l['set_mbit']:g} Mbit/s -> {l['mbit_s']}, RTT {l['set_rtt_ms']:g} -> {l['rtt_ms']} ms"
-            for l in d["links"]
+            f"{link['set_mbit']:g} Mbit/s -> {link['mbit_s']}, RTT {link['set_rtt_ms']:g} -> {link['rtt_ms']} ms"
+            for link in d["links"]
         )
         ratios = "; ".join(
             f"{h['link_mbit']:g} Mbit/s, {h['cpus']} cores: int8 {h['ratio_int8']}, fp32 {h['ratio_fp32']}"
             for h in d["hop_ratios"]
         )
         notes.append(
-            f"{d['scenario']['name']}: {d['scenario']['description']}; target {d['target']} (after {d['target_steps']} steps); pipelining ranks {', '.join(d['ranks'])}; links as measured (set -> measured): {links}; "
-            f"compute / transfer per hop: {ratios}"
+            f"{d['scenario']['name']}: {d['scenario']['description']}; target {d['target']} (after {d['target_steps']} "
+            f"steps); pipelining ranks {', '.join(d['ranks'])}; links as measured (set -> measured): {links}; compute "
+            f"/ transfer per hop: {ratios}"
         )
         for side in (*(f"mesh_{c}" for c in plan.codecs), "pipelining"):
             if d[side]["kills"]:

@@ -113,8 +113,14 @@ def run(ctx) -> BenchResult:
     ]
     rejoin = [f["rejoin_s"] for f in faults if f["rejoin_s"] is not None]
     notes = [
-        f"{plan.stages} stages x {plan.replicas} replicas (tiny model, int8 wire, averaging every {plan.average_every_s:.0f} s), one trainer with {plan.in_flight} microbatches in flight, in one run",
-        "live replica share: replica-seconds of the faulty window during which the replica was serving (a killed one counts as down until its replacement is in the registry)",
+        (
+            f"{plan.stages} stages x {plan.replicas} replicas (tiny model, int8 wire, averaging every "
+            f"{plan.average_every_s:.0f} s), one trainer with {plan.in_flight} microbatches in flight, in one run"
+        ),
+        (
+            "live replica share: replica-seconds of the faulty window during which the replica was serving (a killed "
+            "one counts as down until its replacement is in the registry)"
+        ),
         "kills: "
         + "; ".join(
             f"stage {f['stage']} at {f['at_s']:.0f} s, replacement listed after {f['rejoin_s']:.1f} s"

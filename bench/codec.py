@@ -105,7 +105,7 @@ def measure(quick: bool) -> list[dict]:
         gaussian = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
         nbytes = x.numel() * 4
         out = torch.empty_like(x)
-        copy_s, clone_s = timed(lambda: out.copy_(x), min_s), timed(lambda: x.clone(), min_s)
+        copy_s, clone_s = timed(lambda out=out, x=x: out.copy_(x), min_s), timed(lambda x=x: x.clone(), min_s)
         base = {"MiB": round(nbytes / 2**20, 2)}
         rows.append(
             {
@@ -136,7 +136,7 @@ def measure(quick: bool) -> list[dict]:
         ]
         trips += [("hivemind 8-bit", hivemind)] if hivemind else []
         for codec, trip in trips:
-            seconds = timed(lambda: trip(x), min_s)
+            seconds = timed(lambda trip=trip, x=x: trip(x), min_s)
             y, wire = trip(x)
             rows.append(
                 {
@@ -198,15 +198,24 @@ def run(ctx) -> BenchResult:
         "hivemind": NOT_INSTALLED if any(r["MB/s"] == NOT_INSTALLED for r in rows) else "measured",
     }
     notes = [
-        "MB/s: fp32 megabytes (1e6 B) of activation per second of encode+pack+unpack+decode, 1 thread, as the services run (glibc's default malloc); x memcpy: that speed over "
-        "a plain tensor copy's into a buffer allocated beforehand; memcpy, new buffer: the copy into freshly allocated memory (Tensor.clone)",
-        f"MB/s, buffers recycled: the same in a process started with GLIBC_TUNABLES={RECYCLE_TUNABLES}, where freed buffers of up to 32 MiB are reused "
-        "instead of being returned to the kernel and faulted in again page by page",
-        "rel. error: ||x - decoded|| / ||x|| on the activation-like tensor; error if Gaussian: the same on N(0, 1) values of the same shape; wire bytes: the whole msgpack body; fp32/wire: how many times fewer bytes than raw fp32",
-        "int8: linear blockwise absmax quantization, one bfloat16 absmax per block of 128 tokens of one channel (blocks down the columns), or per run of 128 "
-        "values when the tensor has fewer than 128 rows (the 0.39 MiB row: 100 tokens); int4: a seeded Hadamard rotation per block of 64 values, then 4-bit "
-        "absmax quantization with one bfloat16 absmax per block",
-        f"{DYNAMIC_INT8}: the int8 older peers send, still decoded: bitsandbytes blockwise dynamic quantization (block {DYNAMIC_BLOCK}, one fp32 absmax per block)",
+        "MB/s: fp32 megabytes (1e6 B) of activation per second of encode+pack+unpack+decode, 1 thread, as the services "
+        "run (glibc's default malloc); x memcpy: that speed over a plain tensor copy's into a buffer allocated "
+        "beforehand; memcpy, new buffer: the copy into freshly allocated memory (Tensor.clone)",
+        f"MB/s, buffers recycled: the same in a process started with GLIBC_TUNABLES={RECYCLE_TUNABLES}, where freed "
+        "buffers of up to 32 MiB are reused instead of being returned to the kernel and faulted in again page by page",
+        (
+            "rel. error: ||x - decoded|| / ||x|| on the activation-like tensor; error "
+            "if Gaussian: the same on N(0, 1) values of the same shape; wire bytes: the "
+            "whole msgpack body; fp32/wire: how many times fewer bytes than raw fp32"
+        ),
+        "int8: linear blockwise absmax quantization, one bfloat16 absmax per block of 128 tokens of one channel "
+        "(blocks down the columns), or per run of 128 values when the tensor has fewer than 128 rows (the 0.39 MiB "
+        "row: 100 tokens); int4: a seeded Hadamard rotation per block of 64 values, then 4-bit absmax quantization "
+        "with one bfloat16 absmax per block",
+        (
+            f"{DYNAMIC_INT8}: the int8 older peers send, still decoded: bitsandbytes blockwise dynamic quantization "
+            f"(block {DYNAMIC_BLOCK}, one fp32 absmax per block)"
+        ),
     ]
     return BenchResult(
         "codec",

@@ -28,10 +28,10 @@ from aiohttp import web
 from bench.pump import MeshClient
 from bench.report import BenchResult
 from services.coordinator.app import create_app as create_coordinator
-from services.local_swarm import free_port
 from services.stage_server.app import create_app as create_stage
 from services.trainer.trainer import Trainer
 from shared.config import CoordinatorSettings, StageServerSettings
+from shared.processes import free_port
 
 COLUMNS = [
     "wire",
@@ -164,7 +164,8 @@ async def train_one(plan: Plan, codec: str, replicas: int, trainers: int, sync: 
     failed = sum(x.microbatches_failed for x in summaries)
     if failed:
         raise RuntimeError(
-            f"{failed} microbatches failed with {codec} x{replicas}: {[x.failures[-1] for x in summaries if x.failures]}"
+            f"{failed} microbatches failed with {codec} x{replicas}: "
+            f"{[x.failures[-1] for x in summaries if x.failures]}"
         )
     first = summaries[0]
     curve = [
@@ -206,22 +207,32 @@ def run(ctx) -> BenchResult:
         row["vs fp32 x1"] = row["loss after"] / reference
     rows[1]["wire"] = "fp32 (again)"
     notes = [
-        f"tiny model ({plan.stages} stages), {plan.samples} samples of {plan.seq_len} tokens in global steps of {plan.global_batch} samples, "
-        f"{plan.in_flight} microbatches in flight (all trainers together); loss: mean cross-entropy on 4 held-out microbatches (nats per byte)",
-        "2 replicas/stage x 2 trainers: every stage's replicas all-reduce each global step's gradients and take the same AdamW step; "
-        "the trainers take alternate microbatches of the same sequence",
-        f"sync local (DiLoCo): each replica takes its inner AdamW step on its own samples, and every {plan.local_steps} global steps the replicas "
-        "all-reduce what they learned and take an outer Nesterov step (lr 0.7, momentum 0.5); sync bytes/sample: what the stage servers sent in "
-        "their step rounds, all together, per trained sample",
-        "wire: the codec of the activations and gradients between the trainer and the stages, both ways (int8: linear blockwise, one bfloat16 "
-        "absmax per block of 128 tokens of a channel; int4: 4-bit after a seeded Hadamard rotation per block of 64 values)",
-        "one run per configuration, fp32 x1 twice: the order in which asynchronous microbatches finish varies from run to run, so the two show the noise a difference must exceed",
-        "training loss against samples and against wall time: the 'curve' of each row in the JSON (the first trainer's mean loss per global step, and when it saw the step done)",
+        f"tiny model ({plan.stages} stages), {plan.samples} samples of {plan.seq_len} tokens in global steps of "
+        f"{plan.global_batch} samples, {plan.in_flight} microbatches in flight (all trainers together); loss: mean "
+        "cross-entropy on 4 held-out microbatches (nats per byte)",
+        "2 replicas/stage x 2 trainers: every stage's replicas all-reduce each global step's gradients and take the "
+        "same AdamW step; the trainers take alternate microbatches of the same sequence",
+        "sync local (DiLoCo): each replica takes its inner AdamW step on its own samples, and every "
+        f"{plan.local_steps} global steps the replicas all-reduce what they learned and take an outer Nesterov step "
+        "(lr 0.7, momentum 0.5); sync bytes/sample: what the stage servers sent in their step rounds, all together, "
+        "per trained sample",
+        "wire: the codec of the activations and gradients between the trainer and the stages, both ways (int8: linear "
+        "blockwise, one bfloat16 absmax per block of 128 tokens of a channel; int4: 4-bit after a seeded Hadamard "
+        "rotation per block of 64 values)",
+        (
+            "one run per configuration, fp32 x1 twice: the order in which asynchronous microbatches finish varies from "
+            "run to run, so the two show the noise a difference must exceed"
+        ),
+        (
+            "training loss against samples and against wall time: the 'curve' of each row in the JSON (the first "
+            "trainer's mean loss per global step, and when it saw the step done)"
+        ),
     ]
     summary = {
-        f"{r['wire'].split()[0]}{'_again' if 'again' in r['wire'] else ''}_x{r['replicas/stage']}{'_local' if r['sync'] == 'local' else ''}_vs_fp32": r[
-            "vs fp32 x1"
-        ]
+        (
+            f"{r['wire'].split()[0]}{'_again' if 'again' in r['wire'] else ''}_x{r['replicas/stage']}"
+            f"{'_local' if r['sync'] == 'local' else ''}_vs_fp32"
+        ): r["vs fp32 x1"]
         for r in rows
     }
     table = [{k: v for k, v in r.items() if k != "curve"} for r in rows]

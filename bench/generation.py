@@ -118,10 +118,22 @@ def run(ctx) -> BenchResult:
         for way in ("session (KV cache)", "no cache (whole prefix)")
     }
     notes = [
-        f"a GPT of d_model {DIMS['d_model']}, {DIMS['n_layer']} layers, {DIMS['n_head']} heads, byte vocabulary, cut into {NUM_STAGES} stage servers (own processes, 1 thread each) on loopback, fp32 wire",
-        f"per context: a prompt of that many tokens, then {tokens} new tokens greedily, one step each; ms/token: the median step (all four stages, HTTP included)",
-        "session: the servers keep each layer's keys and values; no cache: every step sends the whole prefix and every position is computed again",
-        f"from {first} to {last} tokens of context the time per token grows {growth['session (KV cache)']:.2f}x with sessions and {growth['no cache (whole prefix)']:.2f}x without",
+        (
+            f"a GPT of d_model {DIMS['d_model']}, {DIMS['n_layer']} layers, {DIMS['n_head']} heads, byte vocabulary, "
+            f"cut into {NUM_STAGES} stage servers (own processes, 1 thread each) on loopback, fp32 wire"
+        ),
+        (
+            f"per context: a prompt of that many tokens, then {tokens} new tokens greedily, one step each; ms/token: "
+            "the median step (all four stages, HTTP included)"
+        ),
+        (
+            "session: the servers keep each layer's keys and values; no cache: every step sends the whole prefix and "
+            "every position is computed again"
+        ),
+        (
+            f"from {first} to {last} tokens of context the time per token grows {growth['session (KV cache)']:.2f}x "
+            f"with sessions and {growth['no cache (whole prefix)']:.2f}x without"
+        ),
     ]
     summary = {f"growth {way}": g for way, g in growth.items()} | {
         f"x session at {last}": by[(last, "no cache (whole prefix)")]["x session"]

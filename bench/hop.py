@@ -120,9 +120,18 @@ def run(ctx) -> BenchResult:
         row["hivemind"] = hivemind
     at_1mib = next((r for r in rows if r["KiB"] == 1024 and r["codec"] == "int8"), rows[-1])
     notes = [
-        f"a hop = POST /forward + POST /backward of one stage holding one block ({DIMS['d_model']} wide) in its own process; activation (B, T, {DIMS['d_model']}) of KiB fp32 bytes",
-        "medians over the hops; compute ms: the server's own forward+backward compute in that hop (its /health stats); other = hop - compute: server codec, msgpack, HTTP on loopback, event loops, client",
-        f"hops/s: one after another; hops/s x{CONCURRENT}: {CONCURRENT} hops in flight at once (the server computes one at a time, decoding and encoding the others meanwhile)",
+        (
+            f"a hop = POST /forward + POST /backward of one stage holding one block ({DIMS['d_model']} wide) in its "
+            f"own process; activation (B, T, {DIMS['d_model']}) of KiB fp32 bytes"
+        ),
+        (
+            "medians over the hops; compute ms: the server's own forward+backward compute in that hop (its /health "
+            "stats); other = hop - compute: server codec, msgpack, HTTP on loopback, event loops, client"
+        ),
+        (
+            f"hops/s: one after another; hops/s x{CONCURRENT}: {CONCURRENT} hops in flight at once (the server "
+            "computes one at a time, decoding and encoding the others meanwhile)"
+        ),
     ]
     summary = {"int8_hop_ms_1MiB": at_1mib["hop ms"], "int8_other_ms_1MiB": at_1mib["other ms"], "hivemind": hivemind}
     return BenchResult(

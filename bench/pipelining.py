@@ -29,8 +29,8 @@ from bench.processes import BenchProcesses, run_id
 from bench.report import BenchResult
 from bench.square_cube import mesh_figures, plan
 from bench.workload import Workload
-from services.local_swarm import free_port
 from shared.model import build_gpt, build_stage
+from shared.processes import free_port
 
 TIMEOUT_S = 900.0
 COLUMNS = [
@@ -90,7 +90,7 @@ def worker(rank: int, world: int, port: int, plan_items: list[dict], out: Path) 
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 if step == 0 and losses:
-                    first_loss = float(torch.stack([l.detach() for l in losses]).mean())
+                    first_loss = float(torch.stack([loss.detach() for loss in losses]).mean())
             dist.barrier()
             results.append(
                 {
@@ -186,11 +186,20 @@ def run(ctx) -> BenchResult:
         rows.append(row)
     w = works[0][0]
     notes = [
-        f"the same model ({w.n_layer} layers, seq {w.seq_len}), microbatches of {w.microbatch_size} and steps of {w.samples_per_step} samples on both sides; {stages} processes x 1 thread each",
-        "pipelining: torch.distributed.pipelining, gloo on 127.0.0.1, Schedule1F1B, a synchronous step (the pipeline fills and drains every step); mesh: int8 wire, asynchronous, "
-        f"{in_flight} microbatches in flight",
-        "CPU s/token: CPU seconds of all of a side's processes per token trained; mesh / pipelining per CPU s: tokens per CPU second of the mesh over pipelining's (independent of what else runs on the machine)",
-        "loss check: the first step's loss under pipelining against the same model in one process (the same work; smallest size only)",
+        (
+            f"the same model ({w.n_layer} layers, seq {w.seq_len}), microbatches of {w.microbatch_size} and steps of "
+            f"{w.samples_per_step} samples on both sides; {stages} processes x 1 thread each"
+        ),
+        "pipelining: torch.distributed.pipelining, gloo on 127.0.0.1, Schedule1F1B, a synchronous step (the pipeline "
+        f"fills and drains every step); mesh: int8 wire, asynchronous, {in_flight} microbatches in flight",
+        (
+            "CPU s/token: CPU seconds of all of a side's processes per token trained; mesh / pipelining per CPU s: "
+            "tokens per CPU second of the mesh over pipelining's (independent of what else runs on the machine)"
+        ),
+        (
+            "loss check: the first step's loss under pipelining against the same model in one process (the same work; "
+            "smallest size only)"
+        ),
     ]
     if error:
         notes.append(f"torch.distributed.pipelining could not run here: {error}")

@@ -1,5 +1,8 @@
 """Child processes of a bench: coordinators and stage servers on explicit loopback ports.
 
+The generic helpers (free ports, waiting for ``/health``, stopping) are in
+:mod:`shared.processes`; what is here is the bench's own: its children's settings and CPU time.
+
 Every child runs in its own session with ``SWARM_*`` settings given here only (the
 caller's own ``SWARM_*`` variables do not leak in), mDNS off, one torch thread, and logs
 in the bench's log directory. :class:`BenchProcesses` is a context manager: leaving it,
@@ -15,9 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.local_swarm import free_port, stop_processes, wait_healthy
+from shared.processes import STOP_GRACE_S, free_port, stop_processes, wait_healthy
 
-STOP_GRACE_S = 10.0
 START_TIMEOUT_S = 180.0  # many children import torch at once on 2 cores
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _ROOT = str(Path(__file__).resolve().parent.parent)  # children import ``bench`` from here

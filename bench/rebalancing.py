@@ -97,12 +97,23 @@ def run(ctx) -> BenchResult:
         },
     ]
     notes = [
-        f"2 stages, 3 replicas of speeds 1:2:4 (injected {plan.base_delay_s * 4:.2f}/{plan.base_delay_s * 2:.2f}/{plan.base_delay_s:.2f} s per forward of work), tiny model, microbatch {plan.microbatch_size} x {plan.seq_len}, {plan.in_flight} in flight",
-        f"start and best: {plan.window_s:.0f} s windows in a swarm without coordinator whose servers hold both assignments; after: {plan.window_s:.0f} s once the moved server rejoined, in the rebalancing swarm",
-        f"coordinator checks every {plan.rebalance_every_s} s; a move needs the same move on 2 consecutive checks; best minimum capacity by exhaustive search: {best_capacity:g} speed units, vs 1 at the start",
         (
-            f"the move was ordered {moved['move_after_s']:.1f} s after training started ({moved['move_after_s'] / plan.rebalance_every_s:.1f} periods), at {_figure(moved['before'])} tokens/s until then; "
-            f"the moved server was serving its new stage {moved['rejoin_s']:.1f} s later"
+            "2 stages, 3 replicas of speeds 1:2:4 (injected "
+            f"{plan.base_delay_s * 4:.2f}/{plan.base_delay_s * 2:.2f}/{plan.base_delay_s:.2f} s per forward of work), "
+            f"tiny model, microbatch {plan.microbatch_size} x {plan.seq_len}, {plan.in_flight} in flight"
+        ),
+        (
+            f"start and best: {plan.window_s:.0f} s windows in a swarm without coordinator whose servers hold both "
+            f"assignments; after: {plan.window_s:.0f} s once the moved server rejoined, in the rebalancing swarm"
+        ),
+        (
+            f"coordinator checks every {plan.rebalance_every_s} s; a move needs the same move on 2 consecutive checks; "
+            f"best minimum capacity by exhaustive search: {best_capacity:g} speed units, vs 1 at the start"
+        ),
+        (
+            f"the move was ordered {moved['move_after_s']:.1f} s after training started "
+            f"({moved['move_after_s'] / plan.rebalance_every_s:.1f} periods), at {_figure(moved['before'])} tokens/s "
+            f"until then; the moved server was serving its new stage {moved['rejoin_s']:.1f} s later"
         )
         if moved["move_after_s"] is not None
         else f"no move within {plan.move_timeout_s} s",

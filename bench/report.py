@@ -39,9 +39,9 @@ def machine() -> dict:
     try:
         cpu = next(
             (
-                l.split(":", 1)[1].strip()
-                for l in Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
             ),
             "",
         )
@@ -80,7 +80,10 @@ def format_table(result: BenchResult) -> str:
     """The rows as an aligned text table, notes after it."""
     cells = [[_cell(row.get(c)) for c in result.columns] for row in result.rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(result.columns)]
-    line = lambda values: "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths)))
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths)))
+
     out = [
         f"== {result.name}: {result.title} ({result.elapsed_s:.0f} s)",
         line(result.columns),

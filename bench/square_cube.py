@@ -90,12 +90,20 @@ def run(ctx) -> BenchResult:
         )
     w = works[0][0]
     notes = [
-        f"{w.n_layer} layers, seq {w.seq_len}, microbatch {w.microbatch_size}, AdamW every {w.samples_per_step} samples; mesh: {stages} stages x 1 replica, {CODEC} wire, {in_flight} microbatches in flight",
-        f"1 process: the faster of 1 and {n_cores} torch threads (the machine's cores; the mesh's 4 processes share them too): on a busy machine {n_cores} threads can be slower than 1; "
-        "the one-thread run's CPU per token is the compute share's yardstick",
-        "CPU efficiency: the model's compute over all the CPU the mesh's processes used (1.0 = no overhead); unlike tokens/s it does not depend on what else runs on the machine",
-        "shares of the mesh's core-seconds (cores x window): compute (model math), recompute (forwards recomputed in backward because the stage stepped while the microbatch was in flight), comm (codec, msgpack, HTTP, Python around them), idle (stages waiting for work), "
-        "others (CPU taken by other processes on the machine)",
+        (
+            f"{w.n_layer} layers, seq {w.seq_len}, microbatch {w.microbatch_size}, AdamW every {w.samples_per_step} "
+            f"samples; mesh: {stages} stages x 1 replica, {CODEC} wire, {in_flight} microbatches in flight"
+        ),
+        f"1 process: the faster of 1 and {n_cores} torch threads (the machine's cores; the mesh's 4 processes share "
+        f"them too): on a busy machine {n_cores} threads can be slower than 1; the one-thread run's CPU per token is "
+        "the compute share's yardstick",
+        (
+            "CPU efficiency: the model's compute over all the CPU the mesh's processes used (1.0 = no overhead); "
+            "unlike tokens/s it does not depend on what else runs on the machine"
+        ),
+        "shares of the mesh's core-seconds (cores x window): compute (model math), recompute (forwards recomputed in "
+        "backward because the stage stepped while the microbatch was in flight), comm (codec, msgpack, HTTP, Python "
+        "around them), idle (stages waiting for work), others (CPU taken by other processes on the machine)",
     ]
     summary = {f"ratio_d{r['d_model']}": r["mesh / 1 process"] for r in rows} | {
         f"cpu_efficiency_d{r['d_model']}": r["CPU efficiency"] for r in rows

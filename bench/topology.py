@@ -165,7 +165,10 @@ def small_instance_rows(quick: bool) -> list[dict]:
             _row(
                 f"planner: {len(ratios)} small instances, {model} cost, vs exhaustive",
                 "<= 1.05x on 90%, <= 1.02x mean",
-                f"mean {np.mean(ratios):.4f}x, max {max(ratios):.4f}x, {within:.0%} within 5%; random {np.mean(random_ratios):.2f}x",
+                (
+                    f"mean {np.mean(ratios):.4f}x, max {max(ratios):.4f}x, {within:.0%} within 5%; random "
+                    f"{np.mean(random_ratios):.2f}x"
+                ),
                 time.perf_counter() - started,
                 within >= 0.9 and np.mean(ratios) <= 1.02,
             )
@@ -261,7 +264,10 @@ def replan_rows(quick: bool, draws: int | None = None) -> list[dict]:
             _row(
                 f"replan: 25% churn (16 leave, 16 join), {name}",
                 "<= 1.05x fresh, <= 12 of 64 moved",
-                f"{passed}/{draws} draws pass; ratio mean {np.mean(ratios):.3f} max {max(ratios):.3f}; moves max {max(moves)}",
+                (
+                    f"{passed}/{draws} draws pass; ratio mean {np.mean(ratios):.3f} "
+                    f"max {max(ratios):.3f}; moves max {max(moves)}"
+                ),
                 time.perf_counter() - started,
                 passed == draws,
             )
@@ -330,9 +336,10 @@ def simulator_rows(quick: bool) -> list[dict]:
             _row(
                 f"simulator: {peers} peers, {config.duration_s:g} s, lifetime {config.mean_lifetime_s:g} s, {mode}",
                 "< 60 s of CPU" if mode == "swarm" else "stops under preemption",
-                f"{report.cpu_s:.1f} s CPU ({report.planner_s:.1f} s planner wall), {report.tokens_per_s:,.0f} tokens/s, "
-                f"second half {kept:.0%} of the best window, last window {windows[-1]:,.0f}, lost work "
-                f"{report.lost_work_fraction:.1%}, {report.deaths} deaths, {report.moves} moves, {report.events:,} events",
+                f"{report.cpu_s:.1f} s CPU ({report.planner_s:.1f} s planner wall), "
+                f"{report.tokens_per_s:,.0f} tokens/s, second half {kept:.0%} of the best window, "
+                f"last window {windows[-1]:,.0f}, lost work {report.lost_work_fraction:.1%}, "
+                f"{report.deaths} deaths, {report.moves} moves, {report.events:,} events",
                 report.wall_s,
                 report.cpu_s < 60 if mode == "swarm" else windows[-1] <= 0.1 * max(windows),
             )

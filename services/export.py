@@ -110,7 +110,8 @@ def export_hf(
     tok = save_tokenizer(tokenizer, out_dir, model_max_length=cfg.block_size) if tokenizer else None
     if tok is not None and tok.vocab_size > cfg.vocab_size:
         raise ValueError(
-            f"the tokenizer {tok.name} has {tok.vocab_size} tokens, more than the model's vocabulary of {cfg.vocab_size} (--tokenizer)"
+            f"the tokenizer {tok.name} has {tok.vocab_size} tokens, more than the model's vocabulary of "
+            f"{cfg.vocab_size} (--tokenizer)"
         )
     ids = (
         {"bos_token_id": tok.bos_id if tok.bos_id is not None else tok.eos_id, "eos_token_id": tok.eos_id}
@@ -153,14 +154,18 @@ def main(argv: list[str] | None = None) -> int:
         "--max-shard-mb",
         type=float,
         default=DEFAULT_MAX_SHARD_MB,
-        help=f"--format hf: largest safetensors file in MiB before the weights are sharded (default {DEFAULT_MAX_SHARD_MB})",
+        help=(
+            "--format hf: largest safetensors file in MiB before the weights are sharded (default "
+            f"{DEFAULT_MAX_SHARD_MB})"
+        ),
     )
     args = p.parse_args(argv)
     try:
         ckpt = find_checkpoint(args.checkpoint_dir, args.step)
         if args.format == "hf":
             written = export_hf(ckpt, args.out, tokenizer=args.tokenizer, max_shard_mb=args.max_shard_mb)
-            out = f"{args.out} ({len(written)} model files{'' if args.tokenizer else '; no tokenizer: give --tokenizer for AutoTokenizer'})"
+            no_tokenizer = "" if args.tokenizer else "; no tokenizer: give --tokenizer for AutoTokenizer"
+            out = f"{args.out} ({len(written)} model files{no_tokenizer})"
         else:
             out = export(ckpt, args.out)
     except (IncompleteCheckpoint, ValueError) as exc:

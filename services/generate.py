@@ -131,7 +131,8 @@ async def run(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> int:
                 raise ValueError("the prompt is empty")
             if len(ids) + params.max_tokens > cfg.block_size:
                 raise ValueError(
-                    f"{len(ids)} prompt tokens + --max-tokens {params.max_tokens} exceed the model's {cfg.block_size} positions"
+                    f"{len(ids)} prompt tokens + --max-tokens {params.max_tokens} "
+                    f"exceed the model's {cfg.block_size} positions"
                 )
         except (LookupError, ValueError, KeyError, RemoteError) as exc:
             print(f"swarm generate: {exc}", file=err)
@@ -189,7 +190,10 @@ async def run(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> int:
         else:
             out.write(tail + "\n")
             print(
-                f"[{stats['tokens']} tokens in {elapsed:.2f} s, {stats['tokens_per_s']} tokens/s; failovers {stats['failovers']}; weights at global step(s) {stats['weights_steps']}]",
+                (
+                    f"[{stats['tokens']} tokens in {elapsed:.2f} s, {stats['tokens_per_s']} tokens/s; failovers "
+                    f"{stats['failovers']}; weights at global step(s) {stats['weights_steps']}]"
+                ),
                 file=err,
             )
         return 0

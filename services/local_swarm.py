@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,76 +35,10 @@ from shared.codec import FLOAT_CODECS
 from shared.config import CommonSettings
 from shared.http import urlopen_swarm
 from shared.model import PRESETS
+from shared.processes import LocalProcesses, free_port, wait_healthy
 
-STOP_GRACE_S = 10.0
 PROGRESS_POLL_S = 0.5  # how often the trainers' metrics files are read for the progress display
 PROGRESS_EVERY_STEPS = 10  # a plain progress line every this many steps (no terminal)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class LocalProcesses:
-    """Child processes started in their own sessions and stopped, all of them, on exit."""
-
-    def __init__(self, run_dir: Path):
-        self.run_dir = run_dir
-        self.procs: dict[str, subprocess.Popen] = {}
-        self._logs: list = []
-
-    def start(self, name: str, args: list[str], env: dict[str, str], *, log_to_file: bool = True) -> subprocess.Popen:
-        out = open(self.run_dir / f"{name}.log", "wb") if log_to_file else None
-        if out:
-            self._logs.append(out)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", *args],
-            env={**os.environ, **env},
-            stdout=out,
-            stderr=subprocess.STDOUT if out else None,
-            start_new_session=True,
-        )
-        self.procs[name] = proc
-        return proc
-
-    def stop_all(self) -> None:
-        """Trainers and servers first, then the coordinator, so that servers can deregister."""
-        last = [p for name, p in self.procs.items() if name == "coordinator"]
-        stop_processes([p for p in self.procs.values() if p not in last])
-        stop_processes(last)
-        for f in self._logs:
-            f.close()
-
-
-def stop_processes(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM, then SIGKILL what still runs after ``grace_s``."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with status {proc.returncode} before it was healthy")
-        try:
-            with urlopen_swarm(_security(), url + "/health", timeout_s=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)  # polling a child process's readiness, bounded by the deadline
-    raise RuntimeError(f"{url} not healthy within {timeout_s} s")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -118,7 +51,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--steps",
         type=int,
         default=200,
-        help="global steps to train, all trainers together: each step is --global-batch samples and one AdamW step of every stage, whatever the replicas and trainers (default 200)",
+        help=(
+            "global steps to train, all trainers together: each step is --global-batch samples and one AdamW step of "
+            "every stage, whatever the replicas and trainers (default 200)"
+        ),
     )
     p.add_argument(
         "--model",
@@ -128,7 +64,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--tokenizer",
         default="",
-        help="a tokenizer.json or a directory holding one (swarm tokenizer train); default: the model directory's, or bytes for the byte-level presets",
+        help=(
+            "a tokenizer.json or a directory holding one (swarm tokenizer train); default: the model directory's, or "
+            "bytes for the byte-level presets"
+        ),
     )
     p.add_argument("--wire-codec", default="int8", choices=FLOAT_CODECS)
     p.add_argument(
@@ -141,8 +80,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sync",
         default=os.environ.get("SWARM_SYNC", "global"),
         choices=("global", "local"),
-        help="'global': a stage's replicas all-reduce every step's gradient; 'local' (DiLoCo): each steps on its own samples and every "
-        "--local-steps steps they average what they learned in an outer step (SWARM_OUTER_LR, SWARM_OUTER_MOMENTUM) (default: SWARM_SYNC, else global)",
+        help=(
+            "'global': a stage's replicas all-reduce every step's gradient; 'local' (DiLoCo): each steps on its own "
+            "samples and every --local-steps steps they average what they learned in an outer step (SWARM_OUTER_LR, "
+            "SWARM_OUTER_MOMENTUM) (default: SWARM_SYNC, else global)"
+        ),
     )
     p.add_argument(
         "--local-steps",
@@ -157,7 +99,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--routing",
         default=os.environ.get("SWARM_ROUTING", "chain"),
         choices=("chain", "relay"),
-        help="'chain': the stage servers pass activations and gradients to each other, the trainers send token ids; 'relay': the trainers carry every tensor between stages (default: SWARM_ROUTING, else chain)",
+        help=(
+            "'chain': the stage servers pass activations and gradients to each other, the trainers send token ids; "
+            "'relay': the trainers carry every tensor between stages (default: SWARM_ROUTING, else chain)"
+        ),
     )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument(
@@ -186,18 +131,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--generate",
         default="",
         metavar="PROMPT",
-        help="after training, continue PROMPT through the live swarm (greedy, --generate-tokens tokens) and print the text",
+        help=(
+            "after training, continue PROMPT through the live swarm "
+            "(greedy, --generate-tokens tokens) and print the text"
+        ),
     )
     p.add_argument("--generate-tokens", type=int, default=64, help="tokens --generate generates (default 64)")
     p.add_argument(
         "--serve",
         action="store_true",
-        help="after training, keep the coordinator and the stage servers up until Ctrl-C: swarm generate, the dashboard's prompt box and /v1/completions use the trained model",
+        help=(
+            "after training, keep the coordinator and the stage servers up until Ctrl-C: swarm generate, the "
+            "dashboard's prompt box and /v1/completions use the trained model"
+        ),
     )
     p.add_argument(
         "--progress",
         default=os.environ.get("SWARM_PROGRESS", "auto"),
-        help="'bar' (live, even into a pipe), 'off', or 'auto': a bar on a terminal, else a plain line every 10 steps (default: SWARM_PROGRESS, else auto)",
+        help=(
+            "'bar' (live, even into a pipe), 'off', or 'auto': a bar on a terminal, else a plain line every 10 steps "
+            "(default: SWARM_PROGRESS, else auto)"
+        ),
     )
     args = p.parse_args(argv)
     if args.local_steps < 1:
@@ -250,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, url in servers.items():
             wait_healthy(url, procs.procs[name], args.ready_timeout_s)
         print(
-            f"swarm up: coordinator {coordinator}, {args.stages} stages x {args.replicas} replicas healthy; logs in {run_dir}/",
+            (
+                f"swarm up: coordinator {coordinator}, {args.stages} stages x {args.replicas} replicas healthy; logs "
+                f"in {run_dir}/"
+            ),
             flush=True,
         )
         print(f"swarm up: live dashboard at {coordinator}/ ; metrics at {coordinator}/metrics", flush=True)
@@ -460,13 +417,17 @@ def report_trainers(trainers: list[subprocess.Popen], run_dir: Path) -> None:
         if summary_file.exists():
             s = json.loads(summary_file.read_text())
             print(
-                f"swarm up: trainer{suffix}: {s['steps']} steps, {s['microbatches_completed']}/{s['microbatches_scheduled']} microbatches, "
-                f"{s['tokens_per_s']:,.0f} tokens/s, held-out loss {s['eval_loss_before']:.3f} -> {s['eval_loss_after']:.3f} ({summary_file})",
+                f"swarm up: trainer{suffix}: {s['steps']} steps, "
+                f"{s['microbatches_completed']}/{s['microbatches_scheduled']} microbatches, {s['tokens_per_s']:,.0f} "
+                f"tokens/s, held-out loss {s['eval_loss_before']:.3f} -> {s['eval_loss_after']:.3f} ({summary_file})",
                 flush=True,
             )
         if proc.returncode:
             print(
-                f"swarm up: trainer{suffix} exited with status {proc.returncode}: see {run_dir / f'trainer{suffix}.log'}",
+                (
+                    f"swarm up: trainer{suffix} exited with status {proc.returncode}: see "
+                    f"{run_dir / f'trainer{suffix}.log'}"
+                ),
                 file=sys.stderr,
                 flush=True,
             )

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"swarm tokenizer: {exc}", file=sys.stderr)
         return 2
     print(
-        f"swarm tokenizer: wrote {tok.file} ({tok.vocab_size} tokens, end of text id {tok.eos_id}) in {time.perf_counter() - started:.1f} s"
+        f"swarm tokenizer: wrote {tok.file} ({tok.vocab_size} tokens, end of text id {tok.eos_id}) in "
+        f"{time.perf_counter() - started:.1f} s"
     )
     return 0
 

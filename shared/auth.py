@@ -62,7 +62,8 @@ def load_secret(secret: str = "", secret_file: str = "") -> bytes | None:
         return None
     if len(secret) < MIN_SECRET_LEN:
         raise ValueError(
-            f"the swarm secret must be at least {MIN_SECRET_LEN} characters (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+            f"the swarm secret must be at least {MIN_SECRET_LEN} characters (e.g. `python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))'`)"
         )
     return secret.encode()
 

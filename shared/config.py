@@ -13,6 +13,7 @@ import sys
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.codec import DEFAULT_INT8_BLOCK, FLOAT_CODECS, INT8_BLOCK_SIZES
@@ -20,6 +21,16 @@ from shared.model import PRESETS, ModelConfig, config_from_preset
 
 Codec = Literal["fp32", "fp16", "bf16", "int8", "int4"]
 assert set(Codec.__args__) == set(FLOAT_CODECS)
+
+# ``json_schema_extra`` of a fault-injection setting (``inject_*``): read from SWARM_* and its
+# flag like any other, but for the tests only, and left out of the production CLIs' --help.
+TEST_ONLY = {"test_only": True}
+
+
+def is_test_only(field: FieldInfo) -> bool:
+    """Whether ``field`` is a test-only (fault-injection) setting."""
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("test_only"))
 
 
 class CommonSettings(BaseSettings):
@@ -34,7 +45,10 @@ class CommonSettings(BaseSettings):
     device: str = "cpu"
     secret: SecretStr = Field(
         SecretStr(""),
-        description="the swarm's shared secret: every request but GET /health and /metrics is signed with it (HMAC); empty: no signing",
+        description=(
+            "the swarm's shared secret: every request but GET /health "
+            "and /metrics is signed with it (HMAC); empty: no signing"
+        ),
     )
     secret_file: str = Field("", description="file holding the swarm's secret (instead of SWARM_SECRET)")
     auth_max_skew_s: float = Field(
@@ -47,7 +61,10 @@ class CommonSettings(BaseSettings):
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file")
     tls_ca_file: str = Field(
         "",
-        description="PEM certificates trusted when calling other services (e.g. a self-signed swarm certificate); empty: the system's",
+        description=(
+            "PEM certificates trusted when calling other services (e.g. "
+            "a self-signed swarm certificate); empty: the system's"
+        ),
     )
 
     def secret_bytes(self) -> bytes | None:
@@ -99,7 +116,11 @@ class ModelSettings(CommonSettings):
 
     model: str = Field(
         "tiny",
-        description="a model preset (tiny, small, base, medium, large, xl; llama-tiny, llama-10m, llama-135m, llama-1b, llama-7b) or a Hugging Face model directory (config.json + safetensors); members of a run compare the model's config, not the path",
+        description=(
+            "a model preset (tiny, small, base, medium, large, xl; llama-tiny, llama-10m, llama-135m, llama-1b, "
+            "llama-7b) or a Hugging Face model directory (config.json + safetensors); members of a run compare the "
+            "model's config, not the path"
+        ),
     )
     num_stages: int = Field(4, ge=1, le=1024)
     seed: int = Field(0, ge=0, lt=2**31)
@@ -117,7 +138,8 @@ class ModelSettings(CommonSettings):
             read_hf_config(v)  # a missing or unsupported config.json fails here, naming the file
             return v
         raise ValueError(
-            f"SWARM_MODEL must be one of {sorted(PRESETS)} or a Hugging Face model directory (config.json + safetensors), got {v!r}"
+            f"SWARM_MODEL must be one of {sorted(PRESETS)} or a Hugging Face model directory (config.json + "
+            f"safetensors), got {v!r}"
         )
 
     @field_validator("int8_block")
@@ -144,7 +166,10 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     global_batch: int = Field(
         32,
         ge=1,
-        description="samples of one global step: the replicas of a stage together accumulate this many, all-reduce their gradients and take the same AdamW step; the same on every server of a run",
+        description=(
+            "samples of one global step: the replicas of a stage together accumulate this many, all-reduce their "
+            "gradients and take the same AdamW step; the same on every server of a run"
+        ),
     )
     warmup_steps: int = Field(10, ge=0, description="global steps of linear learning-rate warm-up")
     lr_schedule: Literal["constant", "cosine"] = Field(
@@ -164,7 +189,11 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     )
     sync: Literal["global", "local"] = Field(
         "global",
-        description="'global': the replicas of a stage all-reduce every global step's gradient and take the same step; 'local' (DiLoCo, for very slow links): each replica steps on the samples it served, and every local_steps steps the replicas average what they learned and take an outer Nesterov step; the same on every server of a run",
+        description=(
+            "'global': the replicas of a stage all-reduce every global step's gradient and take the same step; 'local' "
+            "(DiLoCo, for very slow links): each replica steps on the samples it served, and every local_steps steps "
+            "the replicas average what they learned and take an outer Nesterov step; the same on every server of a run"
+        ),
     )
     local_steps: int = Field(
         10, ge=1, le=100_000, description="sync=local: global steps between outer steps (DiLoCo's H)"
@@ -173,19 +202,28 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
         0.7,
         gt=0,
         le=10,
-        description="sync=local: learning rate of the outer step (1 with outer_momentum 0: plain averaging of the replicas' weights)",
+        description=(
+            "sync=local: learning rate of the outer step (1 with "
+            "outer_momentum 0: plain averaging of the replicas' weights)"
+        ),
     )
     outer_momentum: float = Field(
         0.5,
         ge=0,
         lt=1,
-        description="sync=local: Nesterov momentum of the outer step (DiLoCo's 0.9 is tuned for hundreds of local steps; at 10, 0.5 measured best, see docs/architecture.md)",
+        description=(
+            "sync=local: Nesterov momentum of the outer step (DiLoCo's 0.9 is tuned for hundreds of local steps; at "
+            "10, 0.5 measured best, see docs/architecture.md)"
+        ),
     )
     max_staleness: int = Field(
         1,
         ge=0,
         le=1000,
-        description="a backward whose forward ran here more than this many global steps ago is refused (409 stale_forward) and the trainer runs the microbatch again",
+        description=(
+            "a backward whose forward ran here more than this many global steps ago is refused (409 stale_forward) and "
+            "the trainer runs the microbatch again"
+        ),
     )
     max_body_mb: float = Field(128.0, gt=0, description="largest request body accepted (413 past it)")
     max_queue: int = Field(64, ge=1, description="requests queued for compute before 503")
@@ -193,17 +231,26 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     chain_held_mb: float = Field(
         1024.0,
         gt=0,
-        description="chain routing: megabytes that chains in progress may hold here (each its input and output until its backward); past it a new chain gets 503 overloaded",
+        description=(
+            "chain routing: megabytes that chains in progress may hold here (each its input and output until its "
+            "backward); past it a new chain gets 503 overloaded"
+        ),
     )
     session_memory_mb: float = Field(
         512.0,
         gt=0,
-        description="inference sessions: megabytes of attention (KV) cache that all sessions on this server may hold; past it a new session gets 503 overloaded",
+        description=(
+            "inference sessions: megabytes of attention (KV) cache that all sessions on this server may hold; past it "
+            "a new session gets 503 overloaded"
+        ),
     )
     session_max_mb: float = Field(
         128.0,
         gt=0,
-        description="inference sessions: megabytes of KV cache one session may hold (its batch x max_length); a larger one is refused with 400",
+        description=(
+            "inference sessions: megabytes of KV cache one session may hold (its batch x max_length); a larger one is "
+            "refused with 400"
+        ),
     )
     session_ttl_s: float = Field(
         300.0, gt=0, description="inference sessions: a session idle this long is closed and its cache freed"
@@ -211,19 +258,36 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     inject_delay_s: float = Field(
         0.0,
         ge=0,
-        description="fault injection: extra seconds per request and forward pass of work (a backward counts 2, the last stage's 3)",
+        description=(
+            "TEST ONLY (fault injection): extra seconds per request and forward pass of work (a backward counts 2, "
+            "the last stage's 3)"
+        ),
+        json_schema_extra=TEST_ONLY,
     )
     inject_garbage: float = Field(
         0.0,
         ge=0,
         le=1,
-        description="fault injection: probability that a /forward or /backward reply body is replaced by random bytes (tests of a replica that returns garbage)",
+        description=(
+            "TEST ONLY (fault injection): probability that a /forward or /backward reply body is replaced by random "
+            "bytes (tests of a replica that returns garbage)"
+        ),
+        json_schema_extra=TEST_ONLY,
     )
     inject_byzantine: Literal["", "sign_flip", "scale", "random"] = Field(
         "",
-        description="fault injection: send these values into averaging rounds instead of the parameters (tests of robust averaging)",
+        description=(
+            "TEST ONLY (fault injection): send these values into averaging rounds instead of the parameters (tests "
+            "of robust averaging)"
+        ),
+        json_schema_extra=TEST_ONLY,
     )
-    inject_byzantine_factor: float = Field(1000.0, gt=0, description="fault injection: the factor of inject_byzantine")
+    inject_byzantine_factor: float = Field(
+        1000.0,
+        gt=0,
+        description="TEST ONLY (fault injection): the factor of inject_byzantine",
+        json_schema_extra=TEST_ONLY,
+    )
     drain_timeout_s: float = Field(30.0, gt=0)
     checkpoint_dir: str = Field(
         "", description="resume from the latest checkpoint here when no live replica of the stage has state to give"
@@ -233,26 +297,40 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
         "",
         max_length=64,
         pattern=r"^[A-Za-z0-9._-]*$",
-        description="where this server runs: a region of the shipped network table (Oregon, Virginia, Ohio, Tokyo, Seoul, Singapore, Sydney, London, Frankfurt, Ireland) or any name shared by servers in one place; the coordinator's placement uses it for links it has not measured; empty: unknown",
+        description=(
+            "where this server runs: a region of the shipped network table (Oregon, Virginia, Ohio, Tokyo, Seoul, "
+            "Singapore, Sydney, London, Frankfurt, Ireland) or any name shared by servers in one place; the "
+            "coordinator's placement uses it for links it has not measured; empty: unknown"
+        ),
     )
     precision: Literal["fp32", "bf16"] = Field(
         "fp32",
-        description="'bf16': the stage computes under bf16 autocast on CUDA, with fp32 master weights and optimizer state; 'fp32' (the only choice on CPU)",
+        description=(
+            "'bf16': the stage computes under bf16 autocast on CUDA, with fp32 master weights and optimizer state; "
+            "'fp32' (the only choice on CPU)"
+        ),
     )
     activation_checkpointing: bool = Field(
         False,
-        description="recompute each block's activations in the backward instead of keeping them from the forward (less memory, about 1/3 more compute)",
+        description=(
+            "recompute each block's activations in the backward instead of keeping them from the forward (less memory, "
+            "about 1/3 more compute)"
+        ),
     )
     memory_check: bool = Field(
         True,
-        description="at start, refuse a stage whose estimated memory (weights, gradients, AdamW state, gradient buckets) exceeds what the device has free",
+        description=(
+            "at start, refuse a stage whose estimated memory (weights, gradients, AdamW state, gradient buckets) "
+            "exceeds what the device has free"
+        ),
     )
 
     @model_validator(mode="after")
     def _schedule(self):
         if self.lr_schedule == "cosine" and self.total_steps <= self.warmup_steps:
             raise ValueError(
-                f"SWARM_LR_SCHEDULE=cosine needs SWARM_TOTAL_STEPS > SWARM_WARMUP_STEPS ({self.warmup_steps}), got {self.total_steps}"
+                f"SWARM_LR_SCHEDULE=cosine needs SWARM_TOTAL_STEPS > SWARM_WARMUP_STEPS ({self.warmup_steps}), got "
+                f"{self.total_steps}"
             )
         if self.precision == "bf16" and not self.device.startswith("cuda"):
             raise ValueError(
@@ -272,21 +350,32 @@ class CoordinatorSettings(DiscoverySettings):
     average_every_s: float = Field(
         30.0,
         ge=0,
-        description="seconds between checks that each stage's replicas are identical (a digest per replica); replicas that drifted apart are averaged; 0: only when asked (POST /average)",
+        description=(
+            "seconds between checks that each stage's replicas are identical (a digest per replica); replicas that "
+            "drifted apart are averaged; 0: only when asked (POST /average)"
+        ),
     )
     averaging_codec: Codec = Field(
         "fp32",
-        description="wire codec of the parts exchanged in averaging and step rounds (the all-reduce of a stage's gradients)",
+        description=(
+            "wire codec of the parts exchanged in averaging and step rounds (the all-reduce of a stage's gradients)"
+        ),
     )
     averaging_timeout_s: float = Field(20.0, gt=0, description="an averaging round never waits longer than this")
     step_timeout_s: float = Field(
         20.0,
         gt=0,
-        description="a step round (the all-reduce of a stage's accumulated gradients) never waits longer than this: a member that lags is left out, its samples dropped",
+        description=(
+            "a step round (the all-reduce of a stage's accumulated gradients) never waits longer than this: a member "
+            "that lags is left out, its samples dropped"
+        ),
     )
     averaging_aggregator: Literal["mean", "centered_clip"] = Field(
         "mean",
-        description="how each part is reduced: the sample-weighted mean, or CenteredClip, which a faulty or malicious replica cannot drag away (honest majority)",
+        description=(
+            "how each part is reduced: the sample-weighted mean, or CenteredClip, which a faulty or malicious replica "
+            "cannot drag away (honest majority)"
+        ),
     )
     rebalance_every_s: float = Field(
         30.0, ge=0, description="seconds between rebalancing checks; 0: never move servers"
@@ -298,13 +387,20 @@ class CoordinatorSettings(DiscoverySettings):
     )
     placement: Literal["auto", "throughput", "topology"] = Field(
         "auto",
-        description="how servers are placed on stages (joins and rebalancing): 'throughput' balances stage capacities; 'topology' plans with the network cost model (measured RTTs, regions, model size); 'auto': topology once servers report RTTs or regions",
+        description=(
+            "how servers are placed on stages (joins and rebalancing): 'throughput' balances stage capacities; "
+            "'topology' plans with the network cost model (measured RTTs, regions, model size); 'auto': topology once "
+            "servers report RTTs or regions"
+        ),
     )
     placement_min_gain: float = Field(
         0.05,
         ge=0,
         le=10,
-        description="topology placement: move servers only if the predicted step time falls by this fraction (on two consecutive checks)",
+        description=(
+            "topology placement: move servers only if the predicted step time falls by this fraction (on two "
+            "consecutive checks)"
+        ),
     )
     placement_max_moves: float = Field(
         0.2,
@@ -328,7 +424,11 @@ class CoordinatorSettings(DiscoverySettings):
     keep_checkpoints: int = Field(3, ge=1, description="checkpoints kept on disk")
     tokenizer: str = Field(
         "",
-        description="a Hugging Face tokenizer.json or a directory holding one, for the completions endpoint (/v1/completions); empty: the servers' model directory's if it exists here, else bytes when the model's vocabulary is 256 (the byte presets)",
+        description=(
+            "a Hugging Face tokenizer.json or a directory holding one, for the completions endpoint (/v1/completions); "
+            "empty: the servers' model directory's if it exists here, else bytes when the model's vocabulary is 256 "
+            "(the byte presets)"
+        ),
     )
     max_generations: int = Field(
         4, ge=1, le=1024, description="generations the completions endpoint runs at once; past it a request gets 429"
@@ -339,15 +439,24 @@ class TrainerSettings(ModelSettings, DiscoverySettings):
     stages: str = Field("", description="stage server URLs (replicas ',' stages ';'); empty: ask the coordinator")
     corpus: str = Field(
         "",
-        description="data to train on: a text file, JSONL (a 'text' field per line), Parquet (a 'text' column), or a directory of such shards; empty: the bundled Shakespeare corpus",
+        description=(
+            "data to train on: a text file, JSONL (a 'text' field per line), Parquet (a 'text' column), or a directory "
+            "of such shards; empty: the bundled Shakespeare corpus"
+        ),
     )
     tokenizer: str = Field(
         "",
-        description="a Hugging Face tokenizer.json (or a directory holding one, e.g. from swarm tokenizer train); empty: the model directory's tokenizer, or bytes for the byte-level presets",
+        description=(
+            "a Hugging Face tokenizer.json (or a directory holding one, e.g. from swarm tokenizer train); empty: the "
+            "model directory's tokenizer, or bytes for the byte-level presets"
+        ),
     )
     token_cache_dir: str = Field(
         "",
-        description="where the corpus, tokenized once, is cached as memory-mapped token ids (reused by later runs); empty: ~/.cache/swarm-mesh/tokens",
+        description=(
+            "where the corpus, tokenized once, is cached as memory-mapped token ids (reused by later runs); empty: "
+            "~/.cache/swarm-mesh/tokens"
+        ),
     )
     seq_len: int = Field(128, ge=1)
     microbatch_size: int = Field(8, ge=1)
@@ -355,7 +464,10 @@ class TrainerSettings(ModelSettings, DiscoverySettings):
     steps: int = Field(
         200,
         ge=1,
-        description="global steps of the run (of SWARM_GLOBAL_BATCH samples each, all trainers together): the trainer stops once stage 0 took this many, and never feeds more than the samples of the steps left",
+        description=(
+            "global steps of the run (of SWARM_GLOBAL_BATCH samples each, all trainers together): the trainer stops "
+            "once stage 0 took this many, and never feeds more than the samples of the steps left"
+        ),
     )
     start_step: int = Field(
         0, ge=0, description="resume: the global steps already trained (the run continues at this step)"
@@ -363,20 +475,30 @@ class TrainerSettings(ModelSettings, DiscoverySettings):
     shard_index: int = Field(
         0,
         ge=0,
-        description="this trainer's share of the data: microbatches shard_index, shard_index + num_shards, ... of the run's sequence",
+        description=(
+            "this trainer's share of the data: microbatches shard_index, "
+            "shard_index + num_shards, ... of the run's sequence"
+        ),
     )
     num_shards: int = Field(
         1, ge=1, le=4096, description="trainers sharing the run's microbatch sequence (see shard_index)"
     )
     routing: Literal["relay", "chain"] = Field(
         "chain",
-        description="'chain': the trainer sends the route it picked with the token ids to stage 0 and the stage servers pass activations and gradients straight to each other; 'relay': the trainer carries every tensor between stages (a star, as SWARM's reference code)",
+        description=(
+            "'chain': the trainer sends the route it picked with the token ids to stage 0 and the stage servers pass "
+            "activations and gradients straight to each other; 'relay': the trainer carries every tensor between "
+            "stages (a star, as SWARM's reference code)"
+        ),
     )
     forward_timeout_s: float = Field(30.0, gt=0)
     stage_wait_s: float = Field(
         120.0,
         ge=0,
-        description="how long a microbatch waits for a stage none of whose replicas is usable (every one failed: preempted, restarting, being replaced) before its failures count and it may fail; 0: no waiting",
+        description=(
+            "how long a microbatch waits for a stage none of whose replicas is usable (every one failed: preempted, "
+            "restarting, being replaced) before its failures count and it may fail; 0: no waiting"
+        ),
     )
     backward_timeout_s: float = Field(60.0, gt=0)
     info_timeout_s: float = Field(5.0, gt=0, description="timeout of each GET /info when checking the swarm at start")
@@ -385,18 +507,27 @@ class TrainerSettings(ModelSettings, DiscoverySettings):
     eval_every: int = Field(
         0,
         ge=0,
-        description="also evaluate the held-out loss every N global steps, beside the training (the summary's eval_curve: loss against samples and wall time); 0: only before and after the run",
+        description=(
+            "also evaluate the held-out loss every N global steps, beside the training (the summary's eval_curve: loss "
+            "against samples and wall time); 0: only before and after the run"
+        ),
     )
     final_average: bool = Field(
         True,
-        description="before the final evaluation, ask the coordinator to check that every stage's replicas are identical, repairing any drift (POST /average)",
+        description=(
+            "before the final evaluation, ask the coordinator to check that every stage's replicas are identical, "
+            "repairing any drift (POST /average)"
+        ),
     )
     final_average_timeout_s: float = Field(
         120.0, gt=0, description="how long the final averaging may take before the trainer evaluates anyway"
     )
     progress: Literal["auto", "bar", "off"] = Field(
         "auto",
-        description="progress on stderr: 'bar' (live, even into a pipe), 'off', or 'auto': a bar on a terminal, else a plain line every log_every steps (none with JSON logs)",
+        description=(
+            "progress on stderr: 'bar' (live, even into a pipe), 'off', or 'auto': a bar on a terminal, else a plain "
+            "line every log_every steps (none with JSON logs)"
+        ),
     )
     metrics_file: str = Field("", description="append one JSON line per step here")
     summary_file: str = Field("", description="write the run's full summary (per-step losses included) here as JSON")
@@ -456,18 +587,25 @@ def parse_settings(cls: type[BaseSettings], argv: list[str] | None, prog: str, d
     """Build ``cls`` from ``SWARM_*`` variables, overridden by ``--flag value`` for any field.
 
     Every field ``num_stages`` gets a flag ``--num-stages``; values are validated by the
-    settings class, and a bad one exits with a message naming the setting.
+    settings class, and a bad one exits with a message naming the setting. Test-only
+    (fault-injection) settings have flags too, but ``--help`` only names them in its epilog.
     """
     import argparse
 
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    test_only = [f"--{name.replace('_', '-')}" for name, field in cls.model_fields.items() if is_test_only(field)]
+    epilog = (
+        f"test only, never set in production: {', '.join(test_only)} (SWARM_INJECT_*) inject faults for the tests"
+        if test_only
+        else None
+    )
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
     for name, field in cls.model_fields.items():
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,
             default=None,
             metavar=name.upper(),
-            help=field.description or f"(env SWARM_{name.upper()})",
+            help=argparse.SUPPRESS if is_test_only(field) else field.description or f"(env SWARM_{name.upper()})",
         )
     args = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     for name in unknown_swarm_variables():

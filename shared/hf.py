@@ -91,7 +91,8 @@ def read_hf_config(model_dir: str | Path) -> ModelConfig:
         hf = json.loads(path.read_text())
     except FileNotFoundError:
         raise HFModelError(
-            f"{path} does not exist: SWARM_MODEL must be a preset or a Hugging Face model directory (config.json + safetensors)"
+            f"{path} does not exist: SWARM_MODEL must be a preset or a "
+            "Hugging Face model directory (config.json + safetensors)"
         ) from None
     except (OSError, ValueError) as exc:
         raise HFModelError(f"{path} is not readable JSON: {exc} (setting SWARM_MODEL)") from None
@@ -219,7 +220,8 @@ def weight_map(model_dir: str | Path) -> dict[str, str]:
         missing = sorted({f for f in mapping.values() if not (root / f).is_file()})
         if missing:
             raise HFModelError(
-                f"{root / missing[0]} is missing: {INDEX_FILE} lists {len(missing)} shard file(s) that are not there: {missing} (setting SWARM_MODEL)"
+                f"{root / missing[0]} is missing: {INDEX_FILE} lists {len(missing)} shard file(s) that are not there: "
+                f"{missing} (setting SWARM_MODEL)"
             )
         return dict(mapping)
     if (root / SINGLE_FILE).is_file():
@@ -253,7 +255,8 @@ def check_hf_dir(model_dir: str | Path) -> ModelConfig:
     missing = [hf for hf in (_source_name(cfg, n, available) for n in names) if hf not in available]
     if missing:
         raise HFModelError(
-            f"{model_dir}: the weight files lack {len(missing)} tensor(s) the model needs, e.g. {missing[:3]} (setting SWARM_MODEL)"
+            f"{model_dir}: the weight files lack {len(missing)} tensor(s) "
+            f"the model needs, e.g. {missing[:3]} (setting SWARM_MODEL)"
         )
     return cfg
 
@@ -305,7 +308,8 @@ def load_stage_from_hf(
                     t = t.t() if is_transposed(cfg, name) else t
                     if tuple(t.shape) != tuple(params[name].shape):
                         raise HFModelError(
-                            f"{root / file}: {wanted[name]!r} has shape {list(t.shape)}, {name!r} needs {list(params[name].shape)} (setting SWARM_MODEL)"
+                            f"{root / file}: {wanted[name]!r} has shape {list(t.shape)}, {name!r} needs "
+                            f"{list(params[name].shape)} (setting SWARM_MODEL)"
                         )
                     params[name].copy_(t.to(torch.float32))
     return model, report
@@ -320,7 +324,8 @@ def hf_config_dict(
     if cfg.family == "gpt":
         if not cfg.bias or cfg.head_bias:
             raise ValueError(
-                "only GPT-2-layout gpt models export to Hugging Face (biases everywhere but on the LM head, as a model loaded from a GPT-2 checkpoint); export this one with --format safetensors"
+                "only GPT-2-layout gpt models export to Hugging Face (biases everywhere but on the LM head, as a model "
+                "loaded from a GPT-2 checkpoint); export this one with --format safetensors"
             )
         return {
             "architectures": ["GPT2LMHeadModel"],

@@ -44,7 +44,8 @@ class LlamaConfig:
     block_size: int = 2048  # longest sequence the model is trained for (RoPE itself has no table)
     n_layer: int = 32
     n_head: int = 32
-    n_kv_head: int = 0  # grouped-query attention: n_head / n_kv_head query heads share a key/value head (0: n_head, plain multi-head)
+    # grouped-query attention: n_head / n_kv_head query heads share a key/value head (0: n_head, plain multi-head)
+    n_kv_head: int = 0
     d_model: int = 4096
     ffn_dim: int = 11008  # SwiGLU hidden width
     head_dim: int = 0  # 0: d_model // n_head

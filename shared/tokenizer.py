@@ -61,7 +61,8 @@ class HFTokenizer:
         self.file = path / TOKENIZER_FILE if path.is_dir() else path
         if not self.file.is_file():
             raise ValueError(
-                f"no tokenizer at {self.file} (setting SWARM_TOKENIZER, or the tokenizer.json of SWARM_MODEL's directory)"
+                f"no tokenizer at {self.file} (setting SWARM_TOKENIZER, "
+                "or the tokenizer.json of SWARM_MODEL's directory)"
             )
         raw = self.file.read_bytes()
         try:
@@ -108,7 +109,8 @@ class HFTokenizer:
                 return value
         if required:
             raise ValueError(
-                f"{self.file}: no end-of-text token to separate documents (none named in {TOKENIZER_CONFIG}, no eos_token_id, none of {list(_EOS_CANDIDATES)})"
+                f"{self.file}: no end-of-text token to separate documents (none named in {TOKENIZER_CONFIG}, no "
+                f"eos_token_id, none of {list(_EOS_CANDIDATES)})"
             )
         return None
 
@@ -136,12 +138,13 @@ def load_tokenizer(model: str, tokenizer: str, cfg: ModelConfig) -> ByteTokenize
     else:
         raise ValueError(
             f"SWARM_MODEL={model} has a vocabulary of {cfg.vocab_size} tokens and needs a tokenizer: train one with "
-            f"`swarm tokenizer train --corpus FILES --vocab-size {cfg.vocab_size} --out DIR` and set SWARM_TOKENIZER=DIR"
+            f"`swarm tokenizer train --corpus FILES --vocab-size {cfg.vocab_size} --out DIR` and set "
+            "SWARM_TOKENIZER=DIR"
         )
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(
-            f"the tokenizer {tok.name} has {tok.vocab_size} tokens, more than the model's vocabulary of {cfg.vocab_size} "
-            f"(settings SWARM_TOKENIZER and SWARM_MODEL={model}): its ids would not fit the embedding"
+            f"the tokenizer {tok.name} has {tok.vocab_size} tokens, more than the model's vocabulary of "
+            f"{cfg.vocab_size} (settings SWARM_TOKENIZER and SWARM_MODEL={model}): its ids would not fit the embedding"
         )
     return tok
 

@@ -2,10 +2,13 @@
 
 ::
 
-    GET  /v1/models                -> {object: "list", data: [{id: <run_id>, object: "model", created, owned_by: "swarm-mesh"}]}
+    GET  /v1/models                -> {object: "list", data: [{id: <run_id>, object: "model", created,
+                                       owned_by: "swarm-mesh"}]}
     GET  /v1/models/{model}        -> that model, or 404 model_not_found
-    POST /v1/completions           {model, prompt, max_tokens?, temperature?, top_p?, seed?, stop?, stream?, stream_options?}
-    POST /v1/chat/completions      {model, messages: [{role, content}], max_tokens? (or max_completion_tokens?), ... as above}
+    POST /v1/completions           {model, prompt, max_tokens?, temperature?, top_p?, seed?, stop?, stream?,
+                                    stream_options?}
+    POST /v1/chat/completions      {model, messages: [{role, content}], max_tokens? (or max_completion_tokens?),
+                                    ... as above}
 
 The model is the run: its id is the coordinator's run id (SWARM_RUN_ID). Replies are
 OpenAI's: a ``text_completion`` / ``chat.completion`` object with ``usage`` {prompt_tokens,
@@ -123,7 +126,10 @@ class CompletionService:
         if self.active >= self.settings.max_generations:
             raise OpenAIError(
                 429,
-                f"{self.active} generations are running, the most this coordinator runs at once (setting SWARM_MAX_GENERATIONS); retry shortly",
+                (
+                    f"{self.active} generations are running, the most this coordinator runs at once (setting "
+                    "SWARM_MAX_GENERATIONS); retry shortly"
+                ),
                 type="requests",
                 code="rate_limit_exceeded",
                 headers={"Retry-After": "1"},
@@ -162,7 +168,8 @@ class CompletionService:
                 continue
             if info.get("run_id") != self.settings.run_id or info.get("num_stages") != self.settings.num_stages:
                 errors.append(
-                    f"{url} serves run {info.get('run_id')!r} in {info.get('num_stages')} stages, not {self.settings.run_id!r} in {self.settings.num_stages}"
+                    f"{url} serves run {info.get('run_id')!r} in {info.get('num_stages')} stages, not "
+                    f"{self.settings.run_id!r} in {self.settings.num_stages}"
                 )
                 continue
             return SwarmModel(config, self._tokenizer_for(str(info.get("model", "")), config), replicas)
@@ -178,7 +185,10 @@ class CompletionService:
             except ValueError as exc:
                 raise OpenAIError(
                     503,
-                    f"the completions endpoint has no tokenizer for this model: {exc} (the coordinator's setting SWARM_TOKENIZER)",
+                    (
+                        f"the completions endpoint has no tokenizer for this model: {exc} (the coordinator's setting "
+                        "SWARM_TOKENIZER)"
+                    ),
                     code="no_tokenizer",
                 ) from None
             self._tokenizer = (key, tokenizer)

@@ -180,7 +180,10 @@ def sampling_params(req: GenerationRequest, prompt_tokens: int, block_size: int)
     if room < 1:
         raise OpenAIError(
             400,
-            f"the prompt is {prompt_tokens} tokens; the model's context is {block_size}, with at least one left for the completion",
+            (
+                f"the prompt is {prompt_tokens} tokens; the model's context is {block_size}, with at least one left "
+                "for the completion"
+            ),
             param=req.prompt_param,
             code="context_length_exceeded",
         )
@@ -190,8 +193,8 @@ def sampling_params(req: GenerationRequest, prompt_tokens: int, block_size: int)
     if not 1 <= max_tokens <= room:
         raise OpenAIError(
             400,
-            f"{req.max_tokens_param} must be in [1, {room}]: the model's context is {block_size} tokens and the prompt takes {prompt_tokens}, "
-            f"got {max_tokens}",
+            f"{req.max_tokens_param} must be in [1, {room}]: the model's context is {block_size} tokens and the prompt "
+            f"takes {prompt_tokens}, got {max_tokens}",
             param=req.max_tokens_param,
         )
     return SamplingParams(

@@ -13,8 +13,10 @@ unknown fields are ignored, so old and new servers interoperate::
                      404 unknown_server: the lease is gone, register again
     POST /deregister {server_id} -> {removed}
     GET  /swarm      -> {run_id, num_stages, heartbeat_s, lease_s, stages: [{stage, capacity, replicas,
-                         step: {step, reserved, accumulated, global_batch, round, samples_dropped, last_effective_batch}}]}
-    POST /step/reserve {run_id, stage, url, step, samples, global_batch} -> {bucket, closes, resync, catch_up, complete, step}
+                         step: {step, reserved, accumulated, global_batch, round, samples_dropped,
+                                last_effective_batch}}]}
+    POST /step/reserve {run_id, stage, url, step, samples, global_batch}
+                     -> {bucket, closes, resync, catch_up, complete, step}
     POST /step/done  {run_id, stage, url, step, bucket, reserved, samples, global_batch} -> {round, step}
                      global steps: which step a backward's gradient goes to, and what it
                      accumulated; the step round starts once a step is complete (app.py, steps.py)

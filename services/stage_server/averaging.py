@@ -151,8 +151,8 @@ def centered_clip(
         step = (w * scale) @ diff
         v = v + step
         if float(step.norm()) <= tol * (float(v.norm()) + 1e-12):
-            break
-    return v.to(torch.float32), iteration
+            return v.to(torch.float32), iteration
+    return v.to(torch.float32), max_iters
 
 
 BYZANTINE_MODES = ("sign_flip", "scale", "random")

@@ -123,7 +123,10 @@ class HeldBudget:
         limit (one chain alone is always admitted, whatever its size)."""
         if self.held and self.held + nbytes > self.limit_bytes:
             raise Overloaded(
-                f"chains in progress hold {self.held} bytes, the limit is {self.limit_bytes} (setting SWARM_CHAIN_HELD_MB)",
+                (
+                    f"chains in progress hold {self.held} bytes, the limit is {self.limit_bytes} (setting "
+                    "SWARM_CHAIN_HELD_MB)"
+                ),
                 retry_after_s=1.0,
             )
         self.held += nbytes

@@ -51,9 +51,10 @@ def check_stage_memory(
     free = free_memory_bytes(device) if free_bytes is None else free_bytes
     if free is not None and need > free:
         raise ValueError(
-            f"stage {spec.index} of {spec.num_stages} ({params / 1e6:,.0f}M parameters, layers {spec.layers.start}..{spec.layers.stop - 1}) needs about "
-            f"{need / 2**30:.1f} GiB ({BYTES_PER_PARAMETER} bytes per parameter: fp32 weights, gradient, AdamW moments, gradient buckets; activations on top) "
-            f"but {device} has {free / 2**30:.1f} GiB free: cut the model into more stages (SWARM_NUM_STAGES), use a device with more memory (SWARM_DEVICE), "
-            f"or skip this check (SWARM_MEMORY_CHECK=false)"
+            f"stage {spec.index} of {spec.num_stages} ({params / 1e6:,.0f}M parameters, layers "
+            f"{spec.layers.start}..{spec.layers.stop - 1}) needs about {need / 2**30:.1f} GiB ({BYTES_PER_PARAMETER} "
+            "bytes per parameter: fp32 weights, gradient, AdamW moments, gradient buckets; activations on top) but "
+            f"{device} has {free / 2**30:.1f} GiB free: cut the model into more stages (SWARM_NUM_STAGES), use a "
+            "device with more memory (SWARM_DEVICE), or skip this check (SWARM_MEMORY_CHECK=false)"
         )
     return need

@@ -70,7 +70,10 @@ class OptimizerConfig:
         )
 
     def lr_at(self, step: int) -> float:
-        """Learning rate of global step ``step`` (0-based: the step that takes the weights from ``step`` to ``step + 1``)."""
+        """Learning rate of global step ``step``.
+
+        0-based: the step that takes the weights from ``step`` to ``step + 1``.
+        """
         if self.warmup_steps and step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
         if self.schedule == "cosine":
@@ -219,7 +222,10 @@ class StageRuntime:
             _check(bool(torch.isfinite(grad_outputs).all()), "grad_outputs contain non-finite values")
 
     def validate_inputs(self, inputs: torch.Tensor) -> None:
-        """Raise :class:`BadPayload` unless ``inputs`` are this stage's kind: token ids on stage 0, hidden states after."""
+        """Raise :class:`BadPayload` unless ``inputs`` are this stage's kind.
+
+        Token ids on stage 0, hidden states after.
+        """
         cfg = self.cfg
         if self.spec.is_first:
             _check(
@@ -349,7 +355,8 @@ class StageRuntime:
         if abs(self.step - forward_step) > self.max_staleness:
             self.stats.stale_backwards += 1
             raise StaleForward(
-                f"the forward of {microbatch_id!r} ran at step {forward_step}, this stage is at step {self.step} (SWARM_MAX_STALENESS={self.max_staleness}): run the microbatch again"
+                f"the forward of {microbatch_id!r} ran at step {forward_step}, this stage is at step {self.step} "
+                f"(SWARM_MAX_STALENESS={self.max_staleness}): run the microbatch again"
             )
 
     @property
@@ -443,7 +450,10 @@ class StageRuntime:
         self.outer.samples += taken.samples
 
     def outer_gradient(self) -> torch.Tensor:
-        """``local`` mode: ``anchor - weights`` (flat fp32, CPU), what this replica learned since the last outer step."""
+        """``local`` mode: ``anchor - weights`` (flat fp32, CPU).
+
+        What this replica learned since the last outer step.
+        """
         return self.outer.outer_gradient(flat_parameters(self.params))
 
     def outer_step(self, mean_delta: torch.Tensor) -> None:

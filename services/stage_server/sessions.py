@@ -112,14 +112,15 @@ class SessionStore:
             self.refused += 1
             limit = min(self.session_bytes, self.memory_bytes)
             raise BadPayload(
-                f"a session of batch {batch} and {max_length} positions needs {nbytes / 2**20:.1f} MiB of KV cache here, "
-                f"more than any session may hold ({limit / 2**20:.1f} MiB: SWARM_SESSION_MAX_MB, SWARM_SESSION_MEMORY_MB)"
+                f"a session of batch {batch} and {max_length} positions needs {nbytes / 2**20:.1f} MiB of KV cache "
+                f"here, more than any session may hold ({limit / 2**20:.1f} MiB: SWARM_SESSION_MAX_MB, "
+                "SWARM_SESSION_MEMORY_MB)"
             )
         if self.reserved_bytes + nbytes > self.memory_bytes:
             self.refused += 1
             raise Overloaded(
-                f"sessions hold {self.reserved_bytes / 2**20:.1f} of {self.memory_bytes / 2**20:.1f} MiB here (SWARM_SESSION_MEMORY_MB); "
-                f"this one needs {nbytes / 2**20:.1f} MiB",
+                f"sessions hold {self.reserved_bytes / 2**20:.1f} of {self.memory_bytes / 2**20:.1f} MiB here "
+                f"(SWARM_SESSION_MEMORY_MB); this one needs {nbytes / 2**20:.1f} MiB",
                 retry_after_s=1.0,
             )
         session = Session(session_id, batch, max_length, nbytes, KVCache(max_length), self.clock())
@@ -132,7 +133,8 @@ class SessionStore:
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFound(
-                f"no session {session_id!r} here (never opened, closed, idle past SWARM_SESSION_TTL_S, or the server restarted)"
+                f"no session {session_id!r} here (never opened, closed, "
+                "idle past SWARM_SESSION_TTL_S, or the server restarted)"
             )
         session.last_used = self.clock()
         self._sessions.move_to_end(session_id)
@@ -221,7 +223,8 @@ async def step_session(request: web.Request) -> web.Response:
     async with session.lock:  # one step of a session at a time, in order
         if position != session.cache.length:
             raise SessionOutOfSync(
-                f"session {session_id!r} holds {session.cache.length} positions, the step starts at {position}: replay it"
+                f"session {session_id!r} holds {session.cache.length} "
+                f"positions, the step starts at {position}: replay it"
             )
         output, step, version = await request.app[WORKER].run(
             _step, runtime, session.cache, inputs, chunks, work=inputs.shape[1] / 64

@@ -117,7 +117,8 @@ def _validate(runtime: StageRuntime, tensors: dict[str, torch.Tensor], metadata:
     ours = (spec.index, spec.num_stages, [spec.layers.start, spec.layers.stop])
     if theirs != ours:
         raise WrongStage(
-            f"state is of stage {theirs[0]}/{theirs[1]} (layers {theirs[2]}), this server holds stage {ours[0]}/{ours[1]} (layers {ours[2]})"
+            f"state is of stage {theirs[0]}/{theirs[1]} (layers {theirs[2]}), this server holds stage "
+            f"{ours[0]}/{ours[1]} (layers {ours[2]})"
         )
 
     params = dict(_named_params(runtime))

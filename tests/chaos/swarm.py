@@ -15,7 +15,7 @@ import urllib.error
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.local_swarm import free_port, wait_healthy
+from shared.processes import free_port, wait_healthy
 from tests.e2e.conftest import Processes, get_json, wait_until
 
 START_S = 120  # several children import torch at once on 2 busy cores

@@ -122,7 +122,8 @@ def test_a_slow_replica_gets_less_work_and_a_garbage_replica_is_banned(swarm):
         "chain.rerouted"
     )  # stage 0's hops, and the later stages' (chain routing)
     print(
-        f"\nfaulty replicas: hops served {work}; {len(failures)} hops failed: {sorted({(e['code'], e['replica']) for e in failures})}"
+        f"\nfaulty replicas: hops served {work}; {len(failures)} hops failed: "
+        f"{sorted({(e['code'], e['replica']) for e in failures})}"
     )
 
     # the trainer measured the slow replica and sent it a fraction of the work
@@ -178,7 +179,8 @@ def test_servers_keep_serving_when_a_trainer_is_killed_mid_step(swarm):
         trainer.events("hop.failed")[:3]
     )
     print(
-        f"\ntrainer killed after {trained} steps with work queued; the next trained steps {trained}..{steps - 1}, {len(trainer.events('hop.failed'))} hops retried after a 503"
+        f"\ntrainer killed after {trained} steps with work queued; the next trained steps {trained}..{steps - 1}, "
+        f"{len(trainer.events('hop.failed'))} hops retried after a 503"
     )
 
 
@@ -281,8 +283,9 @@ def test_32_concurrent_streams_get_503_beyond_the_queue_and_none_is_lost(swarm):
         for name, samples in rss.items()
     }
     print(
-        f"\nload: 32 streams, {summary['microbatches_completed']}/{summary['microbatches_scheduled']} microbatches in {summary['elapsed_s']:.1f} s; "
-        f"answers by server and endpoint {answered}; RSS MiB before {idle_rss}, peak {peaks}, peak in first/second half {halves}, {sum(map(len, rss.values()))} samples"
+        f"\nload: 32 streams, {summary['microbatches_completed']}/{summary['microbatches_scheduled']} microbatches in "
+        f"{summary['elapsed_s']:.1f} s; answers by server and endpoint {answered}; RSS MiB before {idle_rss}, peak "
+        f"{peaks}, peak in first/second half {halves}, {sum(map(len, rss.values()))} samples"
     )
 
     # the servers refused what their queue could not hold, and nothing else went wrong but
@@ -401,6 +404,7 @@ def test_training_goes_on_while_the_coordinator_is_killed_and_restarted(swarm):
         saved,
     )
     print(
-        f"\ncoordinator killed at step {steps_at_kill}, down {down_s:.1f} s while the trainer trained {trained_while_down} steps; "
-        f"/run before {before}, right after the restart {after}; training ended {summary['microbatches_completed']}/{summary['microbatches_scheduled']}"
+        f"\ncoordinator killed at step {steps_at_kill}, down {down_s:.1f} s while the trainer trained "
+        f"{trained_while_down} steps; /run before {before}, right after the restart {after}; training ended "
+        f"{summary['microbatches_completed']}/{summary['microbatches_scheduled']}"
     )

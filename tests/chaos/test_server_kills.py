@@ -103,10 +103,11 @@ def test_training_survives_a_server_killed_and_restarted_every_10_s(processes):
     )  # stage 0's hops, and the later stages' (chain routing)
     losses = [x for x in summary["step_losses"] if x is not None]
     print(
-        f"\nchaos: {len(victims)} kills in {trained_s:.0f} s of training, "
-        f"microbatches {summary['microbatches_scheduled']} scheduled / {summary['microbatches_completed']} completed / {summary['microbatches_failed']} failed, "
-        f"{len(hop_failures)} hops retried or rerouted; step loss {sum(losses[:20]) / 20:.3f} -> {sum(losses[-20:]) / 20:.3f}, "
-        f"eval {summary['eval_loss_before']:.3f} -> {summary['eval_loss_after']:.3f}"
+        f"\nchaos: {len(victims)} kills in {trained_s:.0f} s of training, microbatches "
+        f"{summary['microbatches_scheduled']} scheduled / {summary['microbatches_completed']} completed / "
+        f"{summary['microbatches_failed']} failed, {len(hop_failures)} hops retried or rerouted; step loss "
+        f"{sum(losses[:20]) / 20:.3f} -> {sum(losses[-20:]) / 20:.3f}, eval {summary['eval_loss_before']:.3f} -> "
+        f"{summary['eval_loss_after']:.3f}"
     )
 
     # none lost: every scheduled microbatch completed or was reported, one line each

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.local_swarm import free_port, wait_healthy
+from shared.processes import free_port, wait_healthy
 
 SWARM = (
     [str(Path(sys.executable).with_name("swarm"))]
@@ -36,7 +36,7 @@ def live_processes_where(match) -> list[int]:
             continue
         try:
             env = (proc / "environ").read_bytes().split(b"\0")
-            state = next((l for l in (proc / "status").read_text().splitlines() if l.startswith("State:")), "")
+            state = next((x for x in (proc / "status").read_text().splitlines() if x.startswith("State:")), "")
         except OSError:
             continue
         if match(env) and "zombie" not in state:

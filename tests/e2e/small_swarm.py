@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass
 
-from services.local_swarm import wait_healthy
+from shared.processes import wait_healthy
 from tests.e2e.conftest import Processes, get_json, wait_until
 
 START_S = 90  # several children import torch at once on 2 cores

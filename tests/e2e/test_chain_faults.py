@@ -20,11 +20,11 @@ import asyncio
 import pytest
 import torch
 
-from services.local_swarm import wait_healthy
 from services.trainer.data import ByteBatcher, load_corpus
 from shared.codec import encode_tensor
 from shared.http import post_message
 from shared.model import PRESETS, build_gpt
+from shared.processes import wait_healthy
 from tests.e2e.conftest import get_json, wait_until
 
 pytestmark = pytest.mark.e2e

@@ -25,8 +25,16 @@ ARTIFACT = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard.p
 BROWSER_TIMEOUT_MS = 60_000
 READ_DOM = """() => ({
   updates: Number(document.body.dataset.updates),
-  replicas: [...document.querySelectorAll("tr.replica")].map(r => ({url: r.dataset.url, server_id: r.dataset.serverId, health: r.dataset.health, stage: Number(r.closest("article.stage").dataset.stage)})),
-  weakest: [...document.querySelectorAll("article.stage.weakest[data-weakest=true]")].map(a => ({stage: Number(a.dataset.stage), badge: a.querySelector(".badge")?.textContent})),
+  replicas: [...document.querySelectorAll("tr.replica")].map(r => ({
+    url: r.dataset.url,
+    server_id: r.dataset.serverId,
+    health: r.dataset.health,
+    stage: Number(r.closest("article.stage").dataset.stage),
+  })),
+  weakest: [...document.querySelectorAll("article.stage.weakest[data-weakest=true]")].map(a => ({
+    stage: Number(a.dataset.stage),
+    badge: a.querySelector(".badge")?.textContent,
+  })),
   step: Math.max(0, ...[...document.querySelectorAll("tr.trainer")].map(t => Number(t.dataset.step))),
   events: [...document.querySelectorAll("#events li")].map(li => li.dataset.event),
 })"""
@@ -84,7 +92,8 @@ def test_dashboard_shows_every_replica_marks_the_weakest_stage_and_updates_live(
             page.goto(swarm.coordinator + "/", wait_until="load")
             page.evaluate("() => { window.loadedOnce = 'this document' }")  # gone if the page reloads
             page.wait_for_function(
-                "() => Number(document.body.dataset.updates) >= 1 && document.querySelectorAll('tr.trainer').length >= 1"
+                "() => Number(document.body.dataset.updates) >= 1 && "
+                "document.querySelectorAll('tr.trainer').length >= 1"
             )
             first = page.evaluate(READ_DOM)
 
@@ -95,7 +104,8 @@ def test_dashboard_shows_every_replica_marks_the_weakest_stage_and_updates_live(
 
             # Live: later polls redraw the same document with newer data (the trainer's step moves on).
             page.wait_for_function(
-                f"() => Number(document.body.dataset.updates) > {first['updates']} && Math.max(0, ...[...document.querySelectorAll('tr.trainer')].map(t => Number(t.dataset.step))) > {first['step']}"
+                f"() => Number(document.body.dataset.updates) > {first['updates']} && Math.max(0, "
+                f"...[...document.querySelectorAll('tr.trainer')].map(t => Number(t.dataset.step))) > {first['step']}"
             )
             second = page.evaluate(READ_DOM)
             assert page.evaluate("() => window.loadedOnce") == "this document", (
@@ -115,6 +125,7 @@ def test_dashboard_shows_every_replica_marks_the_weakest_stage_and_updates_live(
     ARTIFACT.parent.mkdir(exist_ok=True)
     shutil.copyfile(shot, ARTIFACT)
     print(
-        f"dashboard: {len(second['replicas'])} replicas, weakest stage {second['weakest'][0]['stage']}, step {first['step']} -> {second['step']} "
+        f"dashboard: {len(second['replicas'])} replicas, weakest stage "
+        f"{second['weakest'][0]['stage']}, step {first['step']} -> {second['step']} "
         f"over {second['updates'] - first['updates']} updates; screenshot {ARTIFACT}"
     )

@@ -28,7 +28,9 @@ FINISHED = "() => ['done', 'error'].includes(document.querySelector('#completion
 # Counts the changes of #completion's text while it streams (each chunk appends to it).
 WATCH = """() => {
   window.completionUpdates = 0;
-  new MutationObserver(() => { window.completionUpdates += 1; }).observe(document.querySelector('#completion'), {childList: true, characterData: true, subtree: true});
+  new MutationObserver(() => { window.completionUpdates += 1; }).observe(
+    document.querySelector('#completion'), {childList: true, characterData: true, subtree: true}
+  );
 }"""
 
 
@@ -50,7 +52,8 @@ async def test_the_prompt_box_streams_the_greedy_completion(start_swarm, tmp_pat
             page.set_default_timeout(BROWSER_TIMEOUT_MS)
             await page.goto(swarm.url + "/", wait_until="load")
             await page.wait_for_function(
-                "() => Number(document.body.dataset.updates) >= 1 && document.querySelectorAll('tr.replica').length === 4"
+                "() => Number(document.body.dataset.updates) >= 1 && "
+                "document.querySelectorAll('tr.replica').length === 4"
             )
             await page.fill("#prompt", PROMPT)
             await page.fill("#max-tokens", str(MAX_TOKENS))

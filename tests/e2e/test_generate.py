@@ -21,8 +21,8 @@ import aiohttp
 import pytest
 
 from services.export import load_exported
-from services.local_swarm import wait_healthy
 from shared.inference import LocalSession, SamplingParams, SwarmSession, generate
+from shared.processes import wait_healthy
 from shared.wiring import ReplicaBalancer
 from tests.e2e.conftest import SWARM, get_json, processes_of_run, wait_until
 from tests.e2e.test_resume_export import swarm_up

@@ -114,9 +114,17 @@ def test_a_llama_from_scratch_trains_exports_to_hugging_face_and_loads_with_the_
         tok = transformers.AutoTokenizer.from_pretrained({str(out)!r})
         data = torch.load({str(tmp_path / "eval.pt")!r})
         with torch.no_grad():
-            losses = [torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item() for x, y in zip(data["inputs"], data["targets"])]
+            losses = [
+                torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item()
+                for x, y in zip(data["inputs"], data["targets"])
+            ]
         ids = tok({TEXT!r}, add_special_tokens=False)["input_ids"]
-        print(json.dumps({{"loss": sum(losses) / len(losses), "arch": type(model).__name__, "text": tok.decode(ids), "eos": tok.eos_token_id}}))
+        print(json.dumps({{
+            "loss": sum(losses) / len(losses),
+            "arch": type(model).__name__,
+            "text": tok.decode(ids),
+            "eos": tok.eos_token_id,
+        }}))
     """)
     fresh = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert fresh.returncode == 0, fresh.stderr[-3000:]

@@ -15,9 +15,9 @@ import urllib.request
 import pytest
 import torch
 
-from services.local_swarm import wait_healthy
 from shared.codec import decode_tensor, encode_tensor, pack_message, unpack_message
 from shared.http import MSGPACK
+from shared.processes import wait_healthy
 from tests.e2e.conftest import SWARM, get_json, processes_of_run, wait_until
 
 pytestmark = pytest.mark.e2e

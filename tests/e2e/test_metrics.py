@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.local_swarm import free_port
+from shared.processes import free_port
 from tests.e2e.conftest import wait_until
 from tests.e2e.small_swarm import START_S, start_small_swarm, trainer_step
 

@@ -105,8 +105,9 @@ def test_two_replicas_and_two_trainers_train_the_same_model_as_one(tmp_path, two
     )
     ratio = two[0]["eval_loss_after"] / one["eval_loss_after"]
     print(
-        f"\none model: held-out loss {one['eval_loss_after']:.4f} (1 replica x 1 trainer) vs {two[0]['eval_loss_after']:.4f} (2 x 2), ratio {ratio:.4f}; "
-        f"re-runs {one['microbatch_reruns']} vs {sum(t['microbatch_reruns'] for t in two)}; digest checks identical: {identical}"
+        f"\none model: held-out loss {one['eval_loss_after']:.4f} (1 replica x 1 trainer) vs "
+        f"{two[0]['eval_loss_after']:.4f} (2 x 2), ratio {ratio:.4f}; re-runs {one['microbatch_reruns']} vs "
+        f"{sum(t['microbatch_reruns'] for t in two)}; digest checks identical: {identical}"
     )
     assert abs(ratio - 1) <= 0.02, (one["eval_loss_after"], two[0]["eval_loss_after"])
 
@@ -127,8 +128,9 @@ def test_local_mode_trains_as_well_per_sample_with_far_fewer_bytes(tmp_path, two
     ratio = local_runs[0]["eval_loss_after"] / global_runs[0]["eval_loss_after"]
     global_bytes, local_bytes = step_round_bytes(global_dir), step_round_bytes(local_dir)
     print(
-        f"\nlocal mode: held-out loss {local_runs[0]['eval_loss_after']:.4f} (local, H={LOCAL_STEPS}) vs {global_runs[0]['eval_loss_after']:.4f} (global), "
-        f"ratio {ratio:.4f}; step-round bytes {local_bytes:,} vs {global_bytes:,} ({global_bytes / max(local_bytes, 1):.1f}x fewer)"
+        f"\nlocal mode: held-out loss {local_runs[0]['eval_loss_after']:.4f} (local, H={LOCAL_STEPS}) vs "
+        f"{global_runs[0]['eval_loss_after']:.4f} (global), ratio {ratio:.4f}; step-round bytes {local_bytes:,} vs "
+        f"{global_bytes:,} ({global_bytes / max(local_bytes, 1):.1f}x fewer)"
     )
     assert abs(ratio - 1) <= 0.05, (local_runs[0]["eval_loss_after"], global_runs[0]["eval_loss_after"])
     assert local_bytes > 0 and global_bytes >= 8 * local_bytes, (global_bytes, local_bytes)

@@ -58,7 +58,7 @@ def test_training_goes_on_when_a_replica_of_every_stage_is_killed(tmp_path):
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
     output: list[str] = []
-    threading.Thread(target=lambda: [(lines.put(l), output.append(l)) for l in proc.stdout], daemon=True).start()
+    threading.Thread(target=lambda: [(lines.put(x), output.append(x)) for x in proc.stdout], daemon=True).start()
     try:
         coordinator = None
         trainers_past_step_10 = set()
@@ -71,7 +71,7 @@ def test_training_goes_on_when_a_replica_of_every_stage_is_killed(tmp_path):
         assert coordinator, "swarm up did not print the coordinator URL"
         servers = stage_server_pids(run_dir.name)
         assert sorted(servers) == [0, 1, 2, 3] and all(len(p) == 2 for p in servers.values())
-        for stage, pids in servers.items():
+        for pids in servers.values():
             os.kill(pids[0], signal.SIGKILL)
         # the registry drops the killed replicas (leases of 3 heartbeats of 1 s)
         wait_until(
@@ -98,7 +98,7 @@ def test_training_goes_on_when_a_replica_of_every_stage_is_killed(tmp_path):
         after_kill = losses[15:]
         assert sum(after_kill[-10:]) / 10 < sum(after_kill[:10]) / 10 - 0.05, "the loss stopped falling after the kills"
         assert summary["eval_loss_after"] < summary["eval_loss_before"] - 1.0
-    assert any("hop.failed" in l or "chain.rerouted" in l for l in output), (
+    assert any("hop.failed" in x or "chain.rerouted" in x for x in output), (
         "no hop hit a killed replica: the test did not test anything"
     )
     assert processes_of_run(run_dir.name) == []

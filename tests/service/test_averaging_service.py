@@ -152,7 +152,8 @@ async def test_int8_round_leaves_members_identical_and_close_to_the_mean(serve, 
     P = before[0].numel()
     assert all(s["ok"] and s["bytes_sent"] <= 1.1 * 2 * P * 2 / 3 * 1.01 for s in summaries)  # ~1 byte a value
     print(
-        f"\nint8 round, P={P}: relative error {rel_error:.4f}, bytes_sent per member {[s['bytes_sent'] for s in summaries]}"
+        f"\nint8 round, P={P}: relative error {rel_error:.4f}, bytes_sent per member "
+        f"{[s['bytes_sent'] for s in summaries]}"
     )
 
 

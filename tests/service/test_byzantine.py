@@ -21,12 +21,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from services.coordinator.app import create_app as create_coordinator
-from services.local_swarm import free_port
 from services.stage_server.app import MEMBERSHIP, create_app
 from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import PipelineClient
 from shared.config import CoordinatorSettings
+from shared.processes import free_port
 from tests.conftest import balancer_for, stage_settings
 
 ROUNDS = 4

@@ -9,13 +9,13 @@ import aiohttp
 import pytest
 import torch
 
-from services.local_swarm import free_port
 from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import MicrobatchFailed, PipelineClient
 from shared.codec import encode_tensor
 from shared.errors import RemoteError
 from shared.http import post_message
+from shared.processes import free_port
 from shared.retry import RetryPolicy
 from tests.conftest import balancer_for, stage_settings
 

@@ -26,7 +26,6 @@ from aiohttp.test_utils import TestServer
 from services.coordinator.app import STEPS
 from services.coordinator.app import create_app as create_coordinator
 from services.coordinator.routes import TRAFFIC
-from services.local_swarm import free_port
 from services.stage_server.app import MEMBERSHIP, create_app
 from services.stage_server.averaging import flat_parameters
 from services.stage_server.averaging_routes import AVERAGER as AVERAGER_KEY
@@ -41,6 +40,7 @@ from shared.config import CoordinatorSettings
 from shared.errors import RemoteError
 from shared.http import post_message
 from shared.model import PRESETS, build_gpt, build_stage
+from shared.processes import free_port
 from tests.conftest import balancer_for, stage_settings
 
 RUN_ID = "test"
@@ -361,7 +361,9 @@ async def test_a_replica_killed_while_its_stage_all_reduces_is_left_out_and_trai
             taken.append(spec.step)
             asyncio.get_running_loop().create_task(die())
 
-    async def die():  # as a process killed mid-round: its round cut short once it took its gradient (a graceful stop would finish it), then gone
+    # as a process killed mid-round: its round cut short once it took its gradient (a graceful stop would
+    # finish it), then gone
+    async def die():
         await asyncio.wait_for(gradient_taken.wait(), 30)
         await victim[AVERAGER_KEY].close()
         await s.servers[victim_url].close()

@@ -18,7 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from services.coordinator.app import create_app as create_coordinator
-from services.local_swarm import free_port
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import HopTimeouts, PipelineClient
 from services.trainer.telemetry import TrainerTelemetry
@@ -26,6 +25,7 @@ from services.trainer.trainer import Trainer
 from shared.config import CoordinatorSettings
 from shared.http import MICROBATCH_HEADER
 from shared.log import get_logger
+from shared.processes import free_port
 from shared.retry import RetryPolicy
 from tests.conftest import balancer_for, stage_settings
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from aiohttp.test_utils import TestServer
 
-from services.local_swarm import free_port
 from services.stage_server.app import create_app
 from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import HopTimeouts, MicrobatchFailed, PipelineClient
+from shared.processes import free_port
 from shared.retry import RetryPolicy
 from tests.conftest import balancer_for, stage_settings
 

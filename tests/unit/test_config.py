@@ -12,6 +12,7 @@ from shared.config import (
     ModelSettings,
     StageServerSettings,
     TrainerSettings,
+    is_test_only,
     known_settings_fields,
     parse_settings,
     unknown_swarm_variables,
@@ -110,6 +111,25 @@ def test_every_field_has_a_flag(capsys):
     out = capsys.readouterr().out
     for name in TrainerSettings.model_fields:
         assert f"--{name.replace('_', '-')}" in out
+
+
+def test_fault_injection_settings_are_marked_test_only():
+    fields = StageServerSettings.model_fields
+    test_only = {name for name, field in fields.items() if is_test_only(field)}
+    assert test_only == {name for name in fields if name.startswith("inject_")} and test_only
+    for name in test_only:
+        assert fields[name].description.startswith("TEST ONLY"), name
+
+
+def test_help_names_test_only_settings_only_as_such_and_their_flags_work(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_settings(StageServerSettings, ["--help"], prog="swarm server")
+    assert exc.value.code == 0
+    options, _, epilog = capsys.readouterr().out.partition("test only, never set in production:")
+    assert "--inject" not in options and "fault injection" not in options
+    assert "--inject-delay-s" in epilog and "--inject-byzantine-factor" in epilog
+    s = parse_settings(StageServerSettings, ["--inject-delay-s", "0.5"], prog="swarm server")
+    assert s.inject_delay_s == 0.5
 
 
 # --- validators ----------------------------------------------------------------------

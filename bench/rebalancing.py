@@ -26,7 +26,7 @@ import aiohttp
 from bench.processes import BenchProcesses, run_id
 from bench.pump import MeshClient, registry_view
 from bench.report import BenchResult
-from services.coordinator.assignment import best_assignment
+from shared.policy.throughput import best_assignment
 
 STAGES = 2
 SPEEDS = (1, 2, 4)

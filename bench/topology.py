@@ -23,9 +23,11 @@ from types import SimpleNamespace
 import numpy as np
 
 from bench.report import BenchResult, format_table, machine, write_json
-from services.coordinator.placement import PlacementInputs, TopologyRebalancer, stage_for_joiner
+from services.coordinator.placement import stage_for_joiner
 from services.simulator import SimConfig, simulate
 from shared.config import CoordinatorSettings
+from shared.policy.topology import TopologyRebalancer
+from shared.policy.view import PlacementInputs
 from shared.topology.cost import DTFM_GPT3_XL, DTFM_GRADIENT_GB, Workload, butterfly_time, dtfm_cost, dtfm_pair_cost
 from shared.topology.exhaustive import exhaustive
 from shared.topology.network import Link, Network, Peer, peers_in_regions, regional_network, world_network

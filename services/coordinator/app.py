@@ -18,21 +18,21 @@ from services.coordinator.dashboard_routes import DASHBOARD_PATHS, EVENTS, PROGR
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.registry import RegisteredServer, Registry, ServerReport
 from services.coordinator.routes import (
+    AVERAGING,
+    CHECKPOINTER,
     LOG,
     MAX_BODY_BYTES,
     REGISTRY,
     SETTINGS,
     STEPS,
     TRAFFIC,
-    _check_run,
     add_routes,
-    read_json,
 )
-from services.coordinator.steps import StepScheduler, check_report
-from shared import checkpoint, package_version
+from services.coordinator.steps import StepScheduler
+from shared import package_version
 from shared.auth import OPEN_PATHS
 from shared.config import CoordinatorSettings, advertised_url
-from shared.errors import BadPayload, Overloaded, RemoteError
+from shared.errors import RemoteError
 from shared.http import auth_middlewares, error_middleware, post_message, request_log_middleware, swarm_session
 from shared.log import get_logger
 from shared.metrics import Metrics, add_metrics_route, metrics_middleware
@@ -76,10 +76,6 @@ async def _expire_loop(registry: Registry, log) -> None:
             log.exception("registry.expire.failed", error=repr(exc))
 
 
-CHECKPOINTER = web.AppKey("checkpointer", Checkpointer)
-AVERAGING = web.AppKey("averaging", AveragingScheduler)
-
-
 def create_app(settings: CoordinatorSettings, registry: Registry | None = None) -> web.Application:
     """The coordinator app; a ``registry`` passed in stays the caller's to close."""
     log = EventRecorder(
@@ -103,7 +99,6 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     app[REGISTRY] = registry if registry is not None else build_registry(settings)
     app[LOG] = log
     app[TRAFFIC] = {}
-    add_routes(app)
     add_dashboard_routes(app, log.events)
     add_completion_routes(app)
     add_metrics_route(app, metrics)
@@ -131,7 +126,6 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
         aggregator=settings.averaging_aggregator,
     )
     app.cleanup_ctx.append(_averaging(settings))
-    app.router.add_post("/average", average_now)
     app[STEPS] = StepScheduler(
         settings.num_stages,
         app[REGISTRY].live,
@@ -143,8 +137,6 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
         reported_step=lambda server: app[REGISTRY].reports.get(server.server_id, ServerReport()).step,
     )
     app.cleanup_ctx.append(_steps())
-    app.router.add_post("/step/reserve", step_reserve)
-    app.router.add_post("/step/done", step_done)
     if settings.rebalance_every_s > 0:
         app.cleanup_ctx.append(_rebalancing(settings, log))
     if settings.checkpoint_dir:
@@ -158,7 +150,7 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
             stage_steps=lambda: [st.step for st in app[STEPS].counter.stages],
         )
         app.cleanup_ctx.append(_checkpoints(settings))
-        app.router.add_post("/checkpoint", checkpoint_now)
+    add_routes(app)  # the registry's, steps', averaging's and checkpoints' handlers (routes.py)
     if settings.mdns:
         app.cleanup_ctx.append(_announcement(settings))
     return app
@@ -169,51 +161,10 @@ def _steps():
     return _background("steps", lambda app, session: app[STEPS].run(session))
 
 
-async def step_reserve(request: web.Request) -> web.Response:
-    """``POST /step/reserve`` {run_id, stage, url, step, samples, global_batch, until_step?} from
-    a replica about to run a backward -> {bucket, closes, resync, complete, step}: see ``steps.py``."""
-    msg = await read_json(request)
-    _check_run(request, msg)
-    stage, url, step, samples, global_batch = check_report(
-        msg, request.app[REGISTRY].num_stages, ("step", "samples", "global_batch")
-    )
-    until_step = msg.get("until_step")
-    if until_step is not None and (type(until_step) is not int or until_step < 1):
-        raise BadPayload("'until_step' must be an int >= 1")
-    return web.json_response(await request.app[STEPS].reserve(stage, url, step, samples, global_batch, until_step))
-
-
-async def step_done(request: web.Request) -> web.Response:
-    """``POST /step/done`` {run_id, stage, url, step, bucket, reserved, samples, global_batch, closes?}
-    after the backward -> {round, step}: the step's round (a report that ``closes`` its step
-    is answered once the round started)."""
-    msg = await read_json(request)
-    _check_run(request, msg)
-    fields = ("step", "bucket", "reserved", "samples", "global_batch")
-    closes = msg.get("closes", False)
-    if type(closes) is not bool:
-        raise BadPayload("'closes' must be a bool")
-    return web.json_response(
-        await request.app[STEPS].done(*check_report(msg, request.app[REGISTRY].num_stages, fields), closes=closes)
-    )
-
-
 def _averaging(settings: CoordinatorSettings):
     """Averaging passes every ``average_every_s`` (0: only when ``POST /average`` asks)."""
 
     return _background("averaging", lambda app, session: app[AVERAGING].run(session))
-
-
-async def average_now(request: web.Request) -> web.Response:
-    """``POST /average``: once the step rounds running now have ended (a trainer asks before
-    its final evaluation, which must see the run's last step applied), check that each
-    stage's replicas are identical, repair those that drifted, and answer when the repairs
-    ended: {checks: [{stage, verdict, replicas, steps, digests}],
-    rounds: [{stage, round_id, members, accepted, ended}]}."""
-    await request.app[STEPS].settled()
-    scheduler = request.app[AVERAGING]
-    rounds = await scheduler.average_now()
-    return web.json_response({"checks": scheduler.checks, "rounds": [r.as_json() for r in rounds]})
 
 
 def _rebalancing(settings: CoordinatorSettings, log):
@@ -287,14 +238,6 @@ async def _order_move(
         )
     except RemoteError as exc:
         log.warning("rebalance.move.failed", server_id=server_id, error=str(exc))
-
-
-async def checkpoint_now(request: web.Request) -> web.Response:
-    """``POST /checkpoint``: save the run now; 200 {path, step}, or 503 if a stage had no state."""
-    path = await request.app[CHECKPOINTER].checkpoint_once()
-    if path is None:
-        raise Overloaded("no checkpoint: some stage has no live replica that gave its state", retry_after_s=5)
-    return web.json_response({"path": str(path), "step": checkpoint.read_meta(path)["step"]})
 
 
 def _checkpoints(settings: CoordinatorSettings):

@@ -16,7 +16,6 @@ from services.coordinator.registry import RegisteredServer, Registry
 from shared.config import CoordinatorSettings
 from shared.policy.rebalancing import RebalancingPolicy
 from shared.policy.throughput import ThroughputRebalancer
-from shared.policy.throughput import best_assignment as best_assignment  # bench/rebalancing.py imports it from here
 from shared.policy.topology import TopologyRebalancer
 from shared.policy.view import SwarmView
 

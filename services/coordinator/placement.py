@@ -29,7 +29,6 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from shared.policy.topology import TopologyRebalancer  # noqa: F401 - bench/topology.py imports it from here
 from shared.policy.view import PlacementInputs
 from shared.topology import INTRA_REGION, Link, Network, Peer, Workload, place_joiners, world_network
 

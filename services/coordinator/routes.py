@@ -1,4 +1,6 @@
-"""HTTP handlers of the coordinator: decode JSON, call the registry, encode JSON.
+"""HTTP handlers of the coordinator: decode JSON, call the registry, the step scheduler,
+the averaging scheduler or the checkpointer, encode JSON. The dashboard's and the
+OpenAI-compatible API's handlers are in ``dashboard_routes.py`` and ``completions.py``.
 
 Request bodies are JSON objects (``Content-Type: application/json``, at most 64 KiB);
 unknown fields are ignored, so old and new servers interoperate::
@@ -19,13 +21,14 @@ unknown fields are ignored, so old and new servers interoperate::
                      -> {bucket, closes, resync, catch_up, complete, step}
     POST /step/done  {run_id, stage, url, step, bucket, reserved, samples, global_batch} -> {round, step}
                      global steps: which step a backward's gradient goes to, and what it
-                     accumulated; the step round starts once a step is complete (app.py, steps.py)
+                     accumulated; the step round starts once a step is complete (steps.py)
     GET  /health     -> {status: "ok", servers}
     GET  /metrics, GET /, GET /dashboard.json, POST /progress: metrics.py, dashboard_routes.py
     GET  /v1/models, POST /v1/completions, POST /v1/chat/completions: the OpenAI-compatible
                      API, generation through the swarm (completions.py)
-    POST /average    -> {rounds: [{stage, round_id, members, accepted, ended}]}  (app.py)
+    POST /average    -> {checks, rounds: [{stage, round_id, members, accepted, ended}]}
                      an averaging pass of every stage with 2+ replicas, answered when it ended
+    POST /checkpoint -> {path, step}   (with SWARM_CHECKPOINT_DIR) save the run now
 
 Errors are ``{"error": {"code", "message"}}``: 400 bad_payload, 404 unknown_server,
 409 wrong_run / stage_out_of_range, 413, 415, 503 registry_full.
@@ -39,17 +42,22 @@ import json
 import structlog
 from aiohttp import web
 
+from services.coordinator.averaging import AveragingScheduler
+from services.coordinator.checkpointer import Checkpointer
 from services.coordinator.placement import Joiner, placement_inputs, stage_for_joiner, uses_topology
 from services.coordinator.registry import Registry, check_region, check_report, check_rtt
-from services.coordinator.steps import StepScheduler
+from services.coordinator.steps import StepScheduler, check_step_report
+from shared import checkpoint
 from shared.config import CoordinatorSettings
-from shared.errors import BadPayload, SwarmError
+from shared.errors import BadPayload, Overloaded, SwarmError
 from shared.http import read_body
 
 SETTINGS = web.AppKey("settings", CoordinatorSettings)
 REGISTRY = web.AppKey("registry", Registry)
 TRAFFIC = web.AppKey("traffic", dict)  # loop name -> {"sent": bytes, "received": bytes}
 STEPS = web.AppKey("steps", StepScheduler)
+AVERAGING = web.AppKey("averaging", AveragingScheduler)
+CHECKPOINTER = web.AppKey("checkpointer", Checkpointer)
 LOG = web.AppKey("log", structlog.typing.FilteringBoundLogger)
 ASSIGN_LOCK = web.AppKey("assign_lock", asyncio.Lock)
 JOINER_ID, PENDING_PREFIX = "<joiner>", "<pending>"  # peer ids no server can have (server ids are [A-Za-z0-9._-])
@@ -197,6 +205,55 @@ async def run(request: web.Request) -> web.Response:
     return web.json_response(request.app[REGISTRY].run_state())
 
 
+async def step_reserve(request: web.Request) -> web.Response:
+    """``POST /step/reserve`` {run_id, stage, url, step, samples, global_batch, until_step?} from
+    a replica about to run a backward -> {bucket, closes, resync, complete, step}: see ``steps.py``."""
+    msg = await read_json(request)
+    _check_run(request, msg)
+    stage, url, step, samples, global_batch = check_step_report(
+        msg, request.app[REGISTRY].num_stages, ("step", "samples", "global_batch")
+    )
+    until_step = msg.get("until_step")
+    if until_step is not None and (type(until_step) is not int or until_step < 1):
+        raise BadPayload("'until_step' must be an int >= 1")
+    return web.json_response(await request.app[STEPS].reserve(stage, url, step, samples, global_batch, until_step))
+
+
+async def step_done(request: web.Request) -> web.Response:
+    """``POST /step/done`` {run_id, stage, url, step, bucket, reserved, samples, global_batch, closes?}
+    after the backward -> {round, step}: the step's round (a report that ``closes`` its step
+    is answered once the round started)."""
+    msg = await read_json(request)
+    _check_run(request, msg)
+    fields = ("step", "bucket", "reserved", "samples", "global_batch")
+    closes = msg.get("closes", False)
+    if type(closes) is not bool:
+        raise BadPayload("'closes' must be a bool")
+    return web.json_response(
+        await request.app[STEPS].done(*check_step_report(msg, request.app[REGISTRY].num_stages, fields), closes=closes)
+    )
+
+
+async def average_now(request: web.Request) -> web.Response:
+    """``POST /average``: once the step rounds running now have ended (a trainer asks before
+    its final evaluation, which must see the run's last step applied), check that each
+    stage's replicas are identical, repair those that drifted, and answer when the repairs
+    ended: {checks: [{stage, verdict, replicas, steps, digests}],
+    rounds: [{stage, round_id, members, accepted, ended}]}."""
+    await request.app[STEPS].settled()
+    scheduler = request.app[AVERAGING]
+    rounds = await scheduler.average_now()
+    return web.json_response({"checks": scheduler.checks, "rounds": [r.as_json() for r in rounds]})
+
+
+async def checkpoint_now(request: web.Request) -> web.Response:
+    """``POST /checkpoint``: save the run now; 200 {path, step}, or 503 if a stage had no state."""
+    path = await request.app[CHECKPOINTER].checkpoint_once()
+    if path is None:
+        raise Overloaded("no checkpoint: some stage has no live replica that gave its state", retry_after_s=5)
+    return web.json_response({"path": str(path), "step": checkpoint.read_meta(path)["step"]})
+
+
 def add_routes(app: web.Application) -> None:
     app[ASSIGN_LOCK] = asyncio.Lock()
     app.router.add_post("/register", register)
@@ -206,3 +263,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/swarm", swarm)
     app.router.add_get("/run", run)
     app.router.add_get("/health", health)
+    app.router.add_post("/step/reserve", step_reserve)
+    app.router.add_post("/step/done", step_done)
+    app.router.add_post("/average", average_now)
+    if CHECKPOINTER in app:
+        app.router.add_post("/checkpoint", checkpoint_now)

@@ -3,9 +3,10 @@ when a stage's replicas all-reduce and step.
 
 Every global step of a stage holds the run's global batch (``SWARM_GLOBAL_BATCH``
 samples), whatever the replicas and trainers. Before a replica runs a backward it asks
-which step the microbatch's gradient goes to (``POST /step/reserve``): the stage's step until its reservations reach the
-global batch (the reservation that gets there ``closes`` it), then the next one. Only one step ahead of the stage's is handed out: a
-reservation past that waits until the stage steps, bounded by ``step_timeout_s``. After
+which step the microbatch's gradient goes to (``POST /step/reserve``): the stage's step
+until its reservations reach the global batch (the reservation that gets there ``closes``
+it), then the next one. Only one step ahead of the stage's is handed out: a reservation
+past that waits until the stage steps, bounded by ``step_timeout_s``. After
 the backward the replica says what it accumulated (``POST /step/done``; 0 samples for a
 duplicate or a failed backward, which gives the reservation back). Once every sample
 reserved for the stage's step is accumulated, the coordinator starts a ``step`` round
@@ -114,13 +115,13 @@ class StepCounter:
 
     def _check(self, stage: int, url: str, replica_step: int, global_batch: int) -> StageCount:
         st = self.stages[stage]
-        st.replica_steps[url] = max(
-            replica_step, st.replica_steps.get(url, 0)
-        )  # a report sent before a step may arrive after it
+        # a report sent before a step may arrive after it
+        st.replica_steps[url] = max(replica_step, st.replica_steps.get(url, 0))
         st.last_seen[url] = self.clock()
         if st.global_batch and global_batch != st.global_batch:
             raise GlobalBatchMismatch(
-                f"stage {stage} steps every {st.global_batch} samples, this replica every {global_batch}: set the same SWARM_GLOBAL_BATCH on every server of the run"
+                f"stage {stage} steps every {st.global_batch} samples, this replica every {global_batch}: "
+                "set the same SWARM_GLOBAL_BATCH on every server of the run"
             )
         st.global_batch = global_batch
         if (
@@ -290,7 +291,7 @@ class StepCounter:
         ]
 
 
-def check_report(msg: dict, num_stages: int, fields: tuple[str, ...]) -> tuple:
+def check_step_report(msg: dict, num_stages: int, fields: tuple[str, ...]) -> tuple:
     """(stage, url, *fields) of a ``/step/reserve`` or ``/step/done`` body, validated."""
     stage, url = msg.get("stage"), msg.get("url")
     if type(stage) is not int or not 0 <= stage < num_stages:
@@ -370,7 +371,9 @@ class StepScheduler:
                         replica=url,
                         replica_step=replica_step,
                         step=self.counter.stages[stage].step,
-                        reason="no live replica of the stage holds its step: the updates of the steps in between are lost",
+                        reason=(
+                            "no live replica of the stage holds its step: the updates of the steps in between are lost"
+                        ),
                     )
                 self.log.debug(
                     "step.reserve",

@@ -127,7 +127,8 @@ class StepClient:
                 await self._resync_now(answer["step"])
         else:
             raise Overloaded(
-                f"this replica is at step {self.runtime.step}, behind its stage, and could not take a live replica's state yet",
+                f"this replica is at step {self.runtime.step}, behind its stage, "
+                "and could not take a live replica's state yet",
                 retry_after_s=1.0,
             )
         if answer.get("complete"):

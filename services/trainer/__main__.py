@@ -67,7 +67,8 @@ async def check_stages(
                 raise SwarmMismatch(f"{url} serves {wrong}, expected { ({**expected, 'stage': stage}) }")
             if settings.routing not in info.get("routings", ["relay"]):
                 raise SwarmMismatch(
-                    f"{url} does not serve SWARM_ROUTING={settings.routing} (it serves {info.get('routings', ['relay'])}): upgrade it, or set SWARM_ROUTING=relay"
+                    f"{url} does not serve SWARM_ROUTING={settings.routing} "
+                    f"(it serves {info.get('routings', ['relay'])}): upgrade it, or set SWARM_ROUTING=relay"
                 )
             answered += 1
             first = first or info
@@ -120,7 +121,8 @@ async def find_swarm(
     view = SwarmView(session, coordinator, balancer, refresh_s=settings.heartbeat_s, log=log)
     if not await view.wait_complete(READY_WAIT_S):
         raise SwarmMismatch(
-            f"the coordinator at {coordinator} lists no replica for some stage after {READY_WAIT_S} s: {view.replicas()}"
+            f"the coordinator at {coordinator} lists no replica for some stage after {READY_WAIT_S} s: "
+            f"{view.replicas()}"
         )
     return view
 

@@ -31,7 +31,8 @@ def data_files(path: str | Path) -> list[Path]:
     if path.is_file():
         if not _kind(path):
             raise ValueError(
-                f"{path}: unknown data format; a corpus file ends in one of {', '.join(DATA_SUFFIXES)} (setting SWARM_CORPUS)"
+                f"{path}: unknown data format; a corpus file ends in one of {', '.join(DATA_SUFFIXES)} "
+                "(setting SWARM_CORPUS)"
             )
         return [path]
     if path.is_dir():

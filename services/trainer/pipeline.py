@@ -15,9 +15,10 @@ back (``forward_step``). A stage that stepped more than ``SWARM_MAX_STALENESS`` 
 refuses the backward (409 ``stale_forward``): the microbatch runs again from stage 0,
 counted as a re-run, at most ``MAX_RERUNS`` times.
 
-``routing="chain"`` (``SWARM_ROUTING``, the trainer's default; this class's is relay): the trainer picks a replica for every stage (and up
-to ``CHAIN_ALTERNATES`` alternates each) with the same wiring, and sends the route with the
-token ids to the stage-0 replica, one ``POST /chain``; the stage servers pass activations
+``routing="chain"`` (``SWARM_ROUTING``, the trainer's default; this class's is relay): the
+trainer picks a replica for every stage (and up to ``CHAIN_ALTERNATES`` alternates each)
+with the same wiring, and sends the route with the token ids to the stage-0 replica, one
+``POST /chain``; the stage servers pass activations
 and gradients to each other (``services/stage_server/chain.py``) and stage 0 answers with
 the loss and every hop's timings, which the wiring learns from as from its own calls. A
 chain broken where no alternate could take over (502 ``chain_broken``) runs again from
@@ -273,7 +274,8 @@ class PipelineClient:
         return loss, loss_step, swarm_step, complete
 
     async def _chain(self, mb: Microbatch, msg: dict, read: Callable[[dict], Any], outage: Outage | None = None) -> Any:
-        """POST ``msg`` down a chain (stage 0 chosen by :meth:`_call`, the later stages here) and learn from the answer."""
+        """POST ``msg`` down a chain (stage 0 chosen by :meth:`_call`, the later stages here) and
+        learn from the answer."""
         batch = mb.inputs.shape[0]
         preferred = self._routes.get(mb.index) or []
         down = [stage for stage in range(1, self.num_stages) if not self.balancer.has_usable(stage)]
@@ -500,7 +502,8 @@ def _outputs(reply: dict) -> tuple[dict, int]:
 
 
 def _grad_inputs(reply: dict) -> tuple[dict, int, bool]:
-    """A middle stage's backward: the input gradient, the stage's step now, whether the run's steps were all reserved."""
+    """A middle stage's backward: the input gradient, the stage's step now, whether the run's
+    steps were all reserved."""
     return _tensor(reply, "grad_inputs"), _step(reply, "stage_step"), reply.get("complete") is True
 
 

@@ -110,7 +110,8 @@ class ProgressDisplay:
         rate = (done - self.initial) / elapsed if elapsed > 0 else 0.0
         eta = tqdm.format_interval((self.total - done) / rate) if rate > 0 else "?"
         return (
-            f"progress: {done}/{self.total} steps ({100 * done / self.total:.0f}%), {format_fields(loss, tokens_per_s)}, "
+            f"progress: {done}/{self.total} steps ({100 * done / self.total:.0f}%), "
+            f"{format_fields(loss, tokens_per_s)}, "
             f"elapsed {tqdm.format_interval(elapsed)}, eta {eta}"
         )
 

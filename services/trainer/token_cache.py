@@ -147,7 +147,8 @@ class TokenBatcher:
         self.num_eval_samples = max(0, (cache.n_eval - 1) // seq_len)
         if num_samples < num_shards * microbatch_size or self.num_eval_samples < 1:
             raise ValueError(
-                f"the corpus' {cache.meta['tokens']} tokens are too few for seq_len={seq_len} x microbatch_size={microbatch_size} "
+                f"the corpus' {cache.meta['tokens']} tokens are too few for seq_len={seq_len} "
+                f"x microbatch_size={microbatch_size} "
                 f"per trainer ({num_shards}) and one held-out window (settings SWARM_SEQ_LEN, SWARM_CORPUS)"
             )
         order = np.random.default_rng([seed, 0x5EED]).permutation(num_samples)

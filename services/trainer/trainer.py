@@ -205,7 +205,8 @@ class Trainer:
             await asyncio.gather(*(worker() for _ in range(self.in_flight)))
             if state["swarm_step"] == before:
                 break  # the swarm does not step (no coordinator, no replica): no use feeding it
-        # the end: every microbatch completed or failed; stage 0 holding every step of the run means its last ones are being taken
+        # the end: every microbatch completed or failed; stage 0 holding every step of the run
+        # means its last ones are being taken
         self._release(
             losses,
             self.steps if state["complete"] else min(state["swarm_step"], self.steps),
@@ -221,7 +222,10 @@ class Trainer:
                 level="warning",
                 swarm_step=state["swarm_step"],
                 steps=self.steps,
-                reason="this trainer fed the samples of every step left, and the swarm did not step that far (other trainers gone, failed microbatches, dropped samples)",
+                reason=(
+                    "this trainer fed the samples of every step left, and the swarm did not step that far "
+                    "(other trainers gone, failed microbatches, dropped samples)"
+                ),
             )
         await asyncio.gather(*self._evaluations)
         if self.before_final_eval is not None:

@@ -10,7 +10,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: up test setup clean
+.PHONY: up test lint format setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,15 @@ up: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# One format and a small rule set (pyproject.toml [tool.ruff]); CI runs lint before the tests.
+lint: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 # One layer of the suite at a time: pure logic (seconds), in-process services (a minute),
 # real processes on loopback, the chaos suite, and the benches' smoke runs and arena.

@@ -5,7 +5,7 @@ bench.stage_proc trainer --bench-...``: a trainer of that model.
 The benches compare the mesh with other systems at d_model 256, 512 and 1024 with 8
 layers, which no preset has. Everything else is the stock stage server
 (``services.stage_server``: same main, app, routes, runtime and settings from ``SWARM_*``,
-``--stage auto`` and moves between stages, after which it restarts as itself) or the stock
+``--stage auto`` and moves between stages, served in the same process) or the stock
 trainer (``services.trainer``, which checks that the servers run the model it expects);
 only the model configuration is the preset's with these dimensions replaced.
 """
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return train(argv[1:], settings_class=SizedTrainerSettings)
     from services.stage_server.__main__ import main as serve
 
-    return serve(argv, settings_class=SizedStageSettings, module="bench.stage_proc")
+    return serve(argv, settings_class=SizedStageSettings)
 
 
 if __name__ == "__main__":

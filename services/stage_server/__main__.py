@@ -3,18 +3,23 @@
 With a coordinator (``--coordinator URL``, or found by mDNS when none is given) the
 server registers and heartbeats; ``--stage auto`` lets the coordinator pick the stage
 with the least capacity. SIGTERM or Ctrl-C drains: 503 to new work, deregistration,
-then the accepted requests finish before the process exits.
+then the accepted requests finish before the process exits. A move ordered by the
+coordinator (``POST /move``) drains the same way, then :func:`serve` starts the server
+again, in this process, for the new stage (the steps: ``move.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
+import gc
 import signal
 import sys
+from collections.abc import Awaitable
+from ssl import SSLContext
+from typing import TypeVar
 
 import torch
-from aiohttp import web
+from aiohttp import web, web_app
 
 from services.stage_server.app import create_app
 from services.stage_server.latency import probe_swarm
@@ -24,6 +29,8 @@ from shared.config import StageServerSettings, parse_settings
 from shared.errors import RemoteError
 from shared.http import server_ssl_context, swarm_session
 from shared.log import configure_logging, get_logger
+
+T = TypeVar("T")
 
 
 async def resolve(settings: StageServerSettings, log) -> StageServerSettings:
@@ -56,35 +63,84 @@ def main(
     argv: list[str] | None = None,
     *,
     settings_class: type[StageServerSettings] = StageServerSettings,
-    module: str = "services.stage_server",
 ) -> int:
-    """Serve until stopped. ``settings_class`` and ``module`` let a variant of the server (the
-    benches' ``bench.stage_proc``) run the same way and restart as itself after a move."""
+    """Serve until stopped. ``settings_class`` lets a variant of the server (the benches'
+    ``bench.stage_proc``) run the same way, moves included."""
     settings = parse_settings(settings_class, argv, "swarm server", "Serve one pipeline stage over HTTP.")
     configure_logging(settings.log_format, settings.log_level)
     torch.set_num_threads(settings.num_threads)
     try:
-        settings = asyncio.run(resolve(settings, get_logger(service="stage_server", run=settings.run_id)))
-        app = create_app(settings)
-        ssl_context = server_ssl_context(settings)
+        asyncio.run(_run(settings))
     except (ValueError, RemoteError) as exc:
         print(f"swarm server: {exc}", file=sys.stderr)
         return 2
-    order = app[MOVE]
-    order.on_order = lambda: os.kill(os.getpid(), signal.SIGTERM)  # drain, deregister, then restart below
-    web.run_app(
-        app,
-        host=settings.host,
-        port=settings.port,
-        print=None,
-        shutdown_timeout=settings.drain_timeout_s,
-        access_log=None,
-        ssl_context=ssl_context,
-    )
-    if order.to_stage is not None:  # moved by the coordinator: start again as a server of the new stage
-        argv = [a for a in (sys.argv[1:] if argv is None else argv)]
-        os.execv(sys.executable, [sys.executable, "-m", module, *argv, "--stage", str(order.to_stage)])
     return 0
+
+
+async def _run(settings: StageServerSettings) -> None:
+    settings = await resolve(settings, get_logger(service="stage_server", run=settings.run_id))
+    ssl_context = server_ssl_context(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await serve(settings, stop, ssl_context=ssl_context)
+
+
+async def serve(settings: StageServerSettings, stop: asyncio.Event, *, ssl_context: SSLContext | None = None) -> None:
+    """Serve ``settings.stage`` until ``stop`` is set. A move ordered by the coordinator
+    (``POST /move``) shuts the server down as ``stop`` would, then this loop serves the new
+    stage at the same address (``move.py`` has the steps)."""
+    while not stop.is_set():
+        to_stage = await serve_stage(settings, stop, ssl_context)
+        if to_stage is None:
+            return
+        log = get_logger(service="stage_server", run=settings.run_id, stage=settings.stage)
+        log.info("server.moving", to_stage=to_stage)
+        settings = settings.model_copy(update={"stage": to_stage})
+        _release_stopped_apps()  # the old stage's weights go before the new stage's are built
+
+
+def _release_stopped_apps() -> None:
+    """Free the apps that were shut down, and the weights they hold, now: aiohttp keeps every
+    app whose handlers ran in a cache of handlers wrapped in their middlewares (1024 entries),
+    and an app's objects refer to each other (cycles)."""
+    cache = getattr(web_app, "_cached_build_middleware", None)  # aiohttp's, private: nothing to clear once gone
+    if cache is not None:
+        cache.cache_clear()
+    gc.collect()
+
+
+async def serve_stage(settings: StageServerSettings, stop: asyncio.Event, ssl_context: SSLContext | None) -> int | None:
+    """Run the app of ``settings.stage`` until ``stop`` is set or a move is ordered, then shut
+    it down; the stage ordered (None: stopped).
+
+    Starting the app joins the stage (downloads its state from a live replica, ``app._join``)
+    and starts the membership (registration, heartbeats); shutting it down answers 503 to new
+    work, deregisters and finishes the accepted requests (``app._drain``), then stops the
+    background tasks (the ``cleanup_ctx`` of ``app.create_app``)."""
+    app = create_app(settings)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=settings.drain_timeout_s)
+    try:
+        await _unless_stopped(runner.setup(), stop)  # joining may take join_timeout_s: a stop cuts it short
+        if stop.is_set():
+            return None
+        await web.TCPSite(runner, settings.host, settings.port, ssl_context=ssl_context).start()
+        return await _unless_stopped(app[MOVE].wait(), stop)
+    finally:
+        await runner.cleanup()
+
+
+async def _unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """``await work``, cancelled if ``stop`` is set first (None then)."""
+    task, stopped = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, stopped):
+            pending.cancel()
+        await asyncio.gather(task, stopped, return_exceptions=True)
+    return None if task.cancelled() else task.result()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from services.stage_server.local_sync import OuterConfig
 from services.stage_server.membership import Membership
 from services.stage_server.memory import check_stage_memory
 from services.stage_server.metrics import STAGE_METRICS, StageMetrics
-from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, STEPPER, WORKER, MoveOrder, add_routes
+from services.stage_server.move import MoveOrder
+from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, STEPPER, WORKER, add_routes
 from services.stage_server.runtime import OptimizerConfig, StageRuntime
 from services.stage_server.sessions import add_session_routes
 from services.stage_server.state import load_stage_state
@@ -157,7 +158,8 @@ def _report(settings: StageServerSettings, app: web.Application):
             "samples_per_step": settings.global_batch,
             "activation_bytes_per_sample": round(stage_metrics.activation_bytes_per_sample, 3),
         }
-        # step: the coordinator leaves a replica out of a step round it has not reached (e.g. a joiner that took a peer's state a step ago)
+        # step: the coordinator leaves a replica out of a step round it has not reached
+        # (e.g. a joiner that took a peer's state a step ago)
         return {
             "workload": workload,
             "step": app[RUNTIME].step,

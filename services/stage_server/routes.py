@@ -4,8 +4,10 @@ Request bodies (msgpack maps, see ``shared.codec``)::
 
     /forward  {v, run_id?, stage, microbatch_id, seed, codec?, eval?, inputs, targets?}
               -> {stage, microbatch_id, step, outputs} or, on the last stage, {stage, microbatch_id, step, loss}
-    /backward {v, run_id?, stage, microbatch_id, seed, codec?, forward_step?, until_step?, inputs, targets?, grad_outputs?}
-              -> {stage, microbatch_id, step, stage_step, bucket, accumulated, step_wait_s, complete?, grad_inputs?, loss?}
+    /backward {v, run_id?, stage, microbatch_id, seed, codec?, forward_step?, until_step?,
+               inputs, targets?, grad_outputs?}
+              -> {stage, microbatch_id, step, stage_step, bucket, accumulated, step_wait_s,
+                  complete?, grad_inputs?, loss?}
 
 ``step`` is the stage's global step (weights version) the computation ran at, ``stage_step``
 the stage's step when the backward answers (one more when it completed a global batch),
@@ -34,12 +36,12 @@ import os
 import random
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 from aiohttp import web
 
 from services.stage_server.metrics import STAGE_METRICS
+from services.stage_server.move import MoveOrder
 from services.stage_server.runtime import NO_BUCKET, StageRuntime
 from services.stage_server.stepping import StepClient
 from services.stage_server.worker import ComputeWorker
@@ -48,18 +50,6 @@ from shared.codec import FLOAT_CODECS, decode_tensor, encode_tensor
 from shared.config import StageServerSettings
 from shared.errors import BadPayload, WrongStage
 from shared.http import MSGPACK, msgpack_response, read_message
-
-
-@dataclass
-class MoveOrder:
-    """A move ordered by the coordinator: the server drains, then restarts on ``to_stage``.
-
-    ``on_order`` starts the shutdown (``swarm server`` sends itself SIGTERM; an app in a
-    test records the order only)."""
-
-    to_stage: int | None = None
-    on_order: Callable[[], None] = lambda: None
-
 
 SETTINGS = web.AppKey("settings", StageServerSettings)
 STEPPER = web.AppKey("stepper", StepClient)  # absent without a coordinator (the runtime steps on its own)
@@ -308,7 +298,11 @@ async def info(request: web.Request) -> web.Response:
 
 
 async def move(request: web.Request) -> web.Response:
-    """``POST /move`` {run_id, stage, to_stage} from the coordinator: leave this stage for another."""
+    """``POST /move`` {run_id, stage, to_stage} from the coordinator: leave this stage for another.
+
+    Answers {stage, to_stage} at once; the server's main loop then drains, deregisters and
+    starts again as a server of ``to_stage`` (the steps: ``move.py``). A repeated order
+    answers the stage of the first."""
     settings = request.app[SETTINGS]
     msg = await read_message(request, 64 * 1024)
     if msg.get("run_id") != settings.run_id or msg.get("stage") != settings.stage:
@@ -316,11 +310,7 @@ async def move(request: web.Request) -> web.Response:
     to_stage = msg.get("to_stage")
     if type(to_stage) is not int or not 0 <= to_stage < settings.num_stages or to_stage == settings.stage:
         raise BadPayload(f"'to_stage' must be another stage in [0, {settings.num_stages}), got {to_stage!r}")
-    order = request.app[MOVE]
-    if order.to_stage is None:
-        order.to_stage = to_stage
-        asyncio.get_running_loop().call_soon(order.on_order)  # after this answer is sent
-    return msgpack_response({"stage": settings.stage, "to_stage": order.to_stage})
+    return msgpack_response({"stage": settings.stage, "to_stage": request.app[MOVE].order(to_stage)})
 
 
 def add_routes(app: web.Application) -> None:

@@ -327,23 +327,34 @@ def _coordinator_churn_row(
 
 
 def simulator_rows(quick: bool) -> list[dict]:
+    """SWARM against fixed pipelines that repair themselves with spares (detection, a restart
+    delay, the state download), both under the same preemption."""
     peers = 100 if quick else 1000
     config = SimConfig(num_peers=peers, microbatches_in_flight=2 * peers, duration_s=120.0 if quick else 300.0)
     reports = {mode: simulate(dataclasses.replace(config, mode=mode)) for mode in ("swarm", "fixed")}
+    ratio = reports["swarm"].tokens_per_s / max(reports["fixed"].tokens_per_s, 1e-9)
     rows = []
     for mode, report in reports.items():
         windows = report.tokens_per_s_windows
         kept = sum(windows[len(windows) // 2 :]) / (len(windows) - len(windows) // 2) / max(max(windows), 1e-9)
+        measured = (
+            f"{report.cpu_s:.1f} s CPU ({report.planner_s:.1f} s planner wall), "
+            f"{report.tokens_per_s:,.0f} tokens/s, second half {kept:.0%} of the best window, "
+            f"last window {windows[-1]:,.0f}, lost work {report.lost_work_fraction:.1%}, "
+            f"{report.deaths} deaths, {report.moves} moves, {report.events:,} events"
+        )
+        if mode == "fixed":
+            measured += (
+                f", {report.repairs} repairs ({report.mean_detection_s:.1f} s detection + "
+                f"{report.mean_repair_s:.1f} s restart); swarm/fixed {ratio:.2f}x"
+            )
         rows.append(
             _row(
                 f"simulator: {peers} peers, {config.duration_s:g} s, lifetime {config.mean_lifetime_s:g} s, {mode}",
-                "< 60 s of CPU" if mode == "swarm" else "stops under preemption",
-                f"{report.cpu_s:.1f} s CPU ({report.planner_s:.1f} s planner wall), "
-                f"{report.tokens_per_s:,.0f} tokens/s, second half {kept:.0%} of the best window, "
-                f"last window {windows[-1]:,.0f}, lost work {report.lost_work_fraction:.1%}, "
-                f"{report.deaths} deaths, {report.moves} moves, {report.events:,} events",
+                "< 60 s of CPU" if mode == "swarm" else "repairs itself with spares; swarm ahead of it",
+                measured,
                 report.wall_s,
-                report.cpu_s < 60 if mode == "swarm" else windows[-1] <= 0.1 * max(windows),
+                report.cpu_s < 60 if mode == "swarm" else report.repairs > 0 and ratio > 1.0,
             )
         )
     return rows

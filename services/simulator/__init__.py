@@ -1,6 +1,8 @@
 """``swarm simulate``: a discrete-event simulation of a swarm across regions, with
-preemption, using the trainer's real wiring and the topology planner."""
+preemption, using the trainer's real wiring and the topology planner, against fixed
+pipelines that repair themselves with spares."""
 
+from .fixed import FixedPipelineSimulation
 from .sim import Report, SimConfig, Simulation, simulate
 
-__all__ = ["Report", "SimConfig", "Simulation", "simulate"]
+__all__ = ["FixedPipelineSimulation", "Report", "SimConfig", "Simulation", "simulate"]

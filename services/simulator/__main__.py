@@ -1,5 +1,6 @@
 """``swarm simulate``: simulate a swarm (SWARM wiring and rebalancing against fixed
-pipelines) and print a table; ``--json PATH`` also writes the reports.
+pipelines that repair themselves with spares) and print a table; ``--json PATH`` also
+writes the reports.
 
     swarm simulate --peers 1000 --stages 8 --duration 300 --lifetime 600
 """
@@ -34,6 +35,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trainers", type=int, default=d.trainers)
     p.add_argument("--average-every", type=float, default=d.average_every_s, help="s between averaging rounds")
     p.add_argument("--rebalance-every", type=float, default=d.rebalance_every_s, help="s between replans")
+    p.add_argument("--lease", type=float, default=d.lease_s, help="s after which a silent peer counts as dead")
+    p.add_argument(
+        "--dead-peer-timeout", type=float, default=d.dead_peer_timeout_s, help="s before a request to a dead peer fails"
+    )
+    p.add_argument(
+        "--repair-delay",
+        type=float,
+        default=d.repair_delay_s,
+        help="fixed pipelines: s to restart a repaired pipeline, on top of detection and the state download",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", metavar="PATH", help="write the reports as JSON")
     return p.parse_args(argv)
@@ -51,6 +62,7 @@ def render(reports: list[Report]) -> str:
         ("lost microbatches", lambda r: f"{r.lost_microbatches} of {r.lost_microbatches + r.completed_microbatches}"),
         ("failed hops", lambda r: f"{r.failed_hops:,}"),
         ("deaths / joins / moves", lambda r: f"{r.deaths} / {r.joins} / {r.moves}"),
+        ("repairs (detect + restart s)", _repairs),
         ("averaging rounds, mean s", lambda r: f"{r.averaging_rounds}, {r.mean_averaging_s:.1f}"),
         ("events", lambda r: f"{r.events:,}"),
         ("cpu s (planner s)", lambda r: f"{r.cpu_s:.1f} ({r.planner_s:.1f})"),
@@ -64,6 +76,12 @@ def render(reports: list[Report]) -> str:
     for (name, _), values in zip(rows, cols):
         lines.append(name.ljust(width) + "  " + "  ".join(v.ljust(w) for v, w in zip(values, col_w)))
     return "\n".join(lines)
+
+
+def _repairs(report: Report) -> str:
+    if report.mode != "fixed":
+        return "-"
+    return f"{report.repairs} ({report.mean_detection_s:.1f} + {report.mean_repair_s:.1f})"
 
 
 def _kept(report: Report) -> float:
@@ -90,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             trainers=args.trainers,
             average_every_s=args.average_every,
             rebalance_every_s=args.rebalance_every,
+            lease_s=args.lease,
+            dead_peer_timeout_s=args.dead_peer_timeout,
+            repair_delay_s=args.repair_delay,
             seed=args.seed,
         )
         reports.append(simulate(config))

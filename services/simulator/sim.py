@@ -23,12 +23,12 @@ What is simulated, and with which code:
   join as a Poisson process (``join_rate_per_s``, by default the rate that keeps the
   swarm's size steady).
 
-``mode="fixed"`` is the baseline: fixed pipelines of one replica per stage, each
-trainer bound to one pipeline, no rerouting and no rebalancing; a pipeline with a dead
-member stops, and joiners have nowhere to go. ``mode="swarm"`` is SWARM. Simplifications
-(documented in docs/topology.md): downlinks and the network core never congest; a
-request to a dead peer fails after ``dead_peer_timeout_s``; the backward hop moves one
-activation-sized gradient.
+``mode="swarm"`` is SWARM (this module's :class:`Simulation`); ``mode="fixed"`` is the
+baseline, fixed pipelines that repair themselves with spares as Bamboo, Oobleck or
+torchft-style recovery would (:class:`services.simulator.fixed.FixedPipelineSimulation`).
+:func:`simulate` runs the one the config names. Simplifications (documented in
+docs/topology.md): downlinks and the network core never congest; a request to a dead peer
+fails after ``dead_peer_timeout_s``; the backward hop moves one activation-sized gradient.
 """
 
 from __future__ import annotations
@@ -72,10 +72,11 @@ class SimConfig:
     duration_s: float = 300.0
     mean_lifetime_s: float = 600.0  # inf: no preemption
     join_rate_per_s: float | None = None  # None: num_peers / mean_lifetime_s
-    lease_s: float = 15.0
+    lease_s: float = 15.0  # the registry (and a fixed pipeline's coordinator) sees a silent peer dead after this
     registry_refresh_s: float = 5.0
     dead_peer_timeout_s: float = 5.0
     max_retries: int = 3
+    repair_delay_s: float = 30.0  # fixed mode: a repaired pipeline's restart, besides detection and state download
     average_every_s: float = 60.0
     rebalance_every_s: float = 60.0
     planner_evaluations: float = 1500  # placements the planner may evaluate per call (keeps runs reproducible)
@@ -97,6 +98,8 @@ class SimConfig:
             raise ValueError(f"num_peers ({self.num_peers}) must be >= num_stages ({self.num_stages})")
         if not (self.duration_s > 0 and self.mean_lifetime_s > 0 and self.microbatch >= 1):
             raise ValueError("duration_s, mean_lifetime_s and microbatch must be > 0")
+        if self.repair_delay_s < 0 or self.lease_s <= 0 or self.dead_peer_timeout_s <= 0:
+            raise ValueError("repair_delay_s must be >= 0, lease_s and dead_peer_timeout_s > 0")
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,7 @@ class SimPeer:
     peer: Peer
     region: int
     stage: int = -1
-    state: str = "idle"  # idle (fixed-mode spare) | joining | serving | draining | dead
+    state: str = "idle"  # idle (a fixed-mode spare) | joining | serving | draining | dead
     generation: int = 0  # bumped when the peer dies or changes stage: stale events are ignored
     busy_until: float = 0.0
     uplink_free: float = 0.0
@@ -139,9 +142,10 @@ class SimPeer:
     queued: deque = field(default_factory=deque)  # (start, end) of the ops accepted, in order
 
 
-@dataclass
+@dataclass(eq=False)
 class MicrobatchTrip:
-    """One microbatch's way through the pipeline: forward up the stages, backward down."""
+    """One microbatch's way through the pipeline: forward up the stages, backward down.
+    A cancelled trip (its fixed pipeline broke) is dropped by every event that carries it."""
 
     trainer: int
     stage: int = 0
@@ -151,6 +155,7 @@ class MicrobatchTrip:
     tried: list[str] = field(default_factory=list)
     compute_s: float = 0.0
     sent_at: float = 0.0
+    cancelled: bool = False
 
 
 @dataclass
@@ -178,12 +183,22 @@ class Report:
     wall_s: float
     cpu_s: float
     events: int
+    repairs: int = 0  # fixed mode: pipelines restarted with spares (or formed anew)
+    mean_detection_s: float = 0.0  # fixed mode: from a member's death to its pipeline's break, mean over repairs
+    mean_repair_s: float = 0.0  # fixed mode: from a pipeline's break to its restart, mean over repairs
 
 
 class Simulation:
-    """One run: :meth:`run` returns the :class:`Report`."""
+    """One run of SWARM: :meth:`run` returns the :class:`Report`. The event loop, the peers'
+    compute and uplinks, preemption and averaging are shared with the fixed-pipeline
+    baseline, which overrides the placement, the routing and what a join or a failure does."""
+
+    MODE = "swarm"
+    REBALANCES = True  # the coordinator replans every rebalance_every_s
 
     def __init__(self, config: SimConfig, network: Network | None = None, stage_cost: StageCost | None = None):
+        if config.mode != self.MODE:
+            raise ValueError(f"{type(self).__name__} runs mode={self.MODE!r}, got {config.mode!r}: call simulate()")
         self.cfg = config
         self.net = network or world_network()
         self.stage_cost = stage_cost or StageCost.from_preset(config.model, config.num_stages, config.wire_bytes)
@@ -198,7 +213,6 @@ class Simulation:
         self.peers: dict[str, SimPeer] = {}
         self.balancers: list[ReplicaBalancer] = []
         self.trainer_region: list[int] = []
-        self.pipelines: list[list[str]] = []  # fixed mode
         self.dirty: set[int] = set()  # stages whose registry view changed
         self.view: list[list[str]] = [[] for _ in range(config.num_stages)]
         self.stats = dict(
@@ -221,6 +235,7 @@ class Simulation:
         self.stage_serving = [0.0] * config.num_stages
         self.workload = self._planner_workload()
         self._pending_joiners: list[str] = []
+        self._started = False
         self.policy = RebalancingPolicy(
             topology=TopologyRebalancer(
                 min_gain=config.rebalance_min_gain,
@@ -237,9 +252,24 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._queue, (when, self._seq, handler, args))
 
+    def start(self) -> None:
+        """Create the peers, place them and put the first microbatches in flight (:meth:`run`
+        does it if it was not done: call it first to inject faults at known peers)."""
+        if not self._started:
+            self._started = True
+            self._start()
+
+    def preempt_at(self, when: float, peer_id: str) -> None:
+        """Fault injection: ``peer_id`` dies at ``when`` (besides its random lifetime)."""
+        self.at(when, self._die, peer_id)
+
+    def join_at(self, when: float) -> None:
+        """Fault injection's counterpart: a new peer joins at ``when``."""
+        self.at(when, self._join_one)
+
     def run(self) -> Report:
         wall, cpu = time.perf_counter(), time.process_time()
-        self._start()
+        self.start()
         while self._queue:
             when, _, handler, args = heapq.heappop(self._queue)
             if when > self.cfg.duration_s:
@@ -265,60 +295,59 @@ class Simulation:
         for i in range(cfg.num_peers):
             self._new_peer(i)
         self._joined = cfg.num_peers
-        if cfg.mode == "swarm":
-            from shared.topology.planner import plan
-
-            started = time.perf_counter()
-            peers = [p.peer for p in self.peers.values()]
-            placement = plan(
-                peers,
-                self.net,
-                self.workload,
-                cfg.num_stages,
-                time_budget_s=cfg.planner_budget_s,
-                max_evaluations=cfg.planner_evaluations,
-                seed=cfg.seed,
-            )
-            self.stats["planner_s"] += time.perf_counter() - started
-            for pid, stage in placement.assignment.items():
-                self._serve(self.peers[pid], stage)
-            trainers = cfg.trainers
-        else:
-            order = list(self.peers.values())
-            num_pipelines = cfg.num_peers // cfg.num_stages
-            for p in range(num_pipelines):
-                members = order[p * cfg.num_stages : (p + 1) * cfg.num_stages]
-                for stage, peer in enumerate(members):
-                    self._serve(peer, stage)
-                self.pipelines.append([peer.peer.peer_id for peer in members])
-            trainers = num_pipelines
-        for t in range(trainers):
-            self.trainer_region.append(self.rng.randrange(len(self.region_names)))
-            self.balancers.append(
-                ReplicaBalancer(
-                    cfg.num_stages,
-                    backward_cost=BACKWARD_COST,
-                    rng=random.Random(cfg.seed * 7919 + t),
-                    clock=lambda: self.now,
-                )
-            )
+        trainers = self._place_initial()
+        for _ in range(trainers):
+            self._new_trainer()
         self._publish_view()
-        if cfg.mode == "fixed":  # a trainer knows only its own pipeline, for good
-            for balancer, pipeline in zip(self.balancers, self.pipelines):
-                for stage, pid in enumerate(pipeline):
-                    balancer.set_replicas(stage, [pid])
-        per_trainer = max(1, cfg.microbatches_in_flight // trainers)
+        self.per_trainer = max(1, cfg.microbatches_in_flight // trainers)
         for t in range(trainers):
-            for _ in range(per_trainer):
-                self._start_microbatch(t)
-        if math.isfinite(cfg.mean_lifetime_s):
-            rate = cfg.join_rate_per_s if cfg.join_rate_per_s is not None else cfg.num_peers / cfg.mean_lifetime_s
-            if rate > 0:
-                self.at(self.rng.expovariate(rate), self._join, rate)
+            self._start_trainer(t)
+        rate = cfg.join_rate_per_s
+        if rate is None:
+            rate = cfg.num_peers / cfg.mean_lifetime_s if math.isfinite(cfg.mean_lifetime_s) else 0.0
+        if rate > 0:
+            self.at(self.rng.expovariate(rate), self._join, rate)
         self.at(cfg.registry_refresh_s, self._refresh)
         self.at(cfg.average_every_s, self._average)
-        if cfg.mode == "swarm":
+        if self.REBALANCES:
             self.at(cfg.rebalance_every_s, self._rebalance)
+
+    def _place_initial(self) -> int:
+        """The coordinator's first plan of every peer; returns the number of trainers."""
+        from shared.topology.planner import plan
+
+        cfg = self.cfg
+        started = time.perf_counter()
+        placement = plan(
+            [p.peer for p in self.peers.values()],
+            self.net,
+            self.workload,
+            cfg.num_stages,
+            time_budget_s=cfg.planner_budget_s,
+            max_evaluations=cfg.planner_evaluations,
+            seed=cfg.seed,
+        )
+        self.stats["planner_s"] += time.perf_counter() - started
+        for pid, stage in placement.assignment.items():
+            self._serve(self.peers[pid], stage)
+        return cfg.trainers
+
+    def _new_trainer(self) -> int:
+        t = len(self.balancers)
+        self.trainer_region.append(self.rng.randrange(len(self.region_names)))
+        self.balancers.append(
+            ReplicaBalancer(
+                self.cfg.num_stages,
+                backward_cost=BACKWARD_COST,
+                rng=random.Random(self.cfg.seed * 7919 + t),
+                clock=lambda: self.now,
+            )
+        )
+        return t
+
+    def _start_trainer(self, trainer: int) -> None:
+        for _ in range(self.per_trainer):
+            self._start_microbatch(trainer)
 
     def _planner_workload(self) -> Workload:
         cfg, m = self.cfg, self.stage_cost
@@ -349,19 +378,25 @@ class Simulation:
         peer.state, peer.died_at = "dead", self.now
         peer.generation += 1
         self.stats["deaths"] += 1
-        if peer.stage >= 0:
-            self.at(self.now + self.cfg.lease_s, self._lease_expired, peer.stage)
+        self.at(self.now + self.cfg.lease_s, self._lease_expired, pid)
 
-    def _lease_expired(self, stage: int) -> None:
-        self.dirty.add(stage)
+    def _lease_expired(self, pid: str) -> None:
+        """The registry drops a peer that stopped renewing its lease."""
+        if self.peers[pid].stage >= 0:
+            self.dirty.add(self.peers[pid].stage)
 
     def _join(self, rate: float) -> None:
         self.at(self.now + self.rng.expovariate(rate), self._join, rate)
+        self._join_one()
+
+    def _join_one(self) -> None:
         peer = self._new_peer(self._joined)
         self._joined += 1
         self.stats["joins"] += 1
-        if self.cfg.mode == "fixed":
-            return  # fixed pipelines have no place for a newcomer
+        self._welcome(peer)
+
+    def _welcome(self, peer: SimPeer) -> None:
+        """A new server registers; the coordinator places it at the next refresh."""
         peer.state = "joining"
         self._pending_joiners.append(peer.peer.peer_id)
 
@@ -388,15 +423,18 @@ class Simulation:
         for pid in joiners:
             self._download_then_serve(self.peers[pid], stages[pid])
 
+    def _download_s(self, peer: SimPeer, stage: int) -> float:
+        """Seconds to fetch the stage's state from its nearest live replica in the registry's view."""
+        sources = [self.peers[u].region for u in self.view[stage] if self.peers[u].state == "serving"]
+        if not sources:
+            return self.cfg.lease_s  # from the latest checkpoint
+        return min(
+            self.rtt_s[peer.region, r] + self.stage_cost.state_bytes / self.bytes_s[peer.region, r] for r in sources
+        )
+
     def _download_then_serve(self, peer: SimPeer, stage: int) -> None:
         """Fetch the stage's state from the nearest live replica, then serve it."""
-        sources = [self.peers[u].region for u in self.view[stage] if self.peers[u].state == "serving"]
-        if sources:
-            seconds = min(
-                self.rtt_s[peer.region, r] + self.stage_cost.state_bytes / self.bytes_s[peer.region, r] for r in sources
-            )
-        else:
-            seconds = self.cfg.lease_s  # from the latest checkpoint
+        seconds = self._download_s(peer, stage)
         peer.state, peer.stage = "joining", stage
         self.at(self.now + seconds, self._ready, peer.peer.peer_id, peer.generation, stage)
 
@@ -407,8 +445,7 @@ class Simulation:
 
     def _refresh(self) -> None:
         self.at(self.now + self.cfg.registry_refresh_s, self._refresh)
-        if self.cfg.mode == "swarm":
-            self._place_joiners()
+        self._place_joiners()
         self._publish_view()
 
     def _publish_view(self) -> None:
@@ -421,10 +458,13 @@ class Simulation:
                 and (p.state == "serving" or (p.state == "dead" and self.now < p.died_at + self.cfg.lease_s))
             ]
             self.view[stage] = urls
-            if self.cfg.mode == "swarm":
-                for balancer in self.balancers:
-                    balancer.set_replicas(stage, urls)
+            self._route_view(stage, urls)
         self.dirty.clear()
+
+    def _route_view(self, stage: int, urls: list[str]) -> None:
+        """Every trainer's balancer learns the stage's replicas (SWARM's stochastic wiring)."""
+        for balancer in self.balancers:
+            balancer.set_replicas(stage, urls)
 
     # --- the data plane ----------------------------------------------------------------
     def _start_microbatch(self, trainer: int) -> None:
@@ -455,6 +495,8 @@ class Simulation:
         self.at(self._transfer_s(mb, peer, nbytes), self._arrive, mb, url, peer.generation)
 
     def _arrive(self, mb: MicrobatchTrip, url: str, generation: int) -> None:
+        if mb.cancelled:
+            return
         peer = self.peers[url]
         if peer.generation != generation or peer.state != "serving" or peer.stage != mb.stage:
             delay = self.cfg.dead_peer_timeout_s if peer.state == "dead" else self.rtt_s[peer.region, peer.region]
@@ -469,6 +511,8 @@ class Simulation:
         self.at(peer.busy_until, self._done, mb, url, generation, seconds)
 
     def _done(self, mb: MicrobatchTrip, url: str, generation: int, seconds: float) -> None:
+        if mb.cancelled:  # its pipeline broke: the work was counted lost then
+            return
         peer = self.peers[url]
         if peer.generation != generation:  # died with this op queued: its partial work counted in _die
             self.at(self.now + max(0.0, peer.died_at + self.cfg.dead_peer_timeout_s - self.now), self._failed, mb, url)
@@ -501,6 +545,8 @@ class Simulation:
         self._start_microbatch(mb.trainer)
 
     def _failed(self, mb: MicrobatchTrip, url: str) -> None:
+        if mb.cancelled:
+            return
         self.stats["failed"] += 1
         self.balancers[mb.trainer].report_failure(mb.stage, url)
         mb.tried.append(url)
@@ -513,7 +559,8 @@ class Simulation:
         self._dispatch(mb)
 
     def _retry(self, mb: MicrobatchTrip) -> None:
-        self._dispatch(mb)
+        if not mb.cancelled:
+            self._dispatch(mb)
 
     # --- control plane: averaging and rebalancing ------------------------------------------
     def _average(self) -> None:
@@ -603,5 +650,8 @@ class Simulation:
 
 
 def simulate(config: SimConfig, network: Network | None = None) -> Report:
-    """Run one simulation and return its report."""
-    return Simulation(config, network).run()
+    """Run one simulation of the mode the config names and return its report."""
+    from .fixed import FixedPipelineSimulation  # the baseline extends this module's Simulation
+
+    kind = FixedPipelineSimulation if config.mode == FixedPipelineSimulation.MODE else Simulation
+    return kind(config, network).run()

@@ -44,9 +44,13 @@ test-unit test-service test-e2e test-chaos test-bench: test-%: $(STAMP)
 
 # Every bench side by side with its alternative, tables on stdout, JSON in bench/results/
 # (10-15 minutes on a 2-core machine; see docs/benchmarks.md).
-.PHONY: bench
+.PHONY: bench bench-deps
 bench: $(STAMP)
 	$(BIN)/swarm bench all --out bench/results --markdown bench/results/tables.md
+
+# hivemind, which the codec and hop benches then measure too (optional; torch stays as installed)
+bench-deps: $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check $(FIND_LINKS) -e ".[bench]" "torch==$(TORCH_VERSION)"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

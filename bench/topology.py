@@ -25,7 +25,7 @@ import numpy as np
 from bench.report import BenchResult, format_table, machine, write_json
 from services.coordinator.placement import stage_for_joiner
 from services.simulator import SimConfig, simulate
-from shared.config import CoordinatorSettings
+from shared.config import PlacementSettings
 from shared.policy.topology import TopologyRebalancer
 from shared.policy.view import PlacementInputs
 from shared.topology.cost import DTFM_GPT3_XL, DTFM_GRADIENT_GB, Workload, butterfly_time, dtfm_cost, dtfm_pair_cost
@@ -288,8 +288,8 @@ def _coordinator_churn_row(
     they hold their stage's state). Checks go on (up to 6) until one is confirmed: the
     figure is where the first ordered replan leaves the swarm."""
     started, net = time.perf_counter(), world_network()
-    fields = CoordinatorSettings.model_fields
-    min_gain, max_moves = fields["placement_min_gain"].default, fields["placement_max_moves"].default
+    defaults = PlacementSettings()
+    min_gain, max_moves = defaults.min_gain, defaults.max_moves
     within, ratios, moves = 0, [], []
     for draw in range(draws):
         r = random.Random(200 + draw)

@@ -3,6 +3,13 @@
 Every field can be set by an environment variable ``SWARM_<FIELD>`` (e.g.
 ``SWARM_NUM_STAGES=4``) or by the matching command-line flag, which wins. Units are in
 the names (``_s`` seconds, ``_mb`` mebibytes).
+
+Where a flat list grew, settings are grouped in small frozen sections (:class:`Section`):
+``settings.placement.min_gain``, ``settings.inject.delay_s``. A section's fields keep their
+flat names everywhere outside the code: ``SWARM_PLACEMENT_MIN_GAIN``, ``--placement-min-gain``
+and the keyword ``placement_min_gain=`` set ``placement.min_gain``; the section's own name
+sets its ``BARE`` field (``SWARM_PLACEMENT=topology``: ``placement.mode``). Errors name the
+flat name too.
 """
 
 from __future__ import annotations
@@ -10,11 +17,11 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from shared.codec import DEFAULT_INT8_BLOCK, FLOAT_CODECS, INT8_BLOCK_SIZES
 from shared.model import PRESETS, ModelConfig, config_from_preset
@@ -33,10 +40,209 @@ def is_test_only(field: FieldInfo) -> bool:
     return isinstance(extra, dict) and bool(extra.get("test_only"))
 
 
+class Section(BaseModel):
+    """A small group of settings under one name (``placement``), set by flat names: field
+    ``min_gain`` of section ``placement`` is ``SWARM_PLACEMENT_MIN_GAIN`` / ``--placement-min-gain``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    BARE: ClassVar[str] = ""  # the field set by the section's own name (SWARM_PLACEMENT: placement.mode)
+
+
+class PlacementSettings(Section):
+    """How the coordinator places servers on stages (joins and rebalancing)."""
+
+    BARE: ClassVar[str] = "mode"
+
+    mode: Literal["auto", "throughput", "topology"] = Field(
+        "auto",
+        description=(
+            "how servers are placed on stages (joins and rebalancing): 'throughput' balances stage capacities; "
+            "'topology' plans with the network cost model (measured RTTs, regions, model size); 'auto': topology once "
+            "servers report RTTs or regions"
+        ),
+    )
+    min_gain: float = Field(
+        0.05,
+        ge=0,
+        le=10,
+        description=(
+            "topology placement: move servers only if the predicted step time falls by this fraction (on two "
+            "consecutive checks)"
+        ),
+    )
+    max_moves: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="topology placement: at most this fraction of the servers (at least 1) moves per rebalancing",
+    )
+    budget_s: float = Field(
+        3.0,
+        gt=0,
+        le=60,
+        description="topology placement: planner time per rebalancing check (a join gets a fifth of it)",
+    )
+    bandwidth_gbps: float = Field(
+        1.0,
+        gt=0,
+        description="topology placement: bandwidth assumed between servers of unknown or unlisted regions (Gbit/s)",
+    )
+
+
+class FaultInjection(Section):
+    """TEST ONLY: faults a stage server injects into its own work, for the chaos and service
+    tests (``SWARM_INJECT_*``); every field is marked test-only and left out of ``--help``."""
+
+    delay_s: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "TEST ONLY (fault injection): extra seconds per request and forward pass of work (a backward counts 2, "
+            "the last stage's 3)"
+        ),
+        json_schema_extra=TEST_ONLY,
+    )
+    garbage: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description=(
+            "TEST ONLY (fault injection): probability that a /forward or /backward reply body is replaced by random "
+            "bytes (tests of a replica that returns garbage)"
+        ),
+        json_schema_extra=TEST_ONLY,
+    )
+    byzantine: Literal["", "sign_flip", "scale", "random"] = Field(
+        "",
+        description=(
+            "TEST ONLY (fault injection): send these values into averaging rounds instead of the parameters (tests "
+            "of robust averaging)"
+        ),
+        json_schema_extra=TEST_ONLY,
+    )
+    byzantine_factor: float = Field(
+        1000.0,
+        gt=0,
+        description="TEST ONLY (fault injection): the factor of inject_byzantine",
+        json_schema_extra=TEST_ONLY,
+    )
+
+
+def _sections(cls: type[BaseModel]) -> dict[str, type[Section]]:
+    """The section fields of ``cls``: name -> section model."""
+    return {
+        name: field.annotation
+        for name, field in cls.model_fields.items()
+        if isinstance(field.annotation, type) and issubclass(field.annotation, Section)
+    }
+
+
+def _flat_name(section: str, model: type[Section], field: str) -> str:
+    return section if field == model.BARE else f"{section}_{field}"
+
+
+def settings_fields(cls: type[BaseModel]) -> dict[str, FieldInfo]:
+    """Every setting of ``cls`` by its flat name (``SWARM_<NAME>``, ``--<name>``), in order;
+    a section's fields stand in for the section (``placement_min_gain``: ``placement.min_gain``)."""
+    sections, fields = _sections(cls), {}
+    for name, field in cls.model_fields.items():
+        if name not in sections:
+            fields[name] = field
+            continue
+        for inner, inner_field in sections[name].model_fields.items():
+            fields[_flat_name(name, sections[name], inner)] = inner_field
+    return fields
+
+
+def _section_paths(cls: type[BaseModel]) -> dict[str, tuple[str, str]]:
+    """The flat name of each section field of ``cls`` -> (section, field)."""
+    return {
+        _flat_name(section, model, field): (section, field)
+        for section, model in _sections(cls).items()
+        for field in model.model_fields
+    }
+
+
+def _nest_flat_keys(cls: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (keywords) with flat section keys moved into their sections, which they override:
+    ``placement_min_gain=0.1`` -> ``placement={"min_gain": 0.1}``; ``placement="topology"`` (not a
+    dict or section) -> ``placement={"mode": "topology"}``. A section given whole becomes the dict of
+    the fields it sets, so the environment still fills in the others, as it does for flat keys."""
+    paths, sections = _section_paths(cls), _sections(cls)
+    nested: dict[str, dict[str, Any]] = {}
+    out = {}
+    for key, value in values.items():
+        if key in paths and not (key in sections and isinstance(value, (dict, Section))):
+            section, field = paths[key]
+            nested.setdefault(section, {})[field] = value
+        elif isinstance(value, Section) and key in sections:
+            out[key] = value.model_dump(exclude_unset=True)
+        else:
+            out[key] = value
+    for section, fields in nested.items():
+        out[section] = {**out.get(section, {}), **fields}
+    return out
+
+
+def _with_flat_names(cls: type[BaseModel], exc: ValidationError) -> ValidationError:
+    """``exc`` with each error in a section located by the flat name (``placement.min_gain`` ->
+    ``placement_min_gain``), the name the setting is set by."""
+    sections = _sections(cls)
+    errors = exc.errors(include_url=False)
+    if not any(len(e["loc"]) > 1 and e["loc"][0] in sections for e in errors):
+        return exc
+    details = []
+    for e in errors:
+        loc = e["loc"]
+        if len(loc) > 1 and loc[0] in sections:
+            loc = (_flat_name(loc[0], sections[loc[0]], str(loc[1])), *loc[2:])
+        details.append(
+            {"type": e["type"], "loc": loc, "input": e["input"], **({"ctx": e["ctx"]} if "ctx" in e else {})}
+        )
+    return ValidationError.from_exception_data(exc.title, details)
+
+
+class _SectionedEnvSource(EnvSettingsSource):
+    """The ``SWARM_*`` environment, with a section's fields read by their flat names
+    (``SWARM_PLACEMENT_MIN_GAIN`` -> ``placement.min_gain``, ``SWARM_PLACEMENT`` -> its ``BARE``
+    field) instead of the section as one JSON variable."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        if field_name in _sections(self.settings_cls):
+            return None, field_name, False  # filled in by __call__
+        return super().get_field_value(field, field_name)
+
+    def __call__(self) -> dict[str, Any]:
+        data = super().__call__()
+        for flat, (section, field) in _section_paths(self.settings_cls).items():
+            value = self.env_vars.get(self._apply_case_sensitive(f"{self.env_prefix}{flat}"))
+            if value is not None:
+                data.setdefault(section, {})[field] = value
+        return data
+
+
 class CommonSettings(BaseSettings):
     """Settings every service reads."""
 
     model_config = SettingsConfigDict(env_prefix="SWARM_", frozen=True, extra="forbid")
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**_nest_flat_keys(type(self), values))
+        except ValidationError as exc:
+            raise _with_flat_names(type(self), exc) from None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, _SectionedEnvSource(settings_cls), dotenv_settings, file_secret_settings
 
     run_id: str = Field("local", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
     log_format: Literal["console", "json"] = "console"
@@ -255,38 +461,8 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     session_ttl_s: float = Field(
         300.0, gt=0, description="inference sessions: a session idle this long is closed and its cache freed"
     )
-    inject_delay_s: float = Field(
-        0.0,
-        ge=0,
-        description=(
-            "TEST ONLY (fault injection): extra seconds per request and forward pass of work (a backward counts 2, "
-            "the last stage's 3)"
-        ),
-        json_schema_extra=TEST_ONLY,
-    )
-    inject_garbage: float = Field(
-        0.0,
-        ge=0,
-        le=1,
-        description=(
-            "TEST ONLY (fault injection): probability that a /forward or /backward reply body is replaced by random "
-            "bytes (tests of a replica that returns garbage)"
-        ),
-        json_schema_extra=TEST_ONLY,
-    )
-    inject_byzantine: Literal["", "sign_flip", "scale", "random"] = Field(
-        "",
-        description=(
-            "TEST ONLY (fault injection): send these values into averaging rounds instead of the parameters (tests "
-            "of robust averaging)"
-        ),
-        json_schema_extra=TEST_ONLY,
-    )
-    inject_byzantine_factor: float = Field(
-        1000.0,
-        gt=0,
-        description="TEST ONLY (fault injection): the factor of inject_byzantine",
-        json_schema_extra=TEST_ONLY,
+    inject: FaultInjection = Field(
+        default_factory=FaultInjection, description="TEST ONLY: fault injection (SWARM_INJECT_*), see FaultInjection"
     )
     drain_timeout_s: float = Field(30.0, gt=0)
     checkpoint_dir: str = Field(
@@ -385,39 +561,8 @@ class CoordinatorSettings(DiscoverySettings):
         ge=1.0,
         description="throughput placement: move a server only if the weakest stage's capacity grows by this factor",
     )
-    placement: Literal["auto", "throughput", "topology"] = Field(
-        "auto",
-        description=(
-            "how servers are placed on stages (joins and rebalancing): 'throughput' balances stage capacities; "
-            "'topology' plans with the network cost model (measured RTTs, regions, model size); 'auto': topology once "
-            "servers report RTTs or regions"
-        ),
-    )
-    placement_min_gain: float = Field(
-        0.05,
-        ge=0,
-        le=10,
-        description=(
-            "topology placement: move servers only if the predicted step time falls by this fraction (on two "
-            "consecutive checks)"
-        ),
-    )
-    placement_max_moves: float = Field(
-        0.2,
-        gt=0,
-        le=1,
-        description="topology placement: at most this fraction of the servers (at least 1) moves per rebalancing",
-    )
-    placement_budget_s: float = Field(
-        3.0,
-        gt=0,
-        le=60,
-        description="topology placement: planner time per rebalancing check (a join gets a fifth of it)",
-    )
-    placement_bandwidth_gbps: float = Field(
-        1.0,
-        gt=0,
-        description="topology placement: bandwidth assumed between servers of unknown or unlisted regions (Gbit/s)",
+    placement: PlacementSettings = Field(
+        default_factory=PlacementSettings, description="placement of servers on stages (SWARM_PLACEMENT*)"
     )
     checkpoint_dir: str = Field("", description="directory for checkpoints; empty: no checkpoints")
     checkpoint_every_s: float = Field(60.0, gt=0, description="seconds between checkpoints")
@@ -568,11 +713,11 @@ def advertised_url(host: str, port: int, advertise_url: str = "", *, tls: bool =
 
 
 def known_settings_fields() -> set[str]:
-    """Names of every field of every settings class (CommonSettings and its subclasses)."""
+    """Flat names of every setting of every settings class (CommonSettings and its subclasses)."""
     fields, todo = set(), [CommonSettings]
     while todo:
         cls = todo.pop()
-        fields |= set(cls.model_fields)
+        fields |= set(settings_fields(cls))
         todo.extend(cls.__subclasses__())
     return fields
 
@@ -586,20 +731,22 @@ def unknown_swarm_variables() -> list[str]:
 def parse_settings(cls: type[BaseSettings], argv: list[str] | None, prog: str, description: str = "") -> BaseSettings:
     """Build ``cls`` from ``SWARM_*`` variables, overridden by ``--flag value`` for any field.
 
-    Every field ``num_stages`` gets a flag ``--num-stages``; values are validated by the
-    settings class, and a bad one exits with a message naming the setting. Test-only
-    (fault-injection) settings have flags too, but ``--help`` only names them in its epilog.
+    Every setting ``num_stages`` gets a flag ``--num-stages`` (a section's by flat name:
+    ``--placement-min-gain``); values are validated by the settings class, and a bad one exits
+    with a message naming the setting. Test-only (fault-injection) settings have flags too, but
+    ``--help`` only names them in its epilog.
     """
     import argparse
 
-    test_only = [f"--{name.replace('_', '-')}" for name, field in cls.model_fields.items() if is_test_only(field)]
+    fields = settings_fields(cls)
+    test_only = [f"--{name.replace('_', '-')}" for name, field in fields.items() if is_test_only(field)]
     epilog = (
         f"test only, never set in production: {', '.join(test_only)} (SWARM_INJECT_*) inject faults for the tests"
         if test_only
         else None
     )
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
-    for name, field in cls.model_fields.items():
+    for name, field in fields.items():
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,

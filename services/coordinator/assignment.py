@@ -22,24 +22,24 @@ from shared.policy.view import SwarmView
 
 def rebalancing_policy(settings: CoordinatorSettings) -> RebalancingPolicy:
     """The policy with the coordinator's settings: ``rebalance_min_gain`` for the throughput
-    rule, ``placement_min_gain``, ``placement_max_moves`` and ``placement_budget_s`` for the
+    rule, ``placement.min_gain``, ``placement.max_moves`` and ``placement.budget_s`` for the
     topology rule; both confirm a move on two consecutive checks."""
     return RebalancingPolicy(
         throughput=ThroughputRebalancer(min_gain=settings.rebalance_min_gain),
         topology=TopologyRebalancer(
-            min_gain=settings.placement_min_gain,
-            max_moves_fraction=settings.placement_max_moves,
-            time_budget_s=settings.placement_budget_s,
+            min_gain=settings.placement.min_gain,
+            max_moves_fraction=settings.placement.max_moves,
+            time_budget_s=settings.placement.budget_s,
         ),
     )
 
 
 def swarm_view(registry: Registry, settings: CoordinatorSettings, live: Sequence[RegisteredServer]) -> SwarmView:
     """The ``live`` servers (``registry.live()``) as the policy's view, with the topology
-    planner's inputs when placement plans with the network (``settings.placement``, see
+    planner's inputs when placement plans with the network (``settings.placement.mode``, see
     ``uses_topology``)."""
     topology = None
-    if uses_topology(settings.placement, registry.rtt_ms, registry.reports):
+    if uses_topology(settings.placement.mode, registry.rtt_ms, registry.reports):
         topology = placement_inputs(
             live,
             registry.rtt_ms,
@@ -47,6 +47,6 @@ def swarm_view(registry: Registry, settings: CoordinatorSettings, live: Sequence
             num_stages=registry.num_stages,
             average_every_s=settings.average_every_s,
             averaging_codec=settings.averaging_codec,
-            bandwidth_gbps=settings.placement_bandwidth_gbps,
+            bandwidth_gbps=settings.placement.bandwidth_gbps,
         )
     return SwarmView.of(live, registry.num_stages, topology=topology)

@@ -130,7 +130,7 @@ async def assign(request: web.Request) -> web.Response:
     joiner = Joiner(JOINER_ID, check_region(msg.get("region", "")), check_rtt(msg.get("rtt_ms", {})))
     registry, settings = request.app[REGISTRY], request.app[SETTINGS]
     async with request.app[ASSIGN_LOCK]:
-        if not uses_topology(settings.placement, registry.rtt_ms, registry.reports, joiner):
+        if not uses_topology(settings.placement.mode, registry.rtt_ms, registry.reports, joiner):
             return web.json_response({"stage": registry.assign_stage(), "placement": "throughput"})
         pending = [
             Joiner(f"{PENDING_PREFIX}{i}", p.region, p.rtt_ms, p.stage) for i, p in enumerate(registry.pending_joins())
@@ -142,11 +142,11 @@ async def assign(request: web.Request) -> web.Response:
             num_stages=registry.num_stages,
             average_every_s=settings.average_every_s,
             averaging_codec=settings.averaging_codec,
-            bandwidth_gbps=settings.placement_bandwidth_gbps,
+            bandwidth_gbps=settings.placement.bandwidth_gbps,
             joiners=[*pending, joiner],
         )
         stage = await asyncio.to_thread(
-            stage_for_joiner, inputs, JOINER_ID, registry.num_stages, time_budget_s=settings.placement_budget_s / 5
+            stage_for_joiner, inputs, JOINER_ID, registry.num_stages, time_budget_s=settings.placement.budget_s / 5
         )
         registry.hand_out(stage, joiner.region, dict(joiner.rtt_ms))
     request.app[LOG].info(

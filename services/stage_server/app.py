@@ -105,7 +105,7 @@ def create_app(settings: StageServerSettings, runtime: StageRuntime | None = Non
     )
     app[SETTINGS] = settings
     app[RUNTIME] = runtime if runtime is not None else build_runtime(settings)
-    app[WORKER] = ComputeWorker(settings.max_queue, inject_delay_s=settings.inject_delay_s)
+    app[WORKER] = ComputeWorker(settings.max_queue, inject_delay_s=settings.inject.delay_s)
     app[MOVE] = MoveOrder()
     add_routes(app)
     add_chain_routes(app, settings)

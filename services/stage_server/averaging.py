@@ -159,7 +159,7 @@ BYZANTINE_MODES = ("sign_flip", "scale", "random")
 
 
 def byzantine_values(flat: torch.Tensor, mode: str, factor: float, seed: int) -> torch.Tensor:
-    """Fault injection (``inject_byzantine``): what a faulty or malicious replica sends into
+    """Fault injection (``inject.byzantine``): what a faulty or malicious replica sends into
     a round instead of its parameters: ``-factor x``, ``factor x``, or noise of ``factor`` x
     the parameters' scale. Tests of robust aggregation use it; never on in a real swarm."""
     if mode == "sign_flip":

@@ -114,7 +114,7 @@ def add_averaging_routes(app: web.Application) -> None:
     """Routes and lifecycle of averaging; call after ``RUNTIME``, ``WORKER`` and ``SETTINGS`` are set."""
     settings = app[SETTINGS]
     log = get_logger(service="stage_server", run=settings.run_id, stage=settings.stage)
-    byzantine = (settings.inject_byzantine, settings.inject_byzantine_factor) if settings.inject_byzantine else None
+    byzantine = (settings.inject.byzantine, settings.inject.byzantine_factor) if settings.inject.byzantine else None
     averager = Averager(app[RUNTIME], app[WORKER].run, int8_block=settings.int8_block, log=log, byzantine=byzantine)
     app[AVERAGER] = averager
     app.router.add_post("/average/start", start)

@@ -251,9 +251,9 @@ def _holder(result, reservation) -> int:
 
 
 def _respond(settings: StageServerSettings, reply: dict) -> web.Response:
-    """The reply; with fault injection (``inject_garbage``), sometimes random bytes of its length instead."""
+    """The reply; with fault injection (``inject.garbage``), sometimes random bytes of its length instead."""
     response = msgpack_response(reply)
-    if settings.inject_garbage and random.random() < settings.inject_garbage:
+    if settings.inject.garbage and random.random() < settings.inject.garbage:
         return web.Response(body=os.urandom(len(response.body)), content_type=MSGPACK)
     return response
 

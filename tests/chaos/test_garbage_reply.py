@@ -1,4 +1,4 @@
-"""A replica that answers garbage (``inject_garbage``), in process and in milliseconds: its
+"""A replica that answers garbage (``inject.garbage``), in process and in milliseconds: its
 reply is a failed hop (``bad_reply``), retried on another replica, and the replica is banned.
 The same fault on real processes is in test_faults.py."""
 
@@ -10,6 +10,7 @@ from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import HopTimeouts, PipelineClient
 from shared.codec import encode_tensor
+from shared.config import FaultInjection
 from shared.errors import RemoteError
 from shared.http import post_message
 from shared.retry import RetryPolicy
@@ -17,7 +18,7 @@ from tests.conftest import balancer_for, stage_settings
 
 
 async def test_a_garbage_reply_is_a_failed_hop(start_stages, http_session):
-    _, urls = await start_stages([[stage_settings(0, num_stages=1, inject_garbage=1.0)]])
+    _, urls = await start_stages([[stage_settings(0, num_stages=1, inject=FaultInjection(garbage=1.0))]])
     batcher = ByteBatcher(load_corpus(), seq_len=16, microbatch_size=2)
     mb = batcher.microbatch(0)
     msg = {
@@ -38,7 +39,7 @@ async def test_a_garbage_replica_is_routed_around_and_banned(start_stages, http_
     apps, urls = await start_stages(
         [
             [stage_settings(0, num_stages=2)],
-            [stage_settings(1, num_stages=2, inject_garbage=1.0), stage_settings(1, num_stages=2)],
+            [stage_settings(1, num_stages=2, inject=FaultInjection(garbage=1.0)), stage_settings(1, num_stages=2)],
         ]
     )
     balancer = balancer_for(urls)

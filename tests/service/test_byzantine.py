@@ -1,6 +1,6 @@
 """A Byzantine replica in the all-reduce of a stage's gradients: 1 of 4 replicas sends its
 accumulated gradient sign-flipped and scaled by 1000 into every step round
-(``inject_byzantine``). With CenteredClip the honest replicas' loss keeps falling; with the
+(``inject.byzantine``). With CenteredClip the honest replicas' loss keeps falling; with the
 plain mean the attacker steers every step and training breaks. Both are asserted, and the
 honest replicas stay bit-identical after every step either way (they all apply what the
 round reduced).
@@ -25,7 +25,7 @@ from services.stage_server.app import MEMBERSHIP, create_app
 from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import PipelineClient
-from shared.config import CoordinatorSettings
+from shared.config import CoordinatorSettings, FaultInjection
 from shared.processes import free_port
 from tests.conftest import balancer_for, stage_settings
 
@@ -78,7 +78,7 @@ async def run_swarm(serve, http_session, aggregator: str) -> dict:
             coordinator=coordinator,
             heartbeat_s=60.0,
             port=port,
-            inject_byzantine="sign_flip" if i == 3 else "",
+            inject=FaultInjection(byzantine="sign_flip" if i == 3 else ""),
         )
         app = create_app(settings)
         apps.append(app)

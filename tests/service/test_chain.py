@@ -13,6 +13,7 @@ from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import MicrobatchFailed, PipelineClient
 from shared.codec import encode_tensor
+from shared.config import FaultInjection
 from shared.errors import RemoteError
 from shared.http import post_message
 from shared.processes import free_port
@@ -127,7 +128,7 @@ async def test_a_chain_past_the_held_memory_limit_is_refused_with_retry_after(st
     """One chain holds its input and output at each server until its backward; a second one
     that would pass SWARM_CHAIN_HELD_MB waits outside (503 overloaded, Retry-After)."""
     slow = stage_settings(
-        1, inject_delay_s=0.5, chain_held_mb=0.01
+        1, inject=FaultInjection(delay_s=0.5), chain_held_mb=0.01
     )  # one chain of 2 x 16 x 128 floats already holds 32 KiB
     _, urls = await start_stages([[stage_settings(0)], [slow], [stage_settings(2)], [stage_settings(3)]])
     mb = batcher.microbatch(0)

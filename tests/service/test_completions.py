@@ -27,7 +27,7 @@ from structlog.testing import capture_logs
 from services.coordinator.app import create_app
 from services.coordinator.completions import COMPLETIONS
 from services.stage_server.routes import SESSIONS
-from shared.config import CoordinatorSettings
+from shared.config import CoordinatorSettings, FaultInjection
 from shared.http import swarm_session
 from shared.inference import LocalSession, SamplingParams, TextStream, generate
 from shared.model import build_model, config_from_preset
@@ -370,7 +370,7 @@ async def test_with_a_secret_the_api_wants_it_as_the_bearer_token(start_swarm, h
 
 async def test_generations_past_the_limit_get_429_and_a_client_that_goes_away_frees_the_sessions(start_swarm):
     # stage 0 slowed to ~0.05 s per token (work = tokens / 64): a 100-token generation takes seconds
-    swarm = await start_swarm(max_generations=1, stage={"inject_delay_s": 3.2})
+    swarm = await start_swarm(max_generations=1, stage={"inject": FaultInjection(delay_s=3.2)})
     body = {"model": RUN_ID, "prompt": PROMPT, "max_tokens": 100, "temperature": 0, "stream": True}
     with capture_logs() as logs:
         async with aiohttp.ClientSession() as first, aiohttp.ClientSession() as second:
@@ -425,7 +425,7 @@ async def test_a_failed_generation_answers_503_before_the_stream_and_an_error_ev
         assert "SWARM_SESSION_MAX_MB" in error["message"]
 
     # the stream has begun when stage 2 loses its sessions and refuses new ones: an error event ends it
-    swarm = await start_swarm(stage={"inject_delay_s": 3.2})  # ~0.05 s per token and stage
+    swarm = await start_swarm(stage={"inject": FaultInjection(delay_s=3.2)})  # ~0.05 s per token and stage
     resp = await http_session.post(swarm.url + "/v1/completions", json={**body, "stream": True})
     assert resp.status == 200 and (await asyncio.wait_for(resp.content.readline(), WAIT_S)).startswith(b"data: {")
     store = swarm.stages[2][SESSIONS]

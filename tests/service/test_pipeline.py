@@ -8,6 +8,7 @@ from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import HopTimeouts, MicrobatchFailed, PipelineClient
 from services.trainer.trainer import Trainer
+from shared.config import FaultInjection
 from shared.retry import RetryPolicy
 from tests.conftest import balancer_for, stage_settings
 
@@ -53,7 +54,7 @@ async def test_microbatches_in_flight_keep_every_stage_busy(start_stages, http_s
     >= 0.75*4 the throughput of 1 in flight: the stages work on different microbatches at
     once. Throughput is measured in steady state: the middle half of the run, after the
     pipeline has filled and before it drains (one microbatch per step here)."""
-    _, urls = await start_stages([[server(s, inject_delay_s=0.03)] for s in range(NUM_STAGES)])
+    _, urls = await start_stages([[server(s, inject=FaultInjection(delay_s=0.03))] for s in range(NUM_STAGES)])
     one = await make_trainer(http_session, urls, steps=6, in_flight=1).run()
     four = await make_trainer(
         http_session, urls, steps=6 + 40, in_flight=4, start_step=6

@@ -14,7 +14,7 @@ import asyncio
 from aiohttp import web
 
 from services.coordinator.app import create_app
-from shared.config import CoordinatorSettings
+from shared.config import CoordinatorSettings, PlacementSettings
 from shared.http import msgpack_response, read_message
 
 RUN_ID = "placement-run"
@@ -33,11 +33,7 @@ def settings(**overrides) -> CoordinatorSettings:
         coordinator="",
         average_every_s=0.5,
         rebalance_every_s=0,
-        placement="auto",
-        placement_min_gain=0.1,
-        placement_max_moves=0.5,
-        placement_budget_s=2.0,
-        placement_bandwidth_gbps=10.0,
+        placement=PlacementSettings(mode="auto", min_gain=0.1, max_moves=0.5, budget_s=2.0, bandwidth_gbps=10.0),
     )
     return CoordinatorSettings(**{**fields, **overrides})
 
@@ -96,7 +92,7 @@ async def test_assign_places_a_joiner_by_its_measured_rtts(aiohttp_client):
         assert resp.status == 200
         assert await resp.json() == {"stage": expected, "placement": "topology"}
     # throughput placement when asked for, whatever is reported
-    client2 = await aiohttp_client(create_app(settings(placement="throughput")))
+    client2 = await aiohttp_client(create_app(settings(placement=PlacementSettings(mode="throughput"))))
     await register_all(client2, {"a": 0, "b": 0, "c": 0, "d": 1}, urls)
     resp = await client2.post("/assign", json={"run_id": RUN_ID, "rtt_ms": {urls["a"]: 1.0}})
     assert await resp.json() == {"stage": 1, "placement": "throughput"}

@@ -45,7 +45,6 @@ def settings(stage: int, **overrides) -> StageServerSettings:
         max_body_mb=16.0,
         max_queue=64,
         backward_cache=16,
-        inject_delay_s=0.0,
         drain_timeout_s=5.0,
         mdns=False,
         coordinator="",

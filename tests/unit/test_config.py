@@ -9,12 +9,16 @@ import pytest
 from services.cli import main as cli_main
 from shared.config import (
     CommonSettings,
+    CoordinatorSettings,
+    FaultInjection,
     ModelSettings,
+    PlacementSettings,
     StageServerSettings,
     TrainerSettings,
     is_test_only,
     known_settings_fields,
     parse_settings,
+    settings_fields,
     unknown_swarm_variables,
 )
 
@@ -109,12 +113,17 @@ def test_every_field_has_a_flag(capsys):
         parse_settings(TrainerSettings, ["--help"], prog="swarm train")
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for name in TrainerSettings.model_fields:
+    for name in settings_fields(TrainerSettings):
         assert f"--{name.replace('_', '-')}" in out
+    with pytest.raises(SystemExit):
+        parse_settings(CoordinatorSettings, ["--help"], prog="swarm coordinator")
+    out = capsys.readouterr().out
+    for name in ("--placement", "--placement-min-gain", "--placement-bandwidth-gbps", "--rebalance-every-s"):
+        assert f"{name} " in out, name
 
 
 def test_fault_injection_settings_are_marked_test_only():
-    fields = StageServerSettings.model_fields
+    fields = settings_fields(StageServerSettings)
     test_only = {name for name, field in fields.items() if is_test_only(field)}
     assert test_only == {name for name in fields if name.startswith("inject_")} and test_only
     for name in test_only:
@@ -129,7 +138,7 @@ def test_help_names_test_only_settings_only_as_such_and_their_flags_work(capsys)
     assert "--inject" not in options and "fault injection" not in options
     assert "--inject-delay-s" in epilog and "--inject-byzantine-factor" in epilog
     s = parse_settings(StageServerSettings, ["--inject-delay-s", "0.5"], prog="swarm server")
-    assert s.inject_delay_s == 0.5
+    assert s.inject.delay_s == 0.5
 
 
 # --- validators ----------------------------------------------------------------------
@@ -249,9 +258,10 @@ def test_unknown_swarm_variables_reports_typos_only(monkeypatch, capsys):
 
 def test_known_fields_cover_every_settings_class():
     known = known_settings_fields()
-    for cls in (CommonSettings, ModelSettings, StageServerSettings, TrainerSettings):
-        assert set(cls.model_fields) <= known
-    assert {"steps", "port", "stages", "model", "device"} <= known
+    for cls in (CommonSettings, ModelSettings, StageServerSettings, TrainerSettings, CoordinatorSettings):
+        assert set(settings_fields(cls)) <= known
+    assert {"steps", "port", "stages", "model", "device", "placement", "placement_min_gain", "inject_garbage"} <= known
+    assert not {"inject", "placement_mode"} & known  # a section has no variable of its own, but placement's mode
 
 
 @pytest.mark.parametrize(
@@ -264,6 +274,102 @@ def test_settings_are_frozen(cls, field, value):
     with pytest.raises(ValueError):  # pydantic's ValidationError (frozen_instance)
         setattr(s, field, value)
     assert getattr(s, field) == before
+
+
+# --- sections: placement and fault injection ----------------------------------------
+
+# Every setting of a section by its variable: (value in the environment, section, field, value read).
+SECTION_SETTINGS = [
+    (CoordinatorSettings, "SWARM_PLACEMENT", "topology", "placement", "mode", "topology"),
+    (CoordinatorSettings, "SWARM_PLACEMENT_MIN_GAIN", "0.25", "placement", "min_gain", 0.25),
+    (CoordinatorSettings, "SWARM_PLACEMENT_MAX_MOVES", "0.5", "placement", "max_moves", 0.5),
+    (CoordinatorSettings, "SWARM_PLACEMENT_BUDGET_S", "7", "placement", "budget_s", 7.0),
+    (CoordinatorSettings, "SWARM_PLACEMENT_BANDWIDTH_GBPS", "10", "placement", "bandwidth_gbps", 10.0),
+    (StageServerSettings, "SWARM_INJECT_DELAY_S", "0.5", "inject", "delay_s", 0.5),
+    (StageServerSettings, "SWARM_INJECT_GARBAGE", "0.25", "inject", "garbage", 0.25),
+    (StageServerSettings, "SWARM_INJECT_BYZANTINE", "scale", "inject", "byzantine", "scale"),
+    (StageServerSettings, "SWARM_INJECT_BYZANTINE_FACTOR", "3", "inject", "byzantine_factor", 3.0),
+]
+
+
+def test_every_section_setting_is_listed_here():
+    listed = {var.removeprefix("SWARM_").lower() for _, var, *_ in SECTION_SETTINGS}
+    fields = set(settings_fields(CoordinatorSettings)) | set(settings_fields(StageServerSettings))
+    assert {f for f in fields if f.startswith(("placement", "inject_"))} == listed
+
+
+@pytest.mark.parametrize("cls, var, raw, section, field, value", SECTION_SETTINGS)
+def test_section_settings_read_their_flat_variables_and_flags(cls, var, raw, section, field, value, monkeypatch):
+    default = getattr(getattr(cls(), section), field)
+    assert default != value
+    monkeypatch.setenv(var, raw)
+    assert getattr(getattr(cls(), section), field) == value
+    flag = "--" + var.removeprefix("SWARM_").lower().replace("_", "-")
+    monkeypatch.delenv(var)
+    assert getattr(getattr(parse_settings(cls, [flag, raw], prog="swarm"), section), field) == value
+    flat = var.removeprefix("SWARM_").lower()
+    assert getattr(getattr(cls(**{flat: raw}), section), field) == value  # the flat keyword too
+
+
+def test_a_sections_variables_flags_and_keywords_combine(monkeypatch, capsys):
+    monkeypatch.setenv("SWARM_PLACEMENT", "topology")
+    monkeypatch.setenv("SWARM_PLACEMENT_MIN_GAIN", "0.3")
+    s = parse_settings(CoordinatorSettings, ["--placement-budget-s", "5", "--placement-min-gain", "0.4"], prog="c")
+    assert s.placement == PlacementSettings(mode="topology", min_gain=0.4, budget_s=5.0)  # the flag beats the env
+    assert capsys.readouterr().err == ""
+    assert CoordinatorSettings(placement="throughput").placement.min_gain == 0.3  # a flag of the mode keeps the rest
+    whole = CoordinatorSettings(placement=PlacementSettings(max_moves=0.5)).placement  # the environment fills it in
+    assert (whole.mode, whole.min_gain, whole.max_moves) == ("topology", 0.3, 0.5)
+    assert CoordinatorSettings(placement={"min_gain": 0.1}, placement_min_gain=0.2).placement.min_gain == 0.2
+    assert StageServerSettings(inject=FaultInjection(garbage=1.0)).inject.garbage == 1.0
+
+
+@pytest.mark.parametrize(
+    "cls, var, raw",
+    [
+        (CoordinatorSettings, "SWARM_PLACEMENT", "nearest"),
+        (CoordinatorSettings, "SWARM_PLACEMENT_MIN_GAIN", "-1"),
+        (CoordinatorSettings, "SWARM_PLACEMENT_BUDGET_S", "soon"),
+        (StageServerSettings, "SWARM_INJECT_GARBAGE", "2"),
+        (StageServerSettings, "SWARM_INJECT_BYZANTINE", "evil"),
+    ],
+)
+def test_a_bad_section_value_names_the_setting(cls, var, raw, monkeypatch, capsys):
+    name = var.removeprefix("SWARM_").lower()
+    with pytest.raises(ValueError, match=f"(?m)^{name}$"):  # its own line, as every setting's error
+        cls(**{name: raw})
+    monkeypatch.setenv(var, raw)
+    with pytest.raises(SystemExit) as exc:
+        parse_settings(cls, [], prog="swarm")
+    assert exc.value.code == 2
+    assert f"\n{name}\n" in capsys.readouterr().err
+
+
+def test_a_typo_of_a_section_variable_is_warned_about_and_of_a_keyword_refused(monkeypatch, capsys):
+    for typo in ({"placement_min_gian": 0.1}, {"placement": {"min_gian": 0.1}}):
+        with pytest.raises(ValueError, match="(?m)^placement_min_gian$"):
+            CoordinatorSettings(**typo)
+    monkeypatch.setenv("SWARM_PLACEMENT_MIN_GIAN", "0.3")
+    monkeypatch.setenv("SWARM_PLACEMENT_MIN_GAIN", "0.2")
+    monkeypatch.setenv("SWARM_INJECT_DELAY_S", "0.1")
+    assert unknown_swarm_variables() == ["SWARM_PLACEMENT_MIN_GIAN"]
+    s = parse_settings(CoordinatorSettings, [], prog="swarm coordinator")
+    assert s.placement.min_gain == 0.2
+    err = capsys.readouterr().err
+    assert "SWARM_PLACEMENT_MIN_GIAN" in err and "warning" in err and "SWARM_PLACEMENT_MIN_GAIN " not in err
+
+
+@pytest.mark.parametrize(
+    "cls, section, field, value",
+    [(CoordinatorSettings, "placement", "min_gain", 0.5), (StageServerSettings, "inject", "garbage", 1.0)],
+)
+def test_sections_are_frozen(cls, section, field, value):
+    s = cls()
+    with pytest.raises(ValueError):  # pydantic's ValidationError (frozen_instance)
+        setattr(getattr(s, section), field, value)
+    with pytest.raises(ValueError):
+        setattr(s, section, getattr(s, section))
+    assert getattr(getattr(s, section), field) != value
 
 
 # --- the swarm command ---------------------------------------------------------------

@@ -39,6 +39,7 @@ from shared.config import (
     StageServerSettings,
     TrainerSettings,
     known_settings_fields,
+    settings_fields,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,7 +100,7 @@ def _run(cmd: list[str], *, stdin: str | None = None, cwd: Path = ROOT) -> subpr
 
 def _settings_env(env: dict[str, str], cls) -> dict[str, str]:
     """The variables of ``env`` that are settings of ``cls``."""
-    return {k: v for k, v in env.items() if k.removeprefix("SWARM_").lower() in cls.model_fields}
+    return {k: v for k, v in env.items() if k.removeprefix("SWARM_").lower() in settings_fields(cls)}
 
 
 def _check_settings(where: str, env: dict[str, str], sub: str, monkeypatch) -> None:
@@ -109,7 +110,7 @@ def _check_settings(where: str, env: dict[str, str], sub: str, monkeypatch) -> N
         k
         for k in env
         if k.startswith("SWARM_")
-        and k.removeprefix("SWARM_").lower() not in cls.model_fields
+        and k.removeprefix("SWARM_").lower() not in settings_fields(cls)
         and k not in PENDING_SETTINGS
     )
     assert not unknown, f"{where}: `swarm {sub}` has no setting for {unknown} (fields of {cls.__name__})"
@@ -134,7 +135,7 @@ def _check_command(where: str, command: list[str]) -> str:
     sub = command[1]
     assert sub in COMMANDS, f"{where}: `swarm {sub}` is not a sub-command of services/cli.py ({sorted(COMMANDS)})"
     if sub in SETTINGS_FOR:
-        fields = SETTINGS_FOR[sub].model_fields
+        fields = settings_fields(SETTINGS_FOR[sub])
         for arg in command[2:]:
             if arg.startswith("--"):
                 flag = arg[2:].split("=", 1)[0]
@@ -586,10 +587,10 @@ def test_operating_doc_lists_exactly_the_settings():
     )
     for name, (default_cell, read_by) in rows.items():
         field = name.removeprefix("SWARM_").lower()
-        readers = {sub for sub, cls in SETTINGS_FOR.items() if field in cls.model_fields}
+        readers = {sub for sub, cls in SETTINGS_FOR.items() if field in settings_fields(cls)}
         listed = set(SETTINGS_FOR) if read_by == "all" else {w.strip() for w in read_by.split(",")}
         assert listed == readers, f"docs/operating.md {name}: read by {sorted(readers)}, the table says {read_by!r}"
-        defaults = {_format_default(SETTINGS_FOR[sub].model_fields[field].default) for sub in readers} - {""}
+        defaults = {_format_default(settings_fields(SETTINGS_FOR[sub])[field].default) for sub in readers} - {""}
         assert set(re.findall(r"`([^`]*)`", default_cell)) == defaults, (
             f"docs/operating.md {name}: default {default_cell!r}, the code says {sorted(defaults) or 'empty'}"
         )

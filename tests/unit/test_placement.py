@@ -11,14 +11,14 @@ import pytest
 
 from services.coordinator.placement import GB, Joiner, placement_inputs, stage_for_joiner, uses_topology
 from services.coordinator.registry import ServerReport
-from shared.config import CoordinatorSettings
+from shared.config import PlacementSettings
 from shared.policy.move import Move
 from shared.policy.topology import TopologyRebalancer, split_moves
 from shared.policy.view import PlacementInputs
 from shared.topology import INTRA_REGION, Peer, Replan, Workload, placement_cost, plan, world_network
 
-MIN_GAIN = CoordinatorSettings.model_fields["placement_min_gain"].default  # what the coordinator runs with
-MAX_MOVES = CoordinatorSettings.model_fields["placement_max_moves"].default
+MIN_GAIN = PlacementSettings().min_gain  # what the coordinator runs with
+MAX_MOVES = PlacementSettings().max_moves
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from services.coordinator.dashboard import RecentEvents, TrainingProgress, dashb
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.registry import Registry
 from services.simulator.sim import SimConfig, SimPeer, Simulation, StageCost
-from shared.config import CoordinatorSettings
+from shared.config import CoordinatorSettings, PlacementSettings
 from shared.metrics import Metrics
 from shared.policy.hysteresis import Confirmation
 from shared.policy.move import Move
@@ -151,7 +151,9 @@ def test_a_topology_replan_never_empties_a_stage_and_waits_for_unmeasured_server
 def test_coordinator_registry_dashboard_metrics_and_simulator_agree():
     """One swarm (stage 0: three replicas at 1 sample/s, stage 1: one), as each process
     sees it: all name stage 1 the weakest and order the same move, a 0 -> 1, on the second check."""
-    settings = CoordinatorSettings(num_stages=2, mdns=False, state_db=":memory:", placement="auto")
+    settings = CoordinatorSettings(
+        num_stages=2, mdns=False, state_db=":memory:", placement=PlacementSettings(mode="auto")
+    )
     registry = Registry(":memory:", num_stages=2, heartbeat_s=1.0, clock=lambda: 0.0)
     for sid, stage in [("a", 0), ("b", 0), ("c", 0), ("d", 1)]:
         registry.register(sid, stage, f"http://{sid}:1", "v", 1.0, 0)

@@ -1,5 +1,5 @@
 """The trainer side of a mesh bench, in the bench's own process: the trainer's own classes
-(``ReplicaBalancer``, ``PipelineClient``, ``SwarmView``) driven by a loop that keeps
+(``ReplicaBalancer``, ``PipelineClient``, ``RegistryMirror``) driven by a loop that keeps
 ``in_flight`` microbatches going until a count or a deadline, and records when each one
 completed or failed, so a bench can cut the run into time windows (warm-up, before and
 after a fault or a move) without a trainer process's start-up, evaluation and summary.
@@ -18,7 +18,7 @@ import aiohttp
 
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import HopTimeouts, MicrobatchFailed, PipelineClient
-from services.trainer.swarm_view import SwarmView
+from services.trainer.registry_mirror import RegistryMirror
 from shared.config import TrainerSettings
 from shared.retry import RetryPolicy
 from shared.wiring import ReplicaBalancer
@@ -79,7 +79,7 @@ class MeshClient:
         self.balancer = ReplicaBalancer(num_stages, rng=random.Random(seed))
         self.timeouts, self.retry = timeouts, RetryPolicy(max_retries=max_retries)
         self.seed = seed
-        self.view: SwarmView | None = None
+        self.view: RegistryMirror | None = None
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> "MeshClient":
@@ -107,7 +107,7 @@ class MeshClient:
 
     async def use_coordinator(self, coordinator: str, refresh_s: float = 0.5, wait_s: float = 120.0) -> None:
         """Follow the coordinator's registry (refreshed every ``refresh_s``) as a trainer does."""
-        self.view = SwarmView(self.session, coordinator, self.balancer, refresh_s=refresh_s)
+        self.view = RegistryMirror(self.session, coordinator, self.balancer, refresh_s=refresh_s)
         if not await self.view.wait_complete(wait_s):
             raise RuntimeError(f"the coordinator at {coordinator} lists no replica for some stage after {wait_s} s")
         task = asyncio.create_task(self.view.run())

@@ -84,7 +84,7 @@ class StageCount:
 
 
 @dataclass(frozen=True)
-class Reservation:
+class ReserveAnswer:
     bucket: int | None  # the step the microbatch's gradient goes to; None: resync, catch up, or wait
     closes: bool = False
     resync: bool = False
@@ -140,7 +140,7 @@ class StepCounter:
         until_step: int | None = None,
         live: Iterable[str] | None = None,
         reported: Mapping[str, int] | None = None,
-    ) -> Reservation:
+    ) -> ReserveAnswer:
         """The step a microbatch of ``samples`` gets, or None: the replica must resync
         (``resync``), the trainer's run ends before that step (``complete``: its ``until_step``
         steps are all reserved and accumulated), or the stage is a whole step ahead already, or
@@ -152,27 +152,27 @@ class StepCounter:
         st = self._check(stage, url, replica_step, global_batch)
         if replica_step < st.step:
             if live is None or st.round_id is not None or self._holds_the_step(st, url, live, reported or {}):
-                return Reservation(None, resync=True)
+                return ReserveAnswer(None, resync=True)
             st.steps_lost.append((replica_step, st.step))
             st.replica_steps[url] = st.step
-            return Reservation(None, catch_up=True)
+            return ReserveAnswer(None, catch_up=True)
         open_steps = ([] if st.round_id is not None else [st.step]) + [
             st.step + 1
         ]  # the round running took its step's buckets
         k = next((k for k in open_steps if st.reserved.get(k, 0) < st.global_batch), None)
         if k is None:
-            return Reservation(None)  # a whole step ahead already: wait
+            return ReserveAnswer(None)  # a whole step ahead already: wait
         if until_step is not None and k >= until_step:
             if any(st.reserved.get(j, 0) > st.done.get(j, 0) for j in open_steps if j < until_step):
-                return Reservation(None)  # the run's last steps have reservations out, which may come back: wait
-            return Reservation(None, complete=True)
+                return ReserveAnswer(None)  # the run's last steps have reservations out, which may come back: wait
+            return ReserveAnswer(None, complete=True)
         st.reserved[k] = st.reserved.get(k, 0) + samples
         by_url = st.outstanding.setdefault(k, {})
         by_url[url] = by_url.get(url, 0) + samples
         closes = st.reserved[k] >= st.global_batch
         if closes:
             st.closed_at[k] = self.clock()
-        return Reservation(k, closes)
+        return ReserveAnswer(k, closes)
 
     def done(
         self, stage: int, url: str, replica_step: int, bucket: int, reserved: int, samples: int, global_batch: int

@@ -18,7 +18,7 @@ import aiohttp
 from services.trainer.data import make_batcher
 from services.trainer.pipeline import HopTimeouts, PipelineClient
 from services.trainer.progress import ProgressDisplay, choose_display
-from services.trainer.swarm_view import SwarmView
+from services.trainer.registry_mirror import RegistryMirror
 from services.trainer.telemetry import TrainerTelemetry
 from services.trainer.trainer import Trainer, summary_json
 from shared.config import TrainerSettings, parse_settings
@@ -99,7 +99,7 @@ async def _get_info(session: aiohttp.ClientSession, url: str, timeout_s: float, 
 
 async def find_swarm(
     session: aiohttp.ClientSession, settings: TrainerSettings, balancer: ReplicaBalancer, log
-) -> SwarmView | None:
+) -> RegistryMirror | None:
     """Static URLs (SWARM_STAGES) or the coordinator's registry (SWARM_COORDINATOR, or mDNS)."""
     if settings.stages:
         for stage, urls in enumerate(settings.stage_urls()):
@@ -118,7 +118,7 @@ async def find_swarm(
             "no stage servers: set SWARM_STAGES or SWARM_COORDINATOR (no coordinator found by mDNS either)"
         )
     log.info("coordinator.using", url=coordinator, discovered=not settings.coordinator)
-    view = SwarmView(session, coordinator, balancer, refresh_s=settings.heartbeat_s, log=log)
+    view = RegistryMirror(session, coordinator, balancer, refresh_s=settings.heartbeat_s, log=log)
     if not await view.wait_complete(READY_WAIT_S):
         raise SwarmMismatch(
             f"the coordinator at {coordinator} lists no replica for some stage after {READY_WAIT_S} s: "

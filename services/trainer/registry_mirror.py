@@ -1,4 +1,4 @@
-"""SwarmView: the trainer's copy of the coordinator's registry, fed into the balancer.
+"""RegistryMirror: the trainer's copy of the coordinator's registry, fed into the balancer.
 
 Refreshed every ``refresh_s`` and at once when a stage has no usable replica. When the
 coordinator cannot be reached the last view stays in use: training goes on with the
@@ -20,7 +20,7 @@ from shared.wiring import ReplicaBalancer
 REFRESH_TIMEOUT_S = 5.0
 
 
-class SwarmView:
+class RegistryMirror:
     def __init__(
         self, session: aiohttp.ClientSession, coordinator: str, balancer: ReplicaBalancer, *, refresh_s: float, log=None
     ):

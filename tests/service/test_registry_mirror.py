@@ -7,7 +7,7 @@ import random
 from aiohttp.test_utils import TestServer
 
 from services.coordinator.app import create_app
-from services.trainer.swarm_view import SwarmView
+from services.trainer.registry_mirror import RegistryMirror
 from shared.config import CoordinatorSettings
 from shared.wiring import ReplicaBalancer
 
@@ -37,7 +37,7 @@ async def test_view_follows_the_registry_and_survives_its_absence(http_session):
     await server.start_server()
     coordinator = str(server.make_url("")).rstrip("/")
     balancer = ReplicaBalancer(2, rng=random.Random(0))
-    view = SwarmView(http_session, coordinator, balancer, refresh_s=60.0)
+    view = RegistryMirror(http_session, coordinator, balancer, refresh_s=60.0)
     try:
         assert await view.refresh() and view.replicas() == [[], []]
         await register(http_session, coordinator, "a", 0, "http://127.0.0.1:1001")
@@ -70,7 +70,7 @@ async def test_a_stage_listed_empty_keeps_its_last_known_replicas(http_session):
     await server.start_server()
     coordinator = str(server.make_url("")).rstrip("/")
     balancer = ReplicaBalancer(2, rng=random.Random(0))
-    view = SwarmView(http_session, coordinator, balancer, refresh_s=60.0)
+    view = RegistryMirror(http_session, coordinator, balancer, refresh_s=60.0)
     try:
         await register(http_session, coordinator, "a", 0, "http://127.0.0.1:1001")
         assert await view.refresh() and view.replicas() == [["http://127.0.0.1:1001"], []]

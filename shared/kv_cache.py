@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class KVCache:
@@ -78,9 +79,26 @@ def kv_cache_bytes(cfg, layers: int, batch: int, capacity: int, *, element_size:
     return 2 * layers * batch * kv_heads * capacity * head_dim * element_size
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0, decoding: bool = False
+) -> torch.Tensor:
     """Causal attention of the T positions of ``q`` (B, h, T, hd), the last T of the S in ``k``
-    and ``v``: position i of q sees the keys up to S - T + i."""
+    and ``v``: position i of q sees the keys up to S - T + i.
+
+    ``decoding``: the keys come from a :class:`KVCache`, so S grows by a step's tokens every
+    call. cuDNN's attention builds a plan for every new shape (tens of milliseconds on an
+    H100, every token in bf16: generation ran 10x slower), so a decoding call leaves it out
+    and takes flash, memory-efficient or plain attention, which need no plan."""
+    if decoding:
+        with sdpa_kernel(_DECODING_BACKENDS):
+            return _causal_attention(q, k, v, dropout_p)
+    return _causal_attention(q, k, v, dropout_p)
+
+
+_DECODING_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
     T, S = q.shape[2], k.shape[2]
     if S == T:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)

@@ -137,7 +137,7 @@ class Attention(nn.Module):
             k, v = kv.extend(k, v)  # every position so far
         groups = self.n_head // self.n_kv_head  # query heads per key/value head
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, nh, S, hd)
-        y = causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        y = causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, decoding=kv is not None)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 

@@ -138,7 +138,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if kv is not None:
             k, v = kv.extend(k, v)  # every position so far
-        y = causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        y = causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, decoding=kv is not None)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.c_proj(y))
 

@@ -94,7 +94,10 @@ def _as_bytes_view(t: torch.Tensor) -> memoryview:
 
 
 def warm_up() -> None:
-    """Import bitsandbytes now (it takes seconds) rather than on the first dynamic-map int8 tensor."""
+    """Import bitsandbytes now rather than on the first dynamic-map int8 tensor. It takes about
+    2 s of CPU here (it imports torch's compiler stack), as much again as a stage server's own
+    start, so servers don't: this peer sends linear maps, and only a peer of an older version
+    sends dynamic ones, whose first decode in a process pays the import."""
     _dynamic_map("cpu")
 
 

@@ -21,7 +21,7 @@ from services.stage_server.state import load_stage_state
 from services.stage_server.state_routes import add_state_routes, download_state
 from services.stage_server.stepping import StepClient
 from services.stage_server.worker import ComputeWorker
-from shared import checkpoint, codec, package_version
+from shared import checkpoint, package_version
 from shared.config import StageServerSettings, advertised_url
 from shared.errors import RemoteError
 from shared.hf import load_stage_from_hf
@@ -117,8 +117,6 @@ def create_app(settings: StageServerSettings, runtime: StageRuntime | None = Non
 
     async def lifecycle(app: web.Application):
         spec = app[RUNTIME].spec
-        if settings.wire_codec == "int8":
-            await asyncio.to_thread(codec.warm_up)
         if (report := getattr(app[RUNTIME], "load_report", None)) is not None:
             log.info(
                 "stage.weights_loaded", model_dir=report.model_dir, tensors=len(report.names), bytes=report.bytes_read

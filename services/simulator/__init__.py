@@ -3,6 +3,7 @@ preemption, using the trainer's real wiring and the topology planner, against fi
 pipelines that repair themselves with spares."""
 
 from .fixed import FixedPipelineSimulation
-from .sim import Report, SimConfig, Simulation, simulate
+from .records import Report, SimConfig
+from .sim import Simulation, simulate
 
 __all__ = ["FixedPipelineSimulation", "Report", "SimConfig", "Simulation", "simulate"]

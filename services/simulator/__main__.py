@@ -13,7 +13,8 @@ import math
 import sys
 from dataclasses import asdict
 
-from .sim import MODES, Report, SimConfig, simulate
+from .records import MODES, Report, SimConfig
+from .sim import simulate
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

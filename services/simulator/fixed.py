@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 from shared.topology.network import Network
 
-from .sim import MicrobatchTrip, Report, SimConfig, SimPeer, Simulation, StageCost
+from .records import MicrobatchTrip, Report, SimConfig, SimPeer, StageCost
+from .sim import Simulation
 
 
 @dataclass(eq=False)  # one pipeline is itself only: found in the list by identity

@@ -13,7 +13,8 @@ from services.coordinator.assignment import rebalancing_policy, swarm_view
 from services.coordinator.dashboard import RecentEvents, TrainingProgress, dashboard_view
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.registry import Registry
-from services.simulator.sim import SimConfig, SimPeer, Simulation, StageCost
+from services.simulator.records import SimConfig, SimPeer, StageCost
+from services.simulator.sim import Simulation
 from shared.config import CoordinatorSettings, PlacementSettings
 from shared.metrics import Metrics
 from shared.policy.hysteresis import Confirmation

@@ -9,6 +9,7 @@ TORCH_VERSION ?= 2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 0
 
 .PHONY: up test lint format setup clean
 
@@ -24,8 +25,11 @@ setup: $(STAMP)
 up: $(STAMP)
 	$(BIN)/swarm up --stages 4 --steps 200 --generate "ROMEO:"
 
+# TEST_WORKERS=2: two pytest workers (pytest-xdist), the tests that train in real processes
+# one at a time on one, the rest on the other (tests/conftest.py). Not yet the default: two
+# tests' timing assumptions fail under the other worker's load (README, "Tests").
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # One format and a small rule set (pyproject.toml [tool.ruff]); CI runs lint before the tests.
 lint: $(STAMP)

@@ -1,10 +1,13 @@
-"""Shared fixtures: stage servers started in this process on loopback ports."""
+"""Shared fixtures: stage servers started in this process on loopback ports; and how
+``make test`` shares the two cores between its two pytest workers."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -13,6 +16,34 @@ from aiohttp.test_utils import TestServer
 from services.stage_server.app import create_app
 from shared.config import StageServerSettings
 from shared.wiring import ReplicaBalancer
+
+# `make test TEST_WORKERS=2` runs two pytest workers (pytest-xdist, `--dist loadgroup`). A test that
+# starts real processes and trains keeps both cores busy on its own, and its timeouts and
+# throughput checks were measured alone: those tests form one group, run one at a time on
+# one worker. The other worker takes the rest: the in-process tests (one core) and the
+# process tests below, which mostly wait (CPU time / wall time measured on 2 cores).
+PROCESS_TESTS = ("tests/e2e/", "tests/chaos/", "tests/bench/")
+# (tests/bench/test_arena_net.py waits too, 0.11 cores, but it and the arena check that the
+# host's network namespaces are as before: two arenas at once would see each other's.)
+MOSTLY_WAITING = (
+    "tests/chaos/test_server_kills.py",  # 0.58 cores: servers slowed by an injected delay, kills on a clock
+)
+ONE_AT_A_TIME = "processes"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    root = Path(config.rootpath)
+    for item in items:
+        path = Path(item.path).relative_to(root).as_posix()
+        if path.startswith(PROCESS_TESTS) and not path.startswith(MOSTLY_WAITING):
+            item.add_marker(pytest.mark.xdist_group(ONE_AT_A_TIME))
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one torch thread each
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def balancer_for(urls: list[list[str]], seed: int = 0) -> ReplicaBalancer:

@@ -63,10 +63,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--tokenizer",
-        default="",
+        default=os.environ.get("SWARM_TOKENIZER", ""),
         help=(
-            "a tokenizer.json or a directory holding one (swarm tokenizer train); default: the model directory's, or "
-            "bytes for the byte-level presets"
+            "a tokenizer.json or a directory holding one (swarm tokenizer train); default: SWARM_TOKENIZER, else the "
+            "model directory's, or bytes for the byte-level presets"
         ),
     )
     p.add_argument("--wire-codec", default="int8", choices=FLOAT_CODECS)

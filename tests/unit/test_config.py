@@ -396,6 +396,18 @@ def test_cli_unknown_command_returns_2(capsys):
     assert captured.out == ""
 
 
+def test_swarm_up_takes_the_tokenizer_from_swarm_tokenizer_as_its_error_says(monkeypatch, tmp_path):
+    """A Llama preset without a tokenizer stops swarm up with "set SWARM_TOKENIZER=DIR": setting
+    it must then be enough (swarm up's own --tokenizer default ignored it); the flag still wins."""
+    from services.local_swarm import parse_args
+
+    monkeypatch.delenv("SWARM_TOKENIZER", raising=False)
+    assert parse_args(["--model", "llama-tiny"]).tokenizer == ""
+    monkeypatch.setenv("SWARM_TOKENIZER", str(tmp_path))
+    assert parse_args(["--model", "llama-tiny"]).tokenizer == str(tmp_path)
+    assert parse_args(["--tokenizer", "other"]).tokenizer == "other"
+
+
 def test_cli_sub_command_help_lists_its_settings(capsys):
     with pytest.raises(SystemExit) as exc:
         cli_main(["train", "--help"])

@@ -26,8 +26,8 @@ up: $(STAMP)
 	$(BIN)/swarm up --stages 4 --steps 200 --generate "ROMEO:"
 
 # TEST_WORKERS=2: two pytest workers (pytest-xdist), the tests that train in real processes
-# one at a time on one, the rest on the other (tests/conftest.py). Not yet the default: two
-# tests' timing assumptions fail under the other worker's load (README, "Tests").
+# one at a time on one, the rest on the other (tests/conftest.py). Not yet the default: a
+# test that trains can still fail under the other worker's load (README, "Tests").
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 

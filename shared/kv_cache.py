@@ -16,6 +16,8 @@ is exactly the training forward.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -79,6 +81,9 @@ def kv_cache_bytes(cfg, layers: int, batch: int, capacity: int, *, element_size:
     return 2 * layers * batch * kv_heads * capacity * head_dim * element_size
 
 
+_DECODING_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0, decoding: bool = False
 ) -> torch.Tensor:
@@ -89,20 +94,11 @@ def causal_attention(
     call. cuDNN's attention builds a plan for every new shape (tens of milliseconds on an
     H100, every token in bf16: generation ran 10x slower), so a decoding call leaves it out
     and takes flash, memory-efficient or plain attention, which need no plan."""
-    if decoding:
-        with sdpa_kernel(_DECODING_BACKENDS):
-            return _causal_attention(q, k, v, dropout_p)
-    return _causal_attention(q, k, v, dropout_p)
-
-
-_DECODING_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    T, S = q.shape[2], k.shape[2]
-    if S == T:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-    if T == 1:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    with sdpa_kernel(_DECODING_BACKENDS) if decoding else contextlib.nullcontext():
+        T, S = q.shape[2], k.shape[2]
+        if S == T:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        if T == 1:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)

@@ -1,5 +1,5 @@
 """Shared fixtures: stage servers started in this process on loopback ports; and how
-``make test`` shares the two cores between its two pytest workers."""
+``make test TEST_WORKERS=2`` shares the two cores between two pytest workers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import asyncio
 import os
 import random
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -33,9 +32,8 @@ ONE_AT_A_TIME = "processes"
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    root = Path(config.rootpath)
     for item in items:
-        path = Path(item.path).relative_to(root).as_posix()
+        path = item.path.relative_to(config.rootpath).as_posix()
         if path.startswith(PROCESS_TESTS) and not path.startswith(MOSTLY_WAITING):
             item.add_marker(pytest.mark.xdist_group(ONE_AT_A_TIME))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +43,21 @@ def live_processes_where(match) -> list[int]:
         if match(env) and "zombie" not in state:
             pids.append(int(proc.name))
     return pids
+
+
+def run_story(run_dir: Path, limit: int = 40) -> str:
+    """For a failure message: the run's warnings and errors, and how far each stage's global
+    steps went (the coordinator's ``step.done`` lines), from the logs of a ``swarm up`` run dir."""
+    steps: dict[str, list[str]] = {}
+    notable = []
+    for log in sorted(run_dir.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "step.done" in line and (stage := re.search(r" stage=(\d+)", line)):
+                steps.setdefault(stage.group(1), []).append(line)
+            elif "[warning" in line or "[error" in line or "caught_up" in line or "resync" in line:
+                notable.append(f"{log.name}: {line}")
+    lines = [f"stage {s}: {len(v)} steps done, the last: {v[-1]}" for s, v in sorted(steps.items())]
+    return "\n".join([*lines, *notable[:limit]])
 
 
 def get_json(url: str, timeout_s: float = 5.0) -> dict:

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from tests.e2e.conftest import SWARM, processes_of_run
+from tests.e2e.conftest import SWARM, processes_of_run, run_story
 from tests.service.test_auth_service import self_signed
 
 pytestmark = pytest.mark.e2e
@@ -48,7 +48,9 @@ def test_a_signed_tls_swarm_trains_end_to_end(tmp_path):
     assert "swarm up: coordinator https://127.0.0.1:" in result.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 30 and summary["microbatches_failed"] == 0
-    assert summary["eval_loss_after"] < summary["eval_loss_before"] - 0.5
+    assert summary["eval_loss_after"] < summary["eval_loss_before"] - 0.5, (
+        f"step losses {summary['step_losses']}\n{run_story(run_dir)}"
+    )
     logs = "".join(p.read_text() for p in run_dir.glob("*.log")) + result.stderr
     assert "auth.refused" not in logs, "a member's request was refused: some client does not sign"
     assert "averaging.round.done" in logs and "registry.registered" in logs

@@ -64,13 +64,16 @@ def test_coordinator_moves_a_replica_to_the_weak_stage_and_throughput_rises(proc
     wait_until(lambda: replicas_per_stage(coordinator) == [2, 2], 90, "the coordinator to move a replica to stage 1")
     moved_at = time.monotonic() - started
     wait_until(
-        lambda: time.monotonic() - started > moved_at + 8, 30, "eight seconds of training after the move", poll_s=0.5
+        lambda: time.monotonic() - started > moved_at + 14, 40, "14 seconds of training after the move", poll_s=0.5
     )
     before = steps_per_s(metrics, 0.0, moved_at - 3.0)
-    after = steps_per_s(metrics, moved_at + 1.0, moved_at + 8.0)
+    # The swarm as moved, once settled: the rate climbs for several seconds after the move
+    # (measured alone on 2 cores, 2026-11-26, in 4 s windows against the rate before: 1.14-1.32x
+    # in the first 4 s, 1.59-1.75x from 5 to 9 s, 1.6-2.0x after).
+    after = steps_per_s(metrics, moved_at + 4.0, moved_at + 14.0)
     print(f"\nrebalancing: {before:.2f} -> {after:.2f} steps/s after the move at {moved_at:.1f} s")
-    # Measured alone on 2 cores, 2026-11-23: 1.92x, 1.87x, 2.17x, 1.98x, 1.95x; with replicas
-    # in rounds from their registration's step: 1.47x, 2.02x, 2.30x, 1.94x, 1.81x.
+    # Measured alone on 2 cores, 2026-11-26: 1.69x, 1.73x, 1.66x (measured 1-8 s after the
+    # move as before, it failed alone once in three: 1.34x).
     assert after > 1.4 * before, f"throughput {before:.2f} -> {after:.2f} steps/s"
     log = (tmp_path / "coordinator.log").read_text()
     # the servers report RTTs, so the coordinator planned with the network cost model (SWARM_PLACEMENT=auto)

@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= 2
 
 .PHONY: up test lint format setup clean
 
@@ -25,9 +25,8 @@ setup: $(STAMP)
 up: $(STAMP)
 	$(BIN)/swarm up --stages 4 --steps 200 --generate "ROMEO:"
 
-# TEST_WORKERS=2: two pytest workers (pytest-xdist), the tests that train in real processes
-# one at a time on one, the rest on the other (tests/conftest.py). Not yet the default: a
-# test that trains can still fail under the other worker's load (README, "Tests").
+# Two pytest workers (pytest-xdist) by default: the tests that train in real processes one at
+# a time on one, the rest on the other (tests/conftest.py). TEST_WORKERS=0: all one at a time.
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 

@@ -1,5 +1,5 @@
 """Shared fixtures: stage servers started in this process on loopback ports; and how
-``make test`` shares the two cores between two pytest workers (``TEST_WORKERS``, 2 by default)."""
+``make test TEST_WORKERS=2`` shares the two cores between two pytest workers."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from services.stage_server.app import create_app
 from shared.config import StageServerSettings
 from shared.wiring import ReplicaBalancer
 
-# `make test` runs two pytest workers (pytest-xdist, `--dist loadgroup`) by default. A test that
+# `make test TEST_WORKERS=2` runs two pytest workers (pytest-xdist, `--dist loadgroup`). A test that
 # starts real processes and trains keeps both cores busy on its own, and its timeouts and
 # throughput checks were measured alone: those tests form one group, run one at a time on
 # one worker. The other worker takes the rest: the in-process tests (one core) and the

@@ -14,7 +14,9 @@ among the stage's live replicas (the butterfly all-reduce of the stage server's
 ``averaging.py``; the coordinator moves no tensor), waits until the members report it
 ended, and moves the stage to the step they reached. Reservations still out
 ``step_timeout_s`` after the step closed (a replica died with them) are given up: the
-round starts with what was accumulated and the rest is counted as dropped.
+round starts with what was accumulated, and the step holds fewer samples. A given-up
+reservation counts in ``samples_dropped`` if its replica reports it later; one whose
+replica died does not (its backward failed there, and the trainer runs it again).
 
 A replica at an older step than its stage's is told to take a live replica's state
 (``resync``); a newer one (this coordinator restarted) moves the stage's count forward.
@@ -73,7 +75,7 @@ class StageCount:
         default_factory=dict
     )  # step -> replica URL -> samples reserved, not reported yet
     not_before: float = 0.0  # a failed round is not retried before this time
-    samples_dropped: int = 0  # reserved samples never accumulated, and accumulated ones of replicas that did not step
+    samples_dropped: int = 0  # accumulated samples that missed their step (replicas that did not step, late reports)
     steps_lost: list[tuple[int, int]] = field(
         default_factory=list
     )  # (from, to) of each catch-up: the updates of those steps were lost with the replicas that held them

@@ -28,20 +28,21 @@ STAGES, REPLICAS = 4, 2
 HEARTBEAT_S = 0.5  # leases of 1.5 s: a killed server leaves the registry fast
 CHAOS_S = 120.0  # the kills go on this long, or until the trainer is done
 KILL_EVERY_S = 10.0
-# of 32 samples: more than CHAOS_S of training on 2 idle cores, so the kills go on for their 2 minutes (measured:
+# global batches: more than CHAOS_S of training on 2 idle cores, so the kills go on for their 2 minutes (measured:
 # 100 steps in 172 s with 11 kills; the kills slow the steps to ~1.7 s, the steps after them take ~0.6 s)
 STEPS = 100
+GLOBAL_BATCH, MICROBATCH = 32, 8  # samples per step, per microbatch
 SEED = 6
 # Every server works like a device slower than these cores (+0.05 s per forward pass of
 # work): the run's length then depends little on how busy the 2 shared cores are, and the
 # cores have time left for the restarts (each imports torch).
 SERVER = {
-    "SWARM_GLOBAL_BATCH": "32",
+    "SWARM_GLOBAL_BATCH": str(GLOBAL_BATCH),
     "SWARM_INJECT_DELAY_S": "0.05",
-}  # 32 >= in_flight x microbatch: see "Staleness" in docs/architecture.md
+}  # GLOBAL_BATCH >= in_flight x microbatch: see "Staleness" in docs/architecture.md
 TRAINER = {
     "SWARM_STEPS": str(STEPS),
-    "SWARM_MICROBATCH_SIZE": "8",
+    "SWARM_MICROBATCH_SIZE": str(MICROBATCH),
     "SWARM_SEQ_LEN": "64",
     "SWARM_IN_FLIGHT": "4",
     "SWARM_SEED": "1",
@@ -118,14 +119,16 @@ def test_training_survives_a_server_killed_and_restarted_every_10_s(processes):
     )
     assert summary["steps"] == steps_done(trainer) == STEPS  # every step complete: each of its microbatches resolved
     assert summary["microbatches_completed"] + summary["microbatches_failed"] == summary["microbatches_scheduled"]
-    # Stage 0's STEPS steps of 32 samples: each sample in them from a completed microbatch of 8,
-    # counted once; none scheduled beyond the run's steps; what the kills cost (gradients and
+    # Stage 0's STEPS global batches: each sample in them from a completed microbatch, counted
+    # once; none scheduled beyond the run's steps; what the kills cost (gradients and
     # reservations a killed replica held: the steps it had a part in hold fewer samples) bounded.
     steps = [e for e in swarm.coordinator.events("step.done") if e["stage"] == 0]
     stepped = sum(e["effective_batch"] for e in steps)
+    completed, scheduled = summary["microbatches_completed"], summary["microbatches_scheduled"]
     assert len(steps) == STEPS
-    assert stepped <= summary["microbatches_completed"] * 8 <= summary["microbatches_scheduled"] * 8 <= STEPS * 32
-    assert STEPS * 32 - stepped <= 2 * 32 * len(victims), (stepped, victims)  # two steps (the one-step lead) per kill
+    assert stepped <= completed * MICROBATCH <= scheduled * MICROBATCH <= STEPS * GLOBAL_BATCH
+    # two steps (the one-step lead) per kill
+    assert STEPS * GLOBAL_BATCH - stepped <= 2 * GLOBAL_BATCH * len(victims), (stepped, victims)
     assert len(summary["failures"]) == len(failed_events) == summary["microbatches_failed"]
     assert summary["microbatches_failed"] <= summary["microbatches_scheduled"] // 50, summary["failures"][:5]
 

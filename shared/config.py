@@ -468,7 +468,12 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     checkpoint_dir: str = Field(
         "", description="resume from the latest checkpoint here when no live replica of the stage has state to give"
     )
-    join_timeout_s: float = Field(60.0, gt=0, description="timeout of the state download when joining a stage")
+    join_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="timeout of the state download when joining a stage; also bounds how long a backward "
+        "reserved for the next global step waits for this replica to take the current one",
+    )
     region: str = Field(
         "",
         max_length=64,

@@ -74,6 +74,17 @@ class StageMetrics:
             stats.stale_backwards,
         )
         yield counter(
+            "swarm_stage_stale_gradients",
+            "backwards accumulated into a later step than that of the weights they ran on",
+            stats.stale_gradients,
+        )
+        yield counter(
+            "swarm_stage_next_step_waits",
+            "backwards reserved for the next step that waited for this replica to take the current one",
+            stats.next_step_waits,
+        )
+        yield counter("swarm_stage_next_step_wait_seconds", "seconds those backwards waited", stats.next_step_wait_s)
+        yield counter(
             "swarm_stage_backward_cache_hits", "backwards that reused a cached forward graph", stats.cache_hits
         )
         yield counter("swarm_stage_compute_seconds", "seconds of forward and backward compute", stats.compute_s)

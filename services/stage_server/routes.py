@@ -204,6 +204,8 @@ async def run_backward(app: web.Application, req: StageRequest) -> dict:
     bucket = NO_BUCKET if complete else reservation.bucket if reservation else None
     late_to_current = bool(reservation and reservation.alone)  # a step this replica counts alone: never dropped
     try:
+        if reservation and req.forward_step is not None:  # again: the reservation may have waited for a step
+            runtime.check_staleness(req.microbatch_id, req.forward_step)
         result = await app[WORKER].run(
             runtime.backward,
             req.microbatch_id,

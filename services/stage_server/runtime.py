@@ -99,6 +99,9 @@ class StageStats:
     stale_backwards: int = 0  # backwards refused: their forward was more than max_staleness steps old
     samples_dropped: int = 0  # accumulated samples that never reached a step (a failed round, a resync)
     last_effective_batch: int = 0  # samples that went into the last step's all-reduced gradient
+    stale_gradients: int = 0  # backwards accumulated into a step after that of the weights they ran on
+    next_step_waits: int = 0  # backwards reserved for the next step that waited for this replica to step
+    next_step_wait_s: float = 0.0  # seconds those backwards waited
 
 
 @dataclass
@@ -327,6 +330,8 @@ class StageRuntime:
             self.stats.samples_dropped += batch
         else:
             holder = bucket
+            if bucket > step:  # computed on older weights than the step it goes into (a wait that timed out, alone)
+                self.stats.stale_gradients += 1
             target = self._bucket(bucket)
             for acc, g in zip(target.grad_sum, grads[: len(self.params)]):
                 if g is not None:

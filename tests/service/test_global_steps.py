@@ -3,7 +3,8 @@ stage servers on loopback (in this process), trained by the real trainer.
 
 - replicas of a stage are bit-identical after every step (their digests are recorded on
   the compute worker right after each step), every step holds exactly the global batch,
-  and the coordinator moves no tensor;
+  every gradient was computed on the weights of the step it went into, and the
+  coordinator moves no tensor;
 - with one replica per stage, one trainer and one microbatch in flight, the swarm's
   parameters after 10 global steps are those of the same model trained in one process
   with the same AdamW, schedule, clipping and batches;
@@ -191,6 +192,11 @@ async def test_replicas_of_a_stage_are_identical_after_every_step(swarm, http_se
             assert s.batches[(stage, step)] == [global_batch] * 3, (
                 f"stage {stage} step {step} held {s.batches[(stage, step)]} samples"
             )
+    # every gradient was computed on the weights of the step it went into: the backwards
+    # reserved for the next step (a step's worth of microbatches is in flight) waited for it
+    replicas = [app[RUNTIME].stats for group in s.stages for app in group]
+    assert sum(r.stale_gradients for r in replicas) == 0
+    assert sum(r.next_step_waits for r in replicas) > 0, "no backward was reserved for the next step"
     counter = s.coordinator[STEPS].counter
     assert [st.step for st in counter.stages] == [steps, steps] and all(
         st.samples_dropped == 0 for st in counter.stages

@@ -195,17 +195,18 @@ async def run_backward(app: web.Application, req: StageRequest) -> dict:
         runtime.check_staleness(
             req.microbatch_id, req.forward_step
         )  # before a reservation: a stale backward takes none
+    duplicate = (
+        runtime.accumulated_in(req.microbatch_id) is not None
+    )  # a retry or a re-run of a microbatch already here: it takes no reservation (giving one back reopens a step)
     waited = time.perf_counter()
-    reservation = await stepper.reserve(_samples(req.inputs), req.until_step) if stepper else None
+    reservation = await stepper.reserve(_samples(req.inputs), req.until_step) if stepper and not duplicate else None
     waited = time.perf_counter() - waited
     complete = (
-        stepper is not None and reservation is None
+        stepper is not None and reservation is None and not duplicate
     )  # the run's steps are all reserved: compute, accumulate nothing
     bucket = NO_BUCKET if complete else reservation.bucket if reservation else None
     late_to_current = bool(reservation and reservation.alone)  # a step this replica counts alone: never dropped
     try:
-        if reservation and req.forward_step is not None:  # again: the reservation may have waited for a step
-            runtime.check_staleness(req.microbatch_id, req.forward_step)
         result = await app[WORKER].run(
             runtime.backward,
             req.microbatch_id,

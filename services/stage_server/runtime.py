@@ -319,7 +319,7 @@ class StageRuntime:
         ):  # a replica counting its own steps: late for its step, the next one takes it
             bucket = step
         self.stats.backwards_run += 1
-        first_bucket = self._accumulated_in(microbatch_id)
+        first_bucket = self.accumulated_in(microbatch_id)
         duplicate = first_bucket is not None
         batch, holder = inputs.shape[0], first_bucket
         if duplicate:
@@ -347,13 +347,14 @@ class StageRuntime:
         loss = float(output.detach()) if self.spec.is_last else None
         return BackwardResult(grad_inputs, loss, step, not duplicate and bucket >= step, holder)
 
-    def _accumulated_in(self, microbatch_id: str) -> int | None:
+    def accumulated_in(self, microbatch_id: str) -> int | None:
         """The step whose gradient already holds this microbatch (pending or among the last
-        DEDUP_STEPS applied), or None."""
-        for step, b in self._buckets.items():
+        DEDUP_STEPS applied), or None. Safe from the event loop while the compute worker
+        steps: it reads copies (taken whole under the GIL)."""
+        for step, b in list(self._buckets.items()):
             if microbatch_id in b.ids:
                 return step
-        return next((step for step, ids in self._recent_ids if microbatch_id in ids), None)
+        return next((step for step, ids in list(self._recent_ids) if microbatch_id in ids), None)
 
     def check_staleness(self, microbatch_id: str, forward_step: int) -> None:
         """:class:`StaleForward` if the forward ran more than ``max_staleness`` steps from now."""

@@ -341,6 +341,32 @@ async def test_a_duplicate_backward_is_answered_and_not_accumulated_twice(start_
     assert runtime.pending_samples == 2
 
 
+async def test_a_duplicate_backward_takes_no_reservation(swarm, http_session):
+    """A backward of a microbatch already accumulated asks the coordinator for nothing: a
+    reservation given back would reopen a closed step, and backwards waiting for the replica
+    to take that step would wait for samples nobody sends."""
+    s = await swarm([1, 1], global_batch=2 * MICROBATCH, wire_codec="fp32")
+    counter = s.coordinator[STEPS].counter
+    asked = []
+    reserve = counter.reserve
+    counter.reserve = lambda stage, *args, **kwargs: asked.append(stage) or reserve(stage, *args, **kwargs)
+    msg = {
+        "run_id": RUN_ID,
+        "stage": 1,
+        "microbatch_id": "mb",
+        "seed": 0,
+        "codec": "fp32",
+        "inputs": encode_tensor(torch.randn(MICROBATCH, SEQ_LEN, PRESETS["tiny"].d_model), "fp32"),
+        "targets": encode_tensor(torch.randint(0, 256, (MICROBATCH, SEQ_LEN)), "raw"),
+    }
+    first = await post_message(http_session, s.urls[1][0] + "/backward", msg, timeout_s=30)
+    again = await post_message(http_session, s.urls[1][0] + "/backward", msg, timeout_s=30)
+    assert first["accumulated"] is True and again["accumulated"] is False and "complete" not in again
+    assert asked == [1]
+    assert counter.stages[1].reserved == {0: MICROBATCH} and not counter.stages[1].closed(0)
+    assert s.stages[1][0][RUNTIME].pending_samples == MICROBATCH
+
+
 async def test_a_replica_killed_while_its_stage_all_reduces_is_left_out_and_training_goes_on(swarm, http_session):
     steps, global_batch = 6, 4 * MICROBATCH
     s = await swarm([2, 1], global_batch=global_batch, wire_codec="fp32", step_timeout_s=4.0)

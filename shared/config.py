@@ -431,6 +431,14 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
             "the trainer runs the microbatch again"
         ),
     )
+    wait_for_step: bool = Field(
+        False,
+        description=(
+            "a backward reserved for the next global step waits until this replica took the current one, so that every "
+            "step's gradient is computed on the weights it updates (the model then does not depend on the swarm's "
+            "shape; costs throughput when more than a global batch is in flight)"
+        ),
+    )
     max_body_mb: float = Field(128.0, gt=0, description="largest request body accepted (413 past it)")
     max_queue: int = Field(64, ge=1, description="requests queued for compute before 503")
     backward_cache: int = Field(16, ge=0, description="forward graphs kept to skip the backward recompute")

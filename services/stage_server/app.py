@@ -225,7 +225,7 @@ def _stepper(app: web.Application, settings: StageServerSettings, session, log) 
         resync=resync,
         wait_round=app[AVERAGER].wait_round,
         in_round=lambda: app[AVERAGER].running,
-        wait_step=app[AVERAGER].wait_step,
+        wait_step=app[AVERAGER].wait_step if settings.wait_for_step else None,
         identity={
             "run_id": settings.run_id,
             "stage": settings.stage,

@@ -10,15 +10,17 @@ reservation back). Once a step's reservations are all accumulated, the coordinat
 a ``step`` round among the stage's live replicas (``averaging.py``): they all-reduce that
 step's buckets and apply the same optimizer step. Meanwhile backwards may be reserved
 for the next step, never one further: the coordinator holds such a reservation until the
-stage steps. A backward reserved for the next step waits until this replica took the
-current one, then runs on the new weights (the forward's cached graph is gone with the
-old ones): every step's gradient is computed on the weights that step updates, so the
-model does not depend on how many replicas and trainers fill a step or in which order
-(without the wait, a backward ran on the old weights and its gradient went into the
-next step: one step stale, for 7-27% of backwards (by stage) with one replica per stage, and 37-47%
-with two replicas and two trainers, which trained a worse model). The wait is bounded by
-the round's ``round_wait_s``; a gradient that still goes into a later step than its
-weights' counts in ``stale_gradients``.
+stage steps. With ``SWARM_WAIT_FOR_STEP`` (``wait_step`` given; off by default, as it
+costs throughput with more than a global batch in flight), a backward reserved for the
+next step waits until this replica took the current one, then runs on the new weights
+(the forward's cached graph is gone with the old ones): every step's gradient is then
+computed on the weights that step updates, so the model does not depend on how many
+replicas and trainers fill a step or in which order. Without the wait such a backward
+runs on the old weights and its gradient goes into the next step, one step stale: 7-27%
+of backwards (by stage) with one replica per stage, 37-47% with two replicas and two
+trainers, which trained a worse model. The wait is bounded by the round's
+``round_wait_s``; a gradient that still goes into a later step than its weights' counts
+in ``stale_gradients``.
 
 Most ``done`` reports go in the background. The one of the reservation that completed a
 step's global batch goes in the foreground and, if it started the round, the backward

@@ -173,7 +173,7 @@ def trainer(
 async def test_replicas_of_a_stage_are_identical_after_every_step(swarm, http_session):
     """3 replicas of each of 2 stages, 2 trainers, 20 global steps."""
     steps, global_batch = 20, 16
-    s = await swarm([3, 3], global_batch=global_batch, wire_codec="fp32")
+    s = await swarm([3, 3], global_batch=global_batch, wire_codec="fp32", wait_for_step=True)
     runs = [
         trainer(
             http_session, s.urls, steps=steps, global_batch=global_batch, in_flight=2, shard=(t, 2), trainer_id=f"t{t}"
@@ -315,20 +315,23 @@ async def test_a_stale_backward_is_refused_and_its_microbatch_run_again_once(sta
     assert last.stats.samples == 3 * MICROBATCH and last.stats.duplicate_backwards == 1
 
 
+def last_stage_backward(microbatch_id: str, samples: int) -> dict:
+    """A ``/backward`` body for stage 1 of 2 (the last): random hidden states and targets."""
+    return {
+        "run_id": RUN_ID,
+        "stage": 1,
+        "microbatch_id": microbatch_id,
+        "seed": 0,
+        "codec": "fp32",
+        "inputs": encode_tensor(torch.randn(samples, SEQ_LEN, PRESETS["tiny"].d_model), "fp32"),
+        "targets": encode_tensor(torch.randint(0, 256, (samples, SEQ_LEN)), "raw"),
+    }
+
+
 async def test_a_duplicate_backward_is_answered_and_not_accumulated_twice(start_stages, http_session):
     apps, urls = await start_stages([[stage_settings(1, num_stages=2)]])
     runtime = apps[0][0][RUNTIME]
-    x = torch.randn(2, SEQ_LEN, PRESETS["tiny"].d_model)
-    targets = torch.randint(0, 256, (2, SEQ_LEN))
-    msg = {
-        "run_id": RUN_ID,
-        "stage": 1,
-        "microbatch_id": "mb",
-        "seed": 0,
-        "codec": "fp32",
-        "inputs": encode_tensor(x, "fp32"),
-        "targets": encode_tensor(targets, "raw"),
-    }
+    msg = last_stage_backward("mb", 2)
     first = await post_message(http_session, urls[0][0] + "/backward", msg, timeout_s=30)
     again = await post_message(http_session, urls[0][0] + "/backward", msg, timeout_s=30)
     assert first["accumulated"] is True and again["accumulated"] is False and first["loss"] == again["loss"]
@@ -350,15 +353,7 @@ async def test_a_duplicate_backward_takes_no_reservation(swarm, http_session):
     asked = []
     reserve = counter.reserve
     counter.reserve = lambda stage, *args, **kwargs: asked.append(stage) or reserve(stage, *args, **kwargs)
-    msg = {
-        "run_id": RUN_ID,
-        "stage": 1,
-        "microbatch_id": "mb",
-        "seed": 0,
-        "codec": "fp32",
-        "inputs": encode_tensor(torch.randn(MICROBATCH, SEQ_LEN, PRESETS["tiny"].d_model), "fp32"),
-        "targets": encode_tensor(torch.randint(0, 256, (MICROBATCH, SEQ_LEN)), "raw"),
-    }
+    msg = last_stage_backward("mb", MICROBATCH)
     first = await post_message(http_session, s.urls[1][0] + "/backward", msg, timeout_s=30)
     again = await post_message(http_session, s.urls[1][0] + "/backward", msg, timeout_s=30)
     assert first["accumulated"] is True and again["accumulated"] is False and "complete" not in again

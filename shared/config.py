@@ -479,8 +479,8 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     join_timeout_s: float = Field(
         60.0,
         gt=0,
-        description="timeout of the state download when joining a stage; also bounds how long a backward "
-        "reserved for the next global step waits for this replica to take the current one",
+        description="timeout of the state download when joining a stage; with wait_for_step, also bounds how long "
+        "a backward reserved for the next global step waits for this replica to take the current one",
     )
     region: str = Field(
         "",

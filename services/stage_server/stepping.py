@@ -155,10 +155,8 @@ class StepClient:
         return Reservation(bucket, samples, bool(answer.get("closes")))
 
     async def _wait_for_step(self, bucket: int) -> None:
-        """A backward reserved for the next step waits until this replica took the current
-        one (at most ``round_wait_s``), so that its gradient is computed on the weights that
-        step updates, never on the step before's: the gradient of every step then comes from
-        that step's weights, however many replicas and trainers fill it."""
+        """Until this replica took the step before ``bucket`` (at most ``round_wait_s``;
+        see the module's docstring), counted in the runtime's stats."""
         stats, started = self.runtime.stats, time.perf_counter()
         await self.wait_step(bucket, self.round_wait_s)
         stats.next_step_waits += 1

@@ -1,5 +1,5 @@
 """Shared fixtures: stage servers started in this process on loopback ports; and how
-``make test TEST_WORKERS=2`` shares the two cores between two pytest workers."""
+``make test`` shares the two cores between two pytest workers."""
 
 from __future__ import annotations
 
@@ -16,26 +16,27 @@ from services.stage_server.app import create_app
 from shared.config import StageServerSettings
 from shared.wiring import ReplicaBalancer
 
-# `make test TEST_WORKERS=2` runs two pytest workers (pytest-xdist, `--dist loadgroup`). A test that
-# starts real processes and trains keeps both cores busy on its own, and its timeouts and
-# throughput checks were measured alone: those tests form one group, run one at a time on
-# one worker. The other worker takes the rest: the in-process tests (one core) and the
-# process tests below, which mostly wait (CPU time / wall time measured on 2 cores).
+# `make test` runs in two phases (Makefile). First two pytest workers (pytest-xdist, `--dist
+# loadgroup`) with two groups, one per worker: a test that starts real processes and trains
+# keeps both cores busy on its own, and those tests run one at a time in one group; the
+# in-process tests (one core) and the process tests that mostly wait (CPU time / wall time
+# measured on 2 cores) run one at a time in the other. Then, with nothing beside them, the
+# tests marked `alone`: their throughput or staleness checks hold on an idle machine only.
 PROCESS_TESTS = ("tests/e2e/", "tests/chaos/", "tests/bench/")
 # (tests/bench/test_arena_net.py waits too, 0.11 cores, but it and the arena check that the
 # host's network namespaces are as before: two arenas at once would see each other's.)
 MOSTLY_WAITING = (
     "tests/chaos/test_server_kills.py",  # 0.58 cores: servers slowed by an injected delay, kills on a clock
 )
-ONE_AT_A_TIME = "processes"
+ONE_AT_A_TIME, IN_PROCESS = "processes", "in-process"
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups, and before -m deselects
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = item.path.relative_to(config.rootpath).as_posix()
-        if path.startswith(PROCESS_TESTS) and not path.startswith(MOSTLY_WAITING):
-            item.add_marker(pytest.mark.xdist_group(ONE_AT_A_TIME))
+        training = path.startswith(PROCESS_TESTS) and not path.startswith(MOSTLY_WAITING)
+        item.add_marker(pytest.mark.xdist_group(ONE_AT_A_TIME if training else IN_PROCESS))
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one torch thread each

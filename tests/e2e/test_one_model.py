@@ -19,7 +19,8 @@ import pytest
 from shared import checkpoint
 from tests.e2e.conftest import SWARM, processes_of_run
 
-pytestmark = pytest.mark.e2e
+# alone: how stale activations get, and so the 2% and 5% limits, depend on the cores being its own (`make test`)
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 STEPS, GLOBAL_BATCH, IN_FLIGHT = (
     80,

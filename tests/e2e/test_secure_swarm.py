@@ -13,7 +13,8 @@ import pytest
 from tests.e2e.conftest import SWARM, processes_of_run, run_story
 from tests.service.test_auth_service import self_signed
 
-pytestmark = pytest.mark.e2e
+# alone: beside the other pytest worker its loss once fell 0.14, not 0.5, in 30 steps, cause not found (`make test`)
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 
 def test_a_signed_tls_swarm_trains_end_to_end(tmp_path):

@@ -35,9 +35,8 @@ from tests.conftest import stage_settings
 STAGE, NUM_STAGES, SEQ = 1, 4, 8
 EXAMPLES = {"forward": 2500, "backward": 2500, "averaging": 2600, "registry": 2600}  # 10,200 bodies in all
 SEEN = {"statuses": {}}
-# The last test reads the statuses the others' bodies got: with several pytest workers
-# (pytest-xdist), all of this module's tests run on one.
-pytestmark = pytest.mark.xdist_group("fuzz")
+# The last test reads the statuses the others' bodies got: with two pytest workers
+# (pytest-xdist), every in-process test runs in collection order on one (tests/conftest.py).
 
 
 # --------------------------------------------------------------------------- strategies

@@ -137,6 +137,7 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
         reported_step=lambda server: app[REGISTRY].reports.get(server.server_id, ServerReport()).step,
     )
     app.cleanup_ctx.append(_steps())
+    app.on_shutdown.append(_stop_waiting_for_steps)
     if settings.rebalance_every_s > 0:
         app.cleanup_ctx.append(_rebalancing(settings, log))
     if settings.checkpoint_dir:
@@ -154,6 +155,12 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     if settings.mdns:
         app.cleanup_ctx.append(_announcement(settings))
     return app
+
+
+async def _stop_waiting_for_steps(app: web.Application) -> None:
+    """On SIGTERM, before aiohttp waits for the handlers in flight: those waiting for a step
+    answer now, rather than hold the exit for up to ``step_timeout_s``."""
+    await app[STEPS].close()
 
 
 def _steps():

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from services.coordinator.averaging import StageRound, start_round, wait_round_ended
-from shared.errors import BadPayload, Overloaded, SwarmError
+from shared.errors import BadPayload, Draining, Overloaded, SwarmError
 
 STARTING = "<starting>"  # round_id while a round's start messages are on their way
 CHECK_EVERY_S = 0.5  # how often stalled steps are looked for
@@ -339,6 +339,13 @@ class StepScheduler:
             asyncio.Condition()
         )  # a round started or ended: held reservations and closing reports look again
         self._tasks: set[asyncio.Task] = set()
+        self.closing = False  # the coordinator is stopping: nothing waits for a step any more
+
+    async def close(self) -> None:
+        """The coordinator is stopping: the reservations held for a step answer 503 now and
+        the closing reports return, instead of holding the shutdown for up to ``timeout_s``."""
+        self.closing = True
+        await self._notify()
 
     def _live(self, stage: int) -> list[str]:
         return sorted(s.url for s in self.live_servers() if s.stage == stage)
@@ -393,6 +400,8 @@ class StepScheduler:
                 )
                 if r.bucket is not None or r.resync or r.complete or r.catch_up:
                     return {**r.as_json(self.counter.stages[stage].step), "replicas": len(self._live(stage))}
+                if self.closing:
+                    raise Draining("the coordinator is stopping: reserve again once it is back")
                 if loop.time() >= deadline:
                     raise Overloaded(
                         f"stage {stage} is a whole global step ahead of its step {self.counter.stages[stage].step}",
@@ -446,6 +455,7 @@ class StepScheduler:
                     st.step <= bucket
                     and not (st.step == bucket and st.round_id not in (None, STARTING))
                     and loop.time() < deadline
+                    and not self.closing
                 ):
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._changed.wait(), deadline - loop.time())

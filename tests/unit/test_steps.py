@@ -200,6 +200,36 @@ async def test_a_reservation_given_back_wakes_the_held_ones_and_its_report_does_
     assert (woken["bucket"], woken["closes"]) == (0, True)
 
 
+async def test_a_stopping_coordinator_answers_the_waiting_reservations_and_reports_at_once():
+    """Seen in the rebalancing e2e test's teardown: a coordinator sent SIGTERM mid-training
+    logged nothing more and had not exited 10 s later, as aiohttp waits for the handlers in
+    flight and a reservation held for a step waits up to the scheduler's timeout (20 s by
+    default). ``close()`` (the coordinator's on_shutdown) answers a held reservation 503
+    (draining) and lets a closing report return, at once."""
+    import asyncio
+
+    from services.coordinator.steps import StepScheduler
+    from shared.errors import Draining
+    from shared.log import get_logger
+
+    scheduler = StepScheduler(
+        2, lambda: [], codec="fp32", timeout_s=30.0, aggregator="mean", log=get_logger(service="test")
+    )
+    first = [await scheduler.reserve(0, A, 0, 4, G) for _ in range(4)]  # steps 0 and 1, full
+    assert first[1]["closes"]
+    held = asyncio.create_task(scheduler.reserve(0, B, 0, 4, G))
+    await asyncio.sleep(0)  # let it reach its wait (a yield, not a timed wait)
+    # the closing report of step 0 waits for a round no member can start (no live replica)
+    report = asyncio.create_task(scheduler.done(0, A, 0, 0, 4, 4, G, closes=True))
+    await asyncio.sleep(0)
+    assert not held.done() and not report.done()
+    await scheduler.close()
+    with pytest.raises(Draining) as err:
+        await asyncio.wait_for(held, 5.0)  # far below the scheduler's 30 s
+    assert err.value.status == 503
+    assert (await asyncio.wait_for(report, 5.0))["step"] == 0
+
+
 def test_a_replica_behind_a_step_nobody_holds_any_more_catches_up_and_the_count_stays():
     """Measured in the arena's churn: the only replicas of a stage at its step were killed, one
     came back from an older checkpoint and asked forever for a state that was gone (training

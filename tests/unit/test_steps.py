@@ -4,9 +4,13 @@ and replicas behind their stage are told to resync."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from services.coordinator.steps import GlobalBatchMismatch, StepCounter
+from services.coordinator.steps import GlobalBatchMismatch, StepCounter, StepScheduler
+from shared.errors import Draining
+from shared.log import get_logger
 
 A, B = "http://a", "http://b"
 G = 8  # global batch
@@ -23,6 +27,13 @@ class Clock:
 def counter(timeout_s: float = 10.0) -> tuple[StepCounter, Clock]:
     clock = Clock()
     return StepCounter(2, timeout_s=timeout_s, clock=clock), clock
+
+
+def scheduler_without_replicas(timeout_s: float = 30.0) -> StepScheduler:
+    """A scheduler of 2 stages with no live replica: no round can start, so what waits for one waits."""
+    return StepScheduler(
+        2, lambda: [], codec="fp32", timeout_s=timeout_s, aggregator="mean", log=get_logger(service="test")
+    )
 
 
 def test_reservations_fill_a_step_with_exactly_the_global_batch_then_the_next():
@@ -179,14 +190,7 @@ async def test_a_reservation_given_back_wakes_the_held_ones_and_its_report_does_
     because both open steps were full must get the freed place at once (not after the
     scheduler's timeout: the swarm stalled that long), and the duplicate's report, which
     had closed its step, no longer waits for a round that its step cannot start."""
-    import asyncio
-
-    from services.coordinator.steps import StepScheduler
-    from shared.log import get_logger
-
-    scheduler = StepScheduler(
-        2, lambda: [], codec="fp32", timeout_s=30.0, aggregator="mean", log=get_logger(service="test")
-    )
+    scheduler = scheduler_without_replicas()
     first = [await scheduler.reserve(0, A, 0, 4, G) for _ in range(4)]  # steps 0 and 1, full
     assert [(r["bucket"], r["closes"]) for r in first] == [(0, False), (0, True), (1, False), (1, True)]
     held = asyncio.create_task(scheduler.reserve(0, B, 0, 4, G))
@@ -206,15 +210,7 @@ async def test_a_stopping_coordinator_answers_the_waiting_reservations_and_repor
     flight and a reservation held for a step waits up to the scheduler's timeout (20 s by
     default). ``close()`` (the coordinator's on_shutdown) answers a held reservation 503
     (draining) and lets a closing report return, at once."""
-    import asyncio
-
-    from services.coordinator.steps import StepScheduler
-    from shared.errors import Draining
-    from shared.log import get_logger
-
-    scheduler = StepScheduler(
-        2, lambda: [], codec="fp32", timeout_s=30.0, aggregator="mean", log=get_logger(service="test")
-    )
+    scheduler = scheduler_without_replicas()
     first = [await scheduler.reserve(0, A, 0, 4, G) for _ in range(4)]  # steps 0 and 1, full
     assert first[1]["closes"]
     held = asyncio.create_task(scheduler.reserve(0, B, 0, 4, G))

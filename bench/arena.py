@@ -742,7 +742,9 @@ def run_scenario(
     with Arena(sc.peer_specs(trainers)) as arena:
         detail["links"] = _links(arena, sc, quick)
         detail["qdiscs"] = arena.qdiscs()
-        measured = [(x["set_mbit"], x["mbit_s"], x["set_rtt_ms"], x["rtt_ms"]) for x in detail["links"]]
+        measured = [
+            (x["set_mbit"], x["mbit_s"], x["set_rtt_ms"], x["rtt_ms"], x["rtt_ms_min"]) for x in detail["links"]
+        ]
         print(f"arena {sc.name}: links {measured}", flush=True)
         rows = []
         setting = None if sc.sweep_mesh or best_mesh is None else best_mesh

@@ -413,6 +413,7 @@ def measure_link(arena: Arena, src: str, dst: str, *, port: int = 7000, seconds:
         "bytes": sent["bytes"],
         "set_rtt_ms": 2 * (a.spec.one_way_ms + b.spec.one_way_ms),
         "rtt_ms": round(rtt["rtt_ms_median"], 2),
+        "rtt_ms_min": round(rtt["rtt_ms_min"], 2),
         "rtt_ms_max": round(rtt["rtt_ms_max"], 2),
     }
 

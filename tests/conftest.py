@@ -23,8 +23,8 @@ from shared.wiring import ReplicaBalancer
 # measured on 2 cores) run one at a time in the other. Then, with nothing beside them, the
 # tests marked `alone`: their throughput or staleness checks hold on an idle machine only.
 PROCESS_TESTS = ("tests/e2e/", "tests/chaos/", "tests/bench/")
-# (tests/bench/test_arena_net.py waits too, 0.11 cores, but it and the arena check that the
-# host's network namespaces are as before: two arenas at once would see each other's.)
+# (tests/bench/test_arena_net.py and test_arena.py are marked `alone`: their links' latency
+# measures as set only on idle cores, and each checks that the host's namespaces are as before.)
 MOSTLY_WAITING = (
     "tests/chaos/test_server_kills.py",  # 0.58 cores: servers slowed by an injected delay, kills on a clock
 )

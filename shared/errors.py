@@ -72,8 +72,10 @@ class RemoteError(Exception):
         *,
         retry_after_s: float | None = None,
         details: dict | None = None,
+        refused: bool = False,
     ):
         super().__init__(f"{url}: {status} {code}: {message}")
+        self.refused = refused  # nothing listens at the address (connection refused): the peer's process is gone
         self.retry_after_s = retry_after_s  # the peer's Retry-After (503: when to come back)
         self.details = details or {}  # the error's other fields (e.g. a broken chain's ``failed`` replicas)
         self.url = url

@@ -149,7 +149,8 @@ async def request_bytes(
     except asyncio.TimeoutError:
         raise RemoteError(url, None, "timeout", f"no reply within {timeout_s} s") from None
     except aiohttp.ClientError as exc:
-        raise RemoteError(url, None, "unreachable", repr(exc)) from None
+        refused = isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError)
+        raise RemoteError(url, None, "unreachable", repr(exc), refused=refused) from None
 
 
 async def post_message(

@@ -386,6 +386,8 @@ class Averager:
             reply = await self.transport.post(url + "/average/result", request, timeout_s=_left(fetch_by))
             return await _off_loop(stop - start, parse_reduced, reply, stop - start)
         except RemoteError as exc:
+            if exc.refused and url in spec.members:
+                rnd.gone(spec.members.index(url))
             log.info(
                 "averaging.member.failed",
                 url=url,
@@ -394,6 +396,7 @@ class Averager:
                 status=exc.status,
                 code=exc.code,
                 reason=exc.message,
+                gone=exc.refused,
             )
         except BadPayload as exc:
             log.warning(

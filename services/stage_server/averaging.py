@@ -400,6 +400,12 @@ class PartReducer:
         self.expected = set(members)
         self._check_complete()
 
+    def forget(self, member: int) -> None:
+        """``member`` is gone and will send nothing: stop waiting for it."""
+        if self.expected is not None:
+            self.expected.discard(member)
+            self._check_complete()
+
     def _check_complete(self) -> None:
         if self.expected is not None and self.expected <= self.contributions.keys():
             self._complete.set()
@@ -518,6 +524,15 @@ class AveragingRound:
         self.main_contributors = set(contributors)
         for part, reducer in self.retries.items():
             reducer.expect(self.main_contributors - {part})
+
+    def gone(self, member: int) -> None:
+        """``member``'s server refused a connection: its process is gone (a restarted one would
+        not know this round), so no reducer here waits for its parts until the reduce time."""
+        if member == self.spec.index:
+            return
+        self.dead.add(member)
+        for reducer in (self.main, *self.retries.values()):
+            reducer.forget(member)
 
     def finish(self, parts: list[ReducedPart | None], seconds: float) -> None:
         reached = [set(p.contributors) for p in parts if p is not None]

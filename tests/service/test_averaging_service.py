@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 
 import aiohttp
 import pytest
@@ -24,7 +25,7 @@ from aiohttp.test_utils import TestServer
 
 from services.coordinator.averaging import start_round
 from services.stage_server.app import create_app
-from services.stage_server.averaging import flat_parameters, split_bounds
+from services.stage_server.averaging import REDUCE_AT, flat_parameters, split_bounds
 from services.stage_server.routes import RUNTIME, WORKER
 from shared.codec import decode_tensor, encode_tensor, pack_message, unpack_message
 from tests.conftest import stage_settings
@@ -197,6 +198,39 @@ async def test_member_dead_before_sending_is_left_out(serve, http_session):
         assert summary["ok"] and summary["contributors"] == [0, 2], summary
 
 
+def member_that_leaves_once_it_accepted(its: dict) -> web.Application:
+    """A member that accepts the round and stops listening before it answers (``its["server"]``:
+    its TestServer): every connection to it after that is refused, as to a process that exited."""
+
+    async def accept(request: web.Request) -> web.Response:
+        for site in list(its["server"].runner.sites):
+            await site.stop()
+        return web.Response(body=pack_message({"accepted": True}), content_type=MSGPACK)
+
+    app = web.Application()
+    app.router.add_post("/average/start", accept)
+    return app
+
+
+async def test_a_member_that_refuses_connections_is_not_waited_for(serve, http_session):
+    samples = [10, 0, 40]
+    apps, _, urls = await replicas(serve, [1, 3], [samples[0], samples[2]])
+    gone: dict = {}
+    gone["server"], gone_url = await serve(member_that_leaves_once_it_accepted(gone))
+    members = [urls[0], gone_url, urls[1]]  # it reduces part 1; its backup is member 2
+    expected = weighted_mean([await params_of(app) for app in apps], [samples[0], samples[2]])
+    timeout_s = 30.0  # its parts' reduce time: REDUCE_AT x 30 = 12 s after the start
+
+    round_id = await start_round(http_session, STAGE, members, codec="fp32", timeout_s=timeout_s)
+    summaries = await wait_for_round(http_session, urls, round_id, within_s=REDUCE_AT * timeout_s)
+
+    for app, summary in zip(apps, summaries):
+        assert (await params_of(app) - expected).abs().max().item() <= 1e-6
+        assert summary["ok"] and summary["contributors"] == [0, 2], summary
+        # a refused connection says it is gone: no reducer waited for it until the reduce time
+        assert summary["seconds"] < REDUCE_AT * timeout_s / 4, summary
+
+
 async def test_dead_reducer_is_replaced_by_a_backup(serve, http_session):
     samples = [10, 20, 30]
     apps, _, urls = await replicas(serve, [1, 2], samples[:2])
@@ -324,18 +358,24 @@ async def test_bad_requests_are_refused_and_leave_the_weights_alone(serve, http_
     await expect_error(http_session, result, {"round_id": "r0", "part": 0}, 409)
     assert app[RUNTIME].version == 0 and torch.equal(await params_of(app), before)
 
-    # A round with a member that never answers: it runs for ~0.4 * timeout_s.
-    status, _, _ = await post_raw(http_session, start, start_msg(url))
-    assert status == 200
-    await expect_error(http_session, start, start_msg(url, round_id="r2"), 409)  # one round at a time
-    size0 = split_bounds(P, 2)[0][1]
-    await expect_error(http_session, part, part_msg(torch.zeros(size0 - 1)), 400)  # wrong size
-    await expect_error(http_session, part, part_msg(torch.zeros(size0), **{"from": 0}), 400)  # from itself
-    await expect_error(http_session, part, part_msg(torch.zeros(size0), **{"from": 5}), 400)  # not a member
-    await expect_error(http_session, part, part_msg(torch.zeros(P - size0), part=1), 409)  # not its part
-    await expect_error(http_session, part, part_msg(torch.zeros(size0), round_id="r2"), 409)  # busy with r1
-    await expect_error(http_session, result, {"round_id": "r1", "part": 1}, 409)  # not its part
-    (summary,) = await wait_for_round(http_session, [url], "r1", within_s=2.0)
+    # A round with a member that never answers (it listens, so its connections are not refused,
+    # and never reads a request): the round runs for ~0.4 * timeout_s.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        status, _, _ = await post_raw(
+            http_session, start, start_msg(url, members=[url, f"http://127.0.0.1:{silent.getsockname()[1]}"])
+        )
+        assert status == 200
+        await expect_error(http_session, start, start_msg(url, round_id="r2"), 409)  # one round at a time
+        size0 = split_bounds(P, 2)[0][1]
+        await expect_error(http_session, part, part_msg(torch.zeros(size0 - 1)), 400)  # wrong size
+        await expect_error(http_session, part, part_msg(torch.zeros(size0), **{"from": 0}), 400)  # from itself
+        await expect_error(http_session, part, part_msg(torch.zeros(size0), **{"from": 5}), 400)  # not a member
+        await expect_error(http_session, part, part_msg(torch.zeros(P - size0), part=1), 409)  # not its part
+        await expect_error(http_session, part, part_msg(torch.zeros(size0), round_id="r2"), 409)  # busy with r1
+        await expect_error(http_session, result, {"round_id": "r1", "part": 1}, 409)  # not its part
+        (summary,) = await wait_for_round(http_session, [url], "r1", within_s=2.0)
 
     # Nothing bad reached the average: the lone member's weights are its own.
     assert summary["contributors"] == [0] and summary["ok"]

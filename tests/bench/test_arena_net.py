@@ -15,10 +15,7 @@ from bench.arena_net import Arena, PeerSpec, measure_link, namespaces, unavailab
 WHY = unavailable()
 if WHY and os.environ.get("CI"):
     pytest.fail(f"CI must build the arena: {WHY}", pytrace=False)
-# alone: links measure within 10% of what was set on idle cores only. Pings and the delaying
-# switch are processes: beside the other pytest worker, CI measured a median RTT of 27.95 ms
-# where 20 was set (2026-11-26); here, beside 8 busy processes, single pings took up to 37 ms,
-# also with the switch at real-time priority (`make test`)
+# alone: links measure as set on idle cores only (why: tests/bench/test_arena.py)
 pytestmark = [pytest.mark.skipif(WHY is not None, reason=WHY or ""), pytest.mark.alone]
 
 BUSY = "import time; t = time.monotonic()\nwhile time.monotonic() - t < 1.0: pass\nprint(time.process_time())"

@@ -9,7 +9,9 @@ that turns every failure into :class:`RemoteError`.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -319,3 +321,38 @@ def urlopen_swarm(
         headers.update(sign_headers(secret, method, path_qs, data or b""))
     request = urllib.request.Request(url, data=data, method=method, headers=headers)
     return urllib.request.urlopen(request, timeout=timeout_s, context=client_ssl_context(settings))
+
+
+# ------------------------------------------------------------------ listening
+def check_can_listen(host: str, port: int) -> None:
+    """Raise ValueError if a server cannot listen on ``host:port`` now: the port is taken, or
+    ``host`` is no address of this machine. A server checks before it builds and joins its
+    stage (minutes for a large one), instead of failing once it has; port 0 (any) passes.
+
+    It binds a socket as asyncio's servers do (``SO_REUSEADDR``: a port whose last server
+    left connections in TIME_WAIT is free) and closes it: the port can still be taken before
+    the server binds it, and the server's own bind says so then (:func:`cannot_listen`)."""
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise cannot_listen(host, port, exc) from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds "::"
+            try:
+                s.bind(address)
+            except OSError as exc:
+                raise cannot_listen(host, port, exc) from None
+
+
+def cannot_listen(host: str, port: int, exc: OSError) -> ValueError:
+    """The error of a server that cannot listen on ``host:port``, naming the settings to change."""
+    if exc.errno == errno.EADDRINUSE:
+        why = "another process listens on it or holds it; set SWARM_PORT to a free port"
+    else:
+        why = f"{exc.strerror or exc}; SWARM_HOST must be an address of this machine"
+    return ValueError(f"cannot listen on {host}:{port}: {why}")

@@ -9,6 +9,7 @@ SIGKILL after a grace period.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,6 +30,34 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIXED_PORT_TRIES = 200
+
+
+def fixed_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, outside the kernel's ephemeral range, as a deployed
+    server's port is (8000, 8100): the OS never hands such a port out by itself (to a bind to
+    port 0, to an outgoing connection), so a server restarted on it finds it free again. A
+    port from :func:`free_port` may meanwhile be taken by any process's bind to port 0 or
+    outgoing connection. Falls back to :func:`free_port` where the range is unknown or leaves
+    no room below 65536."""
+    try:
+        low, high = map(int, EPHEMERAL_PORTS.read_text().split())
+    except (OSError, ValueError):
+        return free_port(host)
+    candidates = [*range(10_000, low), *range(high + 1, 65_536)]
+    rng = random.SystemRandom()
+    for _ in range(FIXED_PORT_TRIES if candidates else 0):
+        port = rng.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return free_port(host)
 
 
 class LocalProcesses:

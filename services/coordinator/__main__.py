@@ -8,7 +8,7 @@ from aiohttp import web
 
 from services.coordinator.app import create_app
 from shared.config import CoordinatorSettings, parse_settings
-from shared.http import server_ssl_context
+from shared.http import check_can_listen, server_ssl_context
 from shared.log import configure_logging
 
 
@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     configure_logging(settings.log_format, settings.log_level)
     try:
+        check_can_listen(settings.host, settings.port)
         app = create_app(settings)
         ssl_context = server_ssl_context(settings)
     except ValueError as exc:

@@ -27,7 +27,7 @@ from services.stage_server.membership import assign_stage
 from services.stage_server.routes import MOVE
 from shared.config import StageServerSettings, parse_settings
 from shared.errors import RemoteError
-from shared.http import server_ssl_context, swarm_session
+from shared.http import cannot_listen, check_can_listen, server_ssl_context, swarm_session
 from shared.log import configure_logging, get_logger
 
 T = TypeVar("T")
@@ -78,6 +78,7 @@ def main(
 
 
 async def _run(settings: StageServerSettings) -> None:
+    check_can_listen(settings.host, settings.port)  # before the stage is built and its state downloaded
     settings = await resolve(settings, get_logger(service="stage_server", run=settings.run_id))
     ssl_context = server_ssl_context(settings)
     stop = asyncio.Event()
@@ -125,7 +126,10 @@ async def serve_stage(settings: StageServerSettings, stop: asyncio.Event, ssl_co
         await _unless_stopped(runner.setup(), stop)  # joining may take join_timeout_s: a stop cuts it short
         if stop.is_set():
             return None
-        await web.TCPSite(runner, settings.host, settings.port, ssl_context=ssl_context).start()
+        try:
+            await web.TCPSite(runner, settings.host, settings.port, ssl_context=ssl_context).start()
+        except OSError as exc:  # taken since the check in _run
+            raise cannot_listen(settings.host, settings.port, exc) from None
         return await _unless_stopped(app[MOVE].wait(), stop)
     finally:
         await runner.cleanup()

@@ -1,6 +1,10 @@
 """A swarm whose processes the chaos tests kill and restart: a coordinator, stage servers
 and trainers as real processes on loopback (mDNS off), each remembered with its port and
 environment so that it can be restarted as it was (same port, same stage, same settings).
+Their ports lie outside the kernel's ephemeral range (``fixed_port``): a port in that range
+is free for any bind to port 0 (the other pytest worker's servers) while its server restarts.
+A CI run's restarted server exited with status 1, as one then did (its log was not kept);
+a server whose port is taken now says so and exits with 2.
 
 Built on the e2e ``processes`` fixture, which stops every process at the end of a test,
 also when it fails. Logs are JSON lines (``SWARM_LOG_FORMAT=json``) so that the tests read
@@ -15,7 +19,7 @@ import urllib.error
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.processes import free_port, wait_healthy
+from shared.processes import fixed_port, wait_healthy
 from tests.e2e.conftest import Processes, get_json, wait_until
 
 START_S = 120  # several children import torch at once on 2 busy cores
@@ -100,7 +104,7 @@ class ChaosSwarm:
         """Averaging and rebalancing off unless ``extra`` turns them on."""
         env = {
             **self.common,
-            "SWARM_PORT": str(free_port()),
+            "SWARM_PORT": str(fixed_port()),
             "SWARM_STATE_DB": str(self.processes.log_dir / "coordinator.sqlite"),
             "SWARM_AVERAGE_EVERY_S": "0",
             "SWARM_REBALANCE_EVERY_S": "0",
@@ -114,7 +118,7 @@ class ChaosSwarm:
         wait_healthy(self.coordinator.url, self.coordinator.proc, START_S)
 
     def add_server(self, stage: int, extra: dict | None = None) -> Member:
-        port = free_port()
+        port = fixed_port()
         env = {
             **self.common,
             "SWARM_STAGE": str(stage),
@@ -163,12 +167,19 @@ class ChaosSwarm:
 
         def all_listed() -> bool:
             for s in servers:
-                assert s.alive, f"{s.name} exited with status {s.proc.returncode}; log: {s.logs[-1]}"
+                assert s.alive, (
+                    f"{s.name} exited with status {s.proc.returncode}; {s.logs[-1]} ends:\n{tail(s.logs[-1])}"
+                )
             return {s.url for s in servers} <= self.listed()
 
         wait_until(all_listed, timeout_s, f"{[s.name for s in servers]} to register", poll_s=0.2)
         for s in servers:
             wait_healthy(s.url, s.proc, timeout_s)
+
+
+def tail(log: Path, lines: int = 20) -> str:
+    """The last lines of a log, for a failure message (CI keeps only what the test prints)."""
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 def health(url: str) -> dict | None:

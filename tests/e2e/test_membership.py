@@ -6,7 +6,9 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -207,6 +209,33 @@ def test_swarm_status_prints_the_live_swarm(processes):
     )
     assert nobody.returncode == 2, (nobody.stdout, nobody.stderr)
     assert "cannot read http://127.0.0.1:9/swarm" in nobody.stderr, nobody.stderr
+
+
+def test_a_server_or_coordinator_whose_port_is_taken_exits_2_and_says_so(processes):
+    """Before a server builds and joins its stage (minutes for a large one), not after: a
+    clear line naming SWARM_PORT, exit status 2, no traceback, never registered."""
+    _, coord = processes.coordinator(heartbeat_s=1.0)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        for module, env in (
+            ("services.stage_server", {"SWARM_STAGE": "1", "SWARM_COORDINATOR": coord}),
+            ("services.coordinator", {"SWARM_STATE_DB": str(processes.log_dir / "second.sqlite")}),
+        ):
+            run = subprocess.run(
+                [sys.executable, "-m", module],
+                env={**os.environ, **FAST, "SWARM_MDNS": "false", "SWARM_PORT": str(port), **env},
+                capture_output=True,
+                text=True,
+                timeout=START_S,
+                check=False,
+            )
+            assert run.returncode == 2, (module, run.returncode, run.stderr[-2000:])
+            assert f"cannot listen on 127.0.0.1:{port}" in run.stderr and "SWARM_PORT" in run.stderr, run.stderr
+            assert "Traceback" not in run.stderr, run.stderr
+    assert replicas(coord) == {}
+    assert not (processes.log_dir / "second.sqlite").exists()
 
 
 def test_mdns_server_and_trainer_find_the_coordinator(processes, tmp_path):

@@ -11,7 +11,7 @@ from services.stage_server.app import create_app
 from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import HopTimeouts, MicrobatchFailed, PipelineClient
-from shared.processes import free_port
+from shared.processes import fixed_port, free_port
 from shared.retry import RetryPolicy
 from tests.conftest import balancer_for, stage_settings
 
@@ -55,7 +55,7 @@ class Comeback:
 @pytest.mark.parametrize("routing", ["relay", "chain"])
 async def test_a_microbatch_waits_for_a_stage_whose_replica_comes_back(routing, start_stages, http_session, microbatch):
     apps, urls = await start_stages([[stage_settings(s, NUM_STAGES)] for s in range(NUM_STAGES) if s != DOWN])
-    port = free_port()
+    port = fixed_port()  # free until the replica comes back: no bind to port 0 may take it meanwhile
     comeback = Comeback(port)
     balancer = balancer_for([urls[0], [f"http://127.0.0.1:{port}"], urls[1]])
     client = PipelineClient(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import shared.processes
-from shared.processes import free_port, stop_processes, wait_healthy
+from shared.processes import fixed_port, free_port, stop_processes, wait_healthy
 
 
 def python(code: str) -> subprocess.Popen:
@@ -22,6 +22,47 @@ def python(code: str) -> subprocess.Popen:
 def test_a_free_port_can_be_bound():
     with socket.socket() as s:
         s.bind(("127.0.0.1", free_port()))
+
+
+KERNEL_EPHEMERAL_PORTS = shared.processes.EPHEMERAL_PORTS  # the tests below replace it with their own
+
+
+def ephemeral_range() -> range:
+    """The ports this kernel hands out by itself."""
+    low, high = map(int, KERNEL_EPHEMERAL_PORTS.read_text().split())
+    return range(low, high + 1)
+
+
+def test_a_fixed_port_is_free_and_outside_the_range_the_os_hands_out():
+    ephemeral = ephemeral_range()
+    assert free_port() in ephemeral  # what the OS picks by itself: why a restarted server may find its port taken
+    for _ in range(20):
+        port = fixed_port()
+        assert 10_000 <= port < 65_536 and port not in ephemeral, port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_fixed_port_skips_ports_in_use(monkeypatch, tmp_path):
+    ports = tmp_path / "ip_local_port_range"
+    ports.write_text("10001 65534\n")  # outside it: 10000 and 65535 only
+    monkeypatch.setattr(shared.processes, "EPHEMERAL_PORTS", ports)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 10_000))
+        assert fixed_port() == 65_535
+        with socket.socket() as also_held:
+            also_held.bind(("127.0.0.1", 65_535))
+            port = fixed_port()  # none left: one the OS picks
+            assert port not in (10_000, 65_535) and port in ephemeral_range()
+
+
+def test_a_fixed_port_is_a_free_port_where_the_range_is_unknown_or_full(monkeypatch, tmp_path):
+    monkeypatch.setattr(shared.processes, "EPHEMERAL_PORTS", tmp_path / "missing")
+    assert fixed_port() in ephemeral_range()
+    full = tmp_path / "ip_local_port_range"
+    full.write_text("1024 65535\n")
+    monkeypatch.setattr(shared.processes, "EPHEMERAL_PORTS", full)
+    assert fixed_port() in ephemeral_range()
 
 
 def test_stop_processes_terminates_and_kills_what_ignores_sigterm():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import signal
 import socket
 import subprocess
 import sys
@@ -15,8 +16,8 @@ import shared.processes
 from shared.processes import fixed_port, free_port, stop_processes, wait_healthy
 
 
-def python(code: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+def python(code: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True, **kwargs)
 
 
 def test_a_free_port_can_be_bound():
@@ -68,13 +69,17 @@ def test_a_fixed_port_is_a_free_port_where_the_range_is_unknown_or_full(monkeypa
 def test_stop_processes_terminates_and_kills_what_ignores_sigterm():
     polite = python("import time; time.sleep(60)")
     stubborn = python(
-        "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ignoring', flush=True); "
+        "time.sleep(60)",
+        stdout=subprocess.PIPE,
+        text=True,
     )
-    time.sleep(0.5)  # the stubborn one has installed its handler
+    assert stubborn.stdout.readline() == "ignoring\n"  # its handler is installed
+    stubborn.stdout.close()
     started = time.monotonic()
     stop_processes([polite, stubborn], grace_s=1.0)
-    assert polite.returncode is not None and stubborn.returncode is not None
-    assert time.monotonic() - started < 10
+    assert polite.returncode == -signal.SIGTERM and stubborn.returncode == -signal.SIGKILL
+    assert 1.0 <= time.monotonic() - started < 10
 
 
 def test_wait_healthy_fails_at_once_when_the_child_exited():

@@ -30,7 +30,7 @@ from bench.report import BenchResult
 from bench.square_cube import mesh_figures, plan
 from bench.workload import Workload
 from shared.model import build_gpt, build_stage
-from shared.processes import free_port
+from shared.processes import fixed_port
 
 TIMEOUT_S = 900.0
 COLUMNS = [
@@ -109,7 +109,7 @@ def run_pipelining(ctx, items: list[dict], world: int) -> list[dict]:
     every rank's CPU summed, the last rank's first loss). Raises RuntimeError with the
     reason when it cannot run."""
     logs = ctx.logs("pipelining")
-    port = free_port()
+    port = fixed_port()
     outs = [logs / f"rank{r}.json" for r in range(world)]
     for out in outs:
         out.unlink(missing_ok=True)

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shared.processes import STOP_GRACE_S, free_port, stop_processes, wait_healthy
+from shared.processes import STOP_GRACE_S, fixed_port, stop_processes, wait_healthy
 
 START_TIMEOUT_S = 180.0  # many children import torch at once on 2 cores
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -87,7 +87,7 @@ class BenchProcesses:
     def coordinator(self, num_stages: int, env: dict[str, str] | None = None) -> tuple[str, str]:
         """A coordinator (averaging and rebalancing off unless ``env`` turns them on), not
         waited for: servers started with its URL keep trying to register. Returns (name, URL)."""
-        port = free_port()
+        port = fixed_port()
         settings = {
             "SWARM_PORT": str(port),
             "SWARM_NUM_STAGES": str(num_stages),
@@ -111,7 +111,7 @@ class BenchProcesses:
     ) -> tuple[str, str]:
         """A stage server (not waited for); ``dims`` (d_model, n_layer, n_head) gives its model
         other dimensions than the preset's (``bench.stage_proc``). Returns (name, URL)."""
-        port = free_port()
+        port = fixed_port()
         settings = {
             "SWARM_STAGE": str(stage),
             "SWARM_PORT": str(port),

@@ -35,7 +35,7 @@ from shared.codec import FLOAT_CODECS
 from shared.config import CommonSettings
 from shared.http import urlopen_swarm
 from shared.model import PRESETS
-from shared.processes import LocalProcesses, free_port, wait_healthy
+from shared.processes import LocalProcesses, fixed_port, wait_healthy
 
 PROGRESS_POLL_S = 0.5  # how often the trainers' metrics files are read for the progress display
 PROGRESS_EVERY_STEPS = 10  # a plain progress line every this many steps (no terminal)
@@ -299,7 +299,7 @@ def serve(coordinator: str, procs: LocalProcesses) -> None:
 
 
 def start_coordinator(procs: LocalProcesses, args: argparse.Namespace, run_dir: Path, common: dict) -> str:
-    port = free_port(args.host)
+    port = fixed_port(args.host)
     env = {
         **common,
         "SWARM_TOKENIZER": str(Path(args.tokenizer).resolve()) if args.tokenizer else "",
@@ -348,7 +348,7 @@ def start_servers(procs: LocalProcesses, args: argparse.Namespace, common: dict)
     servers = {}
     for stage in range(args.stages):
         for replica in range(args.replicas):
-            port = free_port(args.host)
+            port = fixed_port(args.host)
             env = {
                 **common,
                 "SWARM_STAGE": str(stage),
@@ -388,7 +388,7 @@ def start_trainers(
             "SWARM_TOKENIZER": args.tokenizer,
             "SWARM_METRICS_FILE": str(run_dir / f"metrics{suffix}.jsonl"),
             "SWARM_SUMMARY_FILE": str(run_dir / f"summary{suffix}.json"),
-            "SWARM_METRICS_PORT": str(free_port(args.host)),  # each trainer's Prometheus /metrics
+            "SWARM_METRICS_PORT": str(fixed_port(args.host)),  # each trainer's Prometheus /metrics
             "SWARM_PROGRESS": "off",  # this supervisor shows the progress of all trainers
         }
         trainers.append(procs.start(f"trainer{suffix}", ["services.trainer"], env, log_to_file=logs_to_file))

@@ -39,9 +39,10 @@ FIXED_PORT_TRIES = 200
 def fixed_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now, outside the kernel's ephemeral range, as a deployed
     server's port is (8000, 8100): the OS never hands such a port out by itself (to a bind to
-    port 0, to an outgoing connection), so a server restarted on it finds it free again. A
-    port from :func:`free_port` may meanwhile be taken by any process's bind to port 0 or
-    outgoing connection. Falls back to :func:`free_port` where the range is unknown or leaves
+    port 0, to an outgoing connection), so a server restarted on it finds it free again. For
+    a port that a child process listens on: it binds seconds later (imports, the download of
+    its stage's state), and a port from :func:`free_port` may be taken meanwhile by any
+    process's bind to port 0 or outgoing connection. Falls back to :func:`free_port` where the range is unknown or leaves
     no room below 65536."""
     try:
         low, high = map(int, EPHEMERAL_PORTS.read_text().split())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.processes import free_port, wait_healthy
+from shared.processes import fixed_port, wait_healthy
 
 SWARM = (
     [str(Path(sys.executable).with_name("swarm"))]
@@ -111,7 +111,7 @@ class Processes:
         self, *, heartbeat_s: float, mdns: bool = False, num_stages: int = 4, extra: dict | None = None
     ) -> tuple[subprocess.Popen, str]:
         """A coordinator; averaging and rebalancing are off unless ``extra`` turns them on."""
-        port = free_port()
+        port = fixed_port()
         env = {
             "SWARM_PORT": str(port),
             "SWARM_HEARTBEAT_S": str(heartbeat_s),
@@ -131,7 +131,7 @@ class Processes:
     def server(
         self, stage: int | str, *, coordinator: str = "", heartbeat_s: float = 1.0, extra: dict | None = None
     ) -> tuple[subprocess.Popen, str]:
-        port = free_port()
+        port = fixed_port()
         env = {
             "SWARM_STAGE": str(stage),
             "SWARM_PORT": str(port),

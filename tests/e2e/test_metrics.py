@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.processes import free_port
+from shared.processes import fixed_port
 from tests.e2e.conftest import wait_until
 from tests.e2e.small_swarm import START_S, start_small_swarm, trainer_step
 
@@ -70,7 +70,7 @@ def names(samples: dict) -> set[str]:
 
 
 def test_every_service_exposes_metrics_that_move_while_the_swarm_trains(processes, tmp_path):
-    port = free_port()
+    port = fixed_port()
     swarm = start_small_swarm(processes, trainer_env={"SWARM_METRICS_PORT": str(port)}, log_format="json")
     trainer = f"http://127.0.0.1:{port}"
     services = {"coordinator": swarm.coordinator, **{url: url for _, url in swarm.servers}, "trainer": trainer}

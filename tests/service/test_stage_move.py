@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import socket
 import weakref
 
 import pytest
@@ -29,6 +28,7 @@ from services.stage_server.runtime import StageRuntime
 from shared.codec import decode_tensor, encode_tensor, pack_message, unpack_message
 from shared.config import CoordinatorSettings
 from shared.model import PRESETS
+from shared.processes import free_port
 from tests.conftest import stage_settings
 
 MSGPACK = {"Content-Type": "application/msgpack"}
@@ -57,12 +57,6 @@ async def probe(session, url: str, stage: int) -> tuple[int, torch.Tensor | None
 
 def runtimes_of(stage: int) -> list[StageRuntime]:
     return [o for o in gc.get_objects() if type(o) is StageRuntime and o.spec.index == stage]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize(

@@ -42,8 +42,8 @@ def fixed_port(host: str = "127.0.0.1") -> int:
     port 0, to an outgoing connection), so a server restarted on it finds it free again. For
     a port that a child process listens on: it binds seconds later (imports, the download of
     its stage's state), and a port from :func:`free_port` may be taken meanwhile by any
-    process's bind to port 0 or outgoing connection. Falls back to :func:`free_port` where the range is unknown or leaves
-    no room below 65536."""
+    process's bind to port 0 or outgoing connection. Falls back to :func:`free_port` where
+    the range is unknown or leaves no room below 65536."""
     try:
         low, high = map(int, EPHEMERAL_PORTS.read_text().split())
     except (OSError, ValueError):

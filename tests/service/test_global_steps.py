@@ -415,12 +415,16 @@ async def test_a_replica_killed_while_its_stage_all_reduces_is_left_out_and_trai
     died_in, held = taken
     assert survivor[RUNTIME].step == steps and s.stages[1][0][RUNTIME].step == steps
     assert not torch.equal(before, flat_parameters(survivor[RUNTIME].params))
+    # What it had accumulated for later steps when it died is lost too: a backward of the next step that it
+    # answered before its end, or while it stopped (CI saw 4 samples of the next step go with it).
+    later = {k: n for k in range(died_in + 1, steps) if (n := victim[RUNTIME].pending(k))}
     counter = s.coordinator[STEPS].counter.stages[0]
-    assert counter.samples_dropped == held  # exactly what the dead replica held
+    assert counter.samples_dropped == held + sum(later.values()), later  # exactly what the dead replica held
     assert s.batches[(0, died_in + 1)] == [global_batch - held]  # the step it died in went on without its samples
-    assert all(
-        s.batches[(0, k)] == [global_batch] * len(s.batches[(0, k)]) for k in range(1, steps + 1) if k != died_in + 1
-    )
+    for k, n in later.items():  # and so did the later steps it held samples of
+        assert s.batches[(0, k + 1)] == [global_batch - n], (k, n)
+    whole = [k for k in range(1, steps + 1) if k != died_in + 1 and k - 1 not in later]
+    assert all(s.batches[(0, k)] == [global_batch] * len(s.batches[(0, k)]) for k in whole)
     assert all(x.microbatches_failed == 0 for x in summaries)
 
 

@@ -36,6 +36,15 @@ EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
 FIXED_PORT_TRIES = 200
 
 
+def ephemeral_ports(path: Path = EPHEMERAL_PORTS) -> range | None:
+    """The ports the kernel hands out by itself (``ip_local_port_range``), or None if unknown."""
+    try:
+        low, high = map(int, path.read_text().split())
+    except (OSError, ValueError):
+        return None
+    return range(low, high + 1)
+
+
 def fixed_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now, outside the kernel's ephemeral range, as a deployed
     server's port is (8000, 8100): the OS never hands such a port out by itself (to a bind to
@@ -44,11 +53,10 @@ def fixed_port(host: str = "127.0.0.1") -> int:
     its stage's state), and a port from :func:`free_port` may be taken meanwhile by any
     process's bind to port 0 or outgoing connection. Falls back to :func:`free_port` where
     the range is unknown or leaves no room below 65536."""
-    try:
-        low, high = map(int, EPHEMERAL_PORTS.read_text().split())
-    except (OSError, ValueError):
+    ephemeral = ephemeral_ports(EPHEMERAL_PORTS)
+    if ephemeral is None:
         return free_port(host)
-    candidates = [*range(10_000, low), *range(high + 1, 65_536)]
+    candidates = [*range(10_000, ephemeral.start), *range(ephemeral.stop, 65_536)]
     rng = random.SystemRandom()
     for _ in range(FIXED_PORT_TRIES if candidates else 0):
         port = rng.choice(candidates)

@@ -416,7 +416,7 @@ async def test_a_replica_killed_while_its_stage_all_reduces_is_left_out_and_trai
     assert survivor[RUNTIME].step == steps and s.stages[1][0][RUNTIME].step == steps
     assert not torch.equal(before, flat_parameters(survivor[RUNTIME].params))
     # What it had accumulated for later steps when it died is lost too: a backward of the next step that it
-    # answered before its end, or while it stopped (CI saw 4 samples of the next step go with it).
+    # answered before its end, or while it stopped (a run here saw 4 samples of the next step go with it).
     later = {k: n for k in range(died_in + 1, steps) if (n := victim[RUNTIME].pending(k))}
     counter = s.coordinator[STEPS].counter.stages[0]
     assert counter.samples_dropped == held + sum(later.values()), later  # exactly what the dead replica held

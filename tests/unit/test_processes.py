@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import shared.processes
-from shared.processes import fixed_port, free_port, stop_processes, wait_healthy
+from shared.processes import ephemeral_ports, fixed_port, free_port, stop_processes, wait_healthy
 
 
 def python(code: str, **kwargs) -> subprocess.Popen:
@@ -25,17 +25,8 @@ def test_a_free_port_can_be_bound():
         s.bind(("127.0.0.1", free_port()))
 
 
-KERNEL_EPHEMERAL_PORTS = shared.processes.EPHEMERAL_PORTS  # the tests below replace it with their own
-
-
-def ephemeral_range() -> range:
-    """The ports this kernel hands out by itself."""
-    low, high = map(int, KERNEL_EPHEMERAL_PORTS.read_text().split())
-    return range(low, high + 1)
-
-
 def test_a_fixed_port_is_free_and_outside_the_range_the_os_hands_out():
-    ephemeral = ephemeral_range()
+    ephemeral = ephemeral_ports()
     assert free_port() in ephemeral  # what the OS picks by itself: why a restarted server may find its port taken
     for _ in range(20):
         port = fixed_port()
@@ -54,16 +45,16 @@ def test_a_fixed_port_skips_ports_in_use(monkeypatch, tmp_path):
         with socket.socket() as also_held:
             also_held.bind(("127.0.0.1", 65_535))
             port = fixed_port()  # none left: one the OS picks
-            assert port not in (10_000, 65_535) and port in ephemeral_range()
+            assert port not in (10_000, 65_535) and port in ephemeral_ports()
 
 
 def test_a_fixed_port_is_a_free_port_where_the_range_is_unknown_or_full(monkeypatch, tmp_path):
     monkeypatch.setattr(shared.processes, "EPHEMERAL_PORTS", tmp_path / "missing")
-    assert fixed_port() in ephemeral_range()
+    assert fixed_port() in ephemeral_ports()
     full = tmp_path / "ip_local_port_range"
     full.write_text("1024 65535\n")
     monkeypatch.setattr(shared.processes, "EPHEMERAL_PORTS", full)
-    assert fixed_port() in ephemeral_range()
+    assert fixed_port() in ephemeral_ports()
 
 
 def test_stop_processes_terminates_and_kills_what_ignores_sigterm():

@@ -1,10 +1,11 @@
-"""Averaging rounds, coordinator side: name a round and tell each member its place.
+"""Averaging rounds, coordinator side: name a round and tell each member its place; and the
+periodic check that the replicas of each stage are one model, with its drift repair.
 
 Control messages only: the members move the tensors among themselves (butterfly
-all-reduce, see the stage server's ``averaging.py``). Every member gets the same member
-list, so a member that refuses or cannot be reached stays in the list as a failed member:
-the others leave it out of the round when it does not answer them, and nobody waits on it
-past ``timeout_s``.
+all-reduce, see the stage server's ``averaging.py``; a repair's state goes from one
+replica to another). Every member gets the same member list, so a member that refuses or
+cannot be reached stays in the list as a failed member: the others leave it out of the
+round when it does not answer them, and nobody waits on it past ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
@@ -116,17 +117,47 @@ class StageRound:
         return asdict(self)
 
 
+def plan_repair(digests: Mapping[str, str]) -> tuple[str, list[str]]:
+    """(source, targets) of a drift repair among replicas at one step (URL -> digest): the
+    source is the first URL of the largest group of identical replicas (ties: the group
+    with the first URL); the targets, every replica with another digest, take its state."""
+    assert len(set(digests.values())) > 1, "a repair needs replicas that differ"
+    groups: dict[str, list[str]] = {}
+    for url in sorted(digests):
+        groups.setdefault(digests[url], []).append(url)
+    source = min(groups.values(), key=lambda urls: (-len(urls), urls[0]))[0]
+    return source, sorted(url for url, d in digests.items() if d != digests[source])
+
+
+@dataclass
+class StageRepair:
+    """One stage's drift repair in a pass: ``targets`` took ``source``'s whole state at ``step``."""
+
+    stage: int
+    step: int
+    source: str
+    targets: list[str]
+    repaired: list[str] = field(default_factory=list)  # the targets that loaded it and then matched the source
+
+    def as_json(self) -> dict:
+        return {**asdict(self), "ended": len(self.repaired)}  # ended: what a trainer's log shows
+
+
 class AveragingScheduler:
     """Runs checks that the replicas of each stage are one model: every ``every_s`` seconds
     (0: only on demand) and when :meth:`average_now` asks (``POST /average``, e.g. a trainer
     before its final evaluation), each stage with two or more live replicas is asked for
     their digests (``GET /digest``: step and SHA-256 of weights and optimizer state).
     Replicas at one step with different digests drifted apart (a bug, a fault, a state
-    loaded by hand): they are repaired by a params round (their weights averaged), and the
-    pass waits until the members report it ended. Replicas caught between two steps are
-    checked next time. In ``SWARM_SYNC=local`` mode a replica's digest covers what the
-    replicas share (step, anchor, outer momentum), and replicas that have not taken the same
-    number of outer steps yet are between steps too."""
+    loaded by hand): they are repaired by copying a whole state (``POST /average/copy``,
+    see :func:`plan_repair`): averaging their weights would leave their optimizer states
+    apart, and the check would find them drifted forever. The pass waits until each
+    target answered; a target that moved on meanwhile is repaired by the next check.
+    Replicas caught between two steps are checked next time. In ``SWARM_SYNC=local`` mode a
+    replica's digest covers what the replicas share (step, anchor, outer momentum), and
+    replicas that have not taken the same number of outer steps yet are between steps too.
+    ``codec`` and ``aggregator`` are those of the run's rounds; a repair moves a state
+    as it is."""
 
     def __init__(
         self,
@@ -163,23 +194,23 @@ class AveragingScheduler:
             self._wake.clear()
             waiters, self._waiters = self._waiters, []  # a request arriving now waits for the next pass
             try:
-                rounds = await self.average_once()
+                repairs = await self.average_once()
             except Exception as exc:  # noqa: BLE001 - a pass that broke must not end the loop
                 self.log.exception("averaging.pass.failed", error=repr(exc))
-                rounds = exc
+                repairs = exc
             for waiter in waiters:
                 if not waiter.done():
-                    waiter.set_exception(rounds) if isinstance(rounds, Exception) else waiter.set_result(rounds)
+                    waiter.set_exception(repairs) if isinstance(repairs, Exception) else waiter.set_result(repairs)
 
-    async def average_now(self) -> list[StageRound]:
+    async def average_now(self) -> list[StageRepair]:
         """Ask for a pass and wait for it (the one after any pass now running)."""
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         self._wake.set()
         return await waiter
 
-    async def average_once(self) -> list[StageRound]:
-        """One pass: check every stage with 2+ replicas; repair the drifted ones; their rounds."""
+    async def average_once(self) -> list[StageRepair]:
+        """One pass: check every stage with 2+ replicas; repair the drifted ones; their repairs."""
         by_stage: dict[int, list[str]] = {}
         for server in self.live_servers():
             by_stage.setdefault(server.stage, []).append(server.url)
@@ -187,15 +218,20 @@ class AveragingScheduler:
         if not stages or self.session is None:
             self.checks = []
             return []
-        self.checks = list(await asyncio.gather(*(self._check(stage, urls) for stage, urls in stages)))
-        drifted = [(c["stage"], c["replicas"]) for c in self.checks if c["verdict"] == "drifted"]
-        started = await asyncio.gather(*(self._start(stage, urls) for stage, urls in drifted))
-        await asyncio.gather(*(self._wait_ended(r) for r in started))
+        checked = await asyncio.gather(*(self._check(stage, urls) for stage, urls in stages))
+        self.checks = [check for check, _ in checked]
+        repairs = [
+            self._repair(check["stage"], check["steps"][0], digests)
+            for check, digests in checked
+            if check["verdict"] == "drifted"
+        ]
+        done = list(await asyncio.gather(*repairs))
         self.passes += 1
-        return list(started)
+        return done
 
-    async def _check(self, stage: int, urls: list[str]) -> dict:
-        """{stage, verdict: identical | drifted | between_steps | unreachable, replicas, steps, digests}."""
+    async def _check(self, stage: int, urls: list[str]) -> tuple[dict, dict[str, str]]:
+        """({stage, verdict: identical | drifted | between_steps | unreachable, replicas, steps,
+        digests}, URL -> digest of the replicas that answered)."""
 
         async def digest(url: str) -> dict | None:
             try:
@@ -228,23 +264,43 @@ class AveragingScheduler:
         getattr(self.log, level)(
             f"averaging.check.{verdict}", stage=stage, replicas=len(answered), steps=steps, digests=len(digests)
         )
-        return check
+        return check, {u: str(a["digest"]) for u, a in answered.items()}
 
-    async def _start(self, stage: int, urls: list[str]) -> StageRound:
-        round_id, accepted = await start_round(
-            self.session,
-            stage,
-            urls,
-            codec=self.codec,
-            timeout_s=self.timeout_s,
-            log=self.log,
-            with_accepted=True,
-            aggregator=self.aggregator,
+    async def _repair(self, stage: int, step: int | tuple[int, int], digests: dict[str, str]) -> StageRepair:
+        """Every target of :func:`plan_repair` takes the source's whole state (``POST /average/copy``)."""
+        step = step[0] if isinstance(step, tuple) else step  # local mode: (step, outer steps)
+        source, targets = plan_repair(digests)
+        repair = StageRepair(stage, step, source, targets)
+        self.log.warning("averaging.repair.started", stage=stage, step=step, source=source, targets=targets)
+
+        async def copy(url: str) -> None:
+            msg = {"stage": stage, "source": source, "step": step, "timeout_s": self.timeout_s}
+            try:
+                reply = await post_message(
+                    self.session, url + "/average/copy", msg, timeout_s=self.timeout_s + START_TIMEOUT_S
+                )
+            except RemoteError as exc:
+                self.log.warning(
+                    "averaging.repair.refused",
+                    stage=stage,
+                    target=url,
+                    source=source,
+                    status=exc.status,
+                    code=exc.code,
+                    reason=exc.message,
+                )
+                return
+            if reply.get("digest") == digests[source]:
+                repair.repaired.append(url)
+            else:  # loaded, yet not the state checked (the source's changed in between): the next check sees
+                self.log.warning("averaging.repair.unmatched", stage=stage, target=url, source=source)
+
+        await asyncio.gather(*(copy(url) for url in targets))
+        repair.repaired.sort()
+        self.log.info(
+            "averaging.repair.done", stage=stage, step=step, repaired=len(repair.repaired), targets=len(targets)
         )
-        return StageRound(stage, round_id, [u.rstrip("/") for u in urls], accepted)
-
-    async def _wait_ended(self, rnd: StageRound) -> None:
-        await wait_round_ended(self.session, rnd, self.timeout_s)
+        return repair
 
 
 async def wait_round_ended(session: aiohttp.ClientSession, rnd: StageRound, timeout_s: float) -> dict[str, dict]:

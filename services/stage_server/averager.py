@@ -2,7 +2,8 @@
 
 Holds the round in progress and the parts that arrive for it, sends this member's parts,
 serves the reductions it owns, fetches the others and loads the average, all bounded by
-the round's deadline.
+the round's deadline. Also takes a peer's whole state when the coordinator repairs drift
+(:meth:`Averager.copy_state`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ from services.stage_server.averaging import (
     RETRY_SEP,
     START_WAIT_S,
     AveragingRound,
+    CopyOrder,
     PartMessage,
     ReducedPart,
     RoundConflict,
     RoundSpec,
+    SourceUnavailable,
+    StepVerdict,
     Transport,
     _off_loop,
     apply_average,
@@ -36,9 +40,12 @@ from services.stage_server.averaging import (
     parse_reduced,
     retry_round_id,
     sample_weight,
+    settle_step,
     snapshot,
+    step_verdict,
 )
 from services.stage_server.runtime import Accumulated
+from services.stage_server.state import load_stage_state
 from shared.codec import encode_tensor, pack_message
 from shared.errors import BadPayload, RemoteError, SwarmError
 
@@ -184,6 +191,27 @@ class Averager:
         rnd.bytes_sent += len(reduced.body)
         return reduced
 
+    async def copy_state(self, order: CopyOrder, log) -> tuple[int, str]:
+        """A drift repair: replace this replica's whole state (weights and optimizer) with
+        that of ``order.source``, both at step ``order.step``; returns (step, digest) after.
+        The gradients accumulated here stay (see :func:`load_copied_state`).
+        :class:`RoundConflict` if this replica is not at that step (it moved on: the next
+        check repairs it) or a params round runs here; :class:`SourceUnavailable` if the
+        source's state could not be had."""
+        if self._closing or self.transport is None:
+            raise RoundConflict("this server is not taking repairs (starting up or shutting down)")
+        if self.running and self.round.spec.kind != "step":
+            raise RoundConflict(f"params round {self.round.spec.round_id!r} is running here")
+        if self.runtime.step != order.step:
+            raise RoundConflict(f"the repair is of step {order.step}, this replica is at step {self.runtime.step}")
+        try:
+            tensors, metadata = await self.transport.get_state(order.source, timeout_s=order.timeout_s)
+        except RemoteError as exc:
+            raise SourceUnavailable(f"no state from {order.source}: {exc}") from None
+        step, digest = await self.run_compute(load_copied_state, self.runtime, tensors, metadata)
+        log.warning("averaging.repair.loaded", source=order.source, step=step)
+        return step, digest
+
     async def close(self) -> None:
         """Stop the running round (others leave this member out) and refuse new ones."""
         self._closing = True
@@ -216,7 +244,7 @@ class Averager:
         except asyncio.CancelledError:
             log.warning("averaging.round.failed", reason="cancelled (server shutting down)")
             raise
-        except SwarmError as exc:  # e.g. the compute queue is full or the server is draining
+        except SwarmError as exc:  # e.g. a params round's job refused: the compute queue is full, or a drain
             log.warning("averaging.round.failed", reason=exc.message)
         except Exception as exc:  # a bug: log it whole; the server keeps serving
             log.exception("averaging.round.failed", reason=repr(exc))
@@ -263,11 +291,11 @@ class Averager:
         """A step round in ``local`` mode (``local_sync.py``): this member's own gradient of the
         step, alone; when an outer step is due, the members' outer gradients all-reduced
         (weighted by the samples each served since the last one) and the same outer step on
-        every member. A member that missed a part keeps its inner weights and its anchor
-        (what it learned goes into its next outer gradient) and takes a live replica's state
-        (``self.resync``), so that the anchors stay one."""
-        taken = await self.run_compute(self.runtime.take_gradients, rnd.spec.step)
-        await self.run_compute(self.runtime.inner_step, taken)
+        every member. A member that missed a part, or holds one short of the round
+        (:func:`step_verdict`), keeps its inner weights and its anchor (what it learned goes
+        into its next outer gradient) and takes a live replica's state (``self.resync``), so
+        that the anchors stay one."""
+        taken = await self._unrefused(_take_and_inner_step, self.runtime, rnd.spec.step)
         rnd.samples = taken.samples
         self._stepped.set()
         self._stepped = asyncio.Event()
@@ -276,10 +304,11 @@ class Averager:
             self.rounds_completed += 1
             log.info("step.applied", step=self.runtime.step, local=True, samples_here=taken.samples)
             return
-        delta = await self.run_compute(self.runtime.outer_gradient)
+        delta = await self._unrefused(self.runtime.outer_gradient)
         mean = await self._reduce(rnd, self._as_sent(delta, log), float(outer.samples) or EPSILON_WEIGHT, log)
-        if all(p is not None for p in rnd.parts):
-            await self.run_compute(self.runtime.outer_step, mean)
+        rnd.verdict = step_verdict(rnd.parts, rnd.backups)
+        if rnd.verdict is StepVerdict.APPLY:
+            await self._unrefused(self.runtime.outer_step, mean)
             self.rounds_completed += 1
             log.info(
                 "step.applied",
@@ -293,6 +322,7 @@ class Averager:
         log.warning(
             "outer.missed",
             step=self.runtime.step,
+            verdict=rnd.verdict.value,
             parts_failed=[j for j, p in enumerate(rnd.parts) if p is None],
             resync=self.resync is not None,
         )
@@ -301,31 +331,79 @@ class Averager:
 
     async def _step(self, rnd: AveragingRound, log) -> None:
         """A step round: the accumulated gradients all-reduced (weighted by samples), then the
-        same optimizer step on every member. A member that missed a part does not step; it
-        gives its gradient back (if nobody stepped, nothing is lost; if the others stepped,
-        the coordinator tells it to take their state, and its samples count as dropped)."""
+        same optimizer step on every member where :func:`step_verdict` says so. A member that
+        does not step gives its gradient back (if nobody stepped, nothing is lost; if the
+        others stepped, the coordinator tells it to take their state, and its samples count
+        as dropped). Whatever ends the round once the gradient is taken, it is applied or
+        given back (see ``_settle``)."""
         if self.runtime.outer is not None:
             return await self._local_step(rnd, log)
-        taken = await self.run_compute(self.runtime.take_gradients, rnd.spec.step)
-        weight = float(taken.samples) or (
-            1.0 if self.byzantine else 0.0
-        )  # an attacker claims a weight even when it served nothing
-        mean = await self._reduce(rnd, self._as_sent(taken.mean, log), weight, log)
-        if all(p is not None for p in rnd.parts):
-            effective = int(min(p.weight for p in rnd.parts))
-            await self.run_compute(self.runtime.apply_step, Accumulated(mean, effective, taken.microbatch_ids))
+        step = rnd.spec.step
+        taken = await self._take(step, log)
+        rnd.samples = taken.samples
+        gradient = None
+        try:
+            weight = float(taken.samples) or (
+                1.0 if self.byzantine else 0.0
+            )  # an attacker claims a weight even when it served nothing
+            mean = await self._reduce(rnd, self._as_sent(taken.mean, log), weight, log)
+            rnd.verdict = step_verdict(rnd.parts, rnd.backups)
+            if rnd.verdict is StepVerdict.APPLY:
+                gradient = Accumulated(mean, int(min(p.weight for p in rnd.parts)), taken.microbatch_ids)
+        finally:  # also on a failure or a cancel: the taken gradient is applied or goes back
+            stepped = await self._settle(taken, step, gradient, log)
+        if stepped:
             self.rounds_completed += 1
             self._stepped.set()
             self._stepped = asyncio.Event()
-            log.info("step.applied", step=self.runtime.step, effective_batch=effective, samples_here=taken.samples)
+            log.info(
+                "step.applied", step=self.runtime.step, effective_batch=gradient.samples, samples_here=taken.samples
+            )
         else:
-            await self.run_compute(self.runtime.give_back, taken, rnd.spec.step)
             log.warning(
                 "step.missed",
-                step=rnd.spec.step,
+                step=step,
+                verdict=rnd.verdict.value,
                 samples_here=taken.samples,
                 parts_failed=[j for j, p in enumerate(rnd.parts) if p is None],
+                backups=sorted(rnd.backups),
             )
+
+    async def _unrefused(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A step round's job on the compute worker: never refused by the queue bound or a
+        drain, and carried out even if the round is cancelled meanwhile."""
+        return await asyncio.shield(asyncio.ensure_future(self.run_compute(fn, *args, bounded=False)))
+
+    async def _take(self, step: int, log) -> Accumulated:
+        """The gradient accumulated for ``step``; if the round is cancelled while it is being
+        taken, it goes back to the bucket before the cancel goes on."""
+        job = asyncio.ensure_future(self.run_compute(self.runtime.take_gradients, step, bounded=False))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            if not job.cancelled():
+                with contextlib.suppress(Exception):
+                    await self._settle(await job, step, None, log)
+            raise
+
+    async def _settle(self, taken: Accumulated, step: int, gradient: Accumulated | None, log) -> bool:
+        """Apply ``gradient`` as step ``step``, or give ``taken`` back (one job, see
+        :func:`settle_step`); True if this replica stepped. A job that cannot be queued at all
+        (the compute worker is shut down) leaves the gradient counted as dropped."""
+        ran: list[bool] = []
+
+        def settle() -> bool:
+            ran.append(True)
+            return settle_step(self.runtime, taken, gradient, step)
+
+        try:
+            return await self._unrefused(settle)
+        except Exception as exc:
+            if ran:
+                raise
+            self.runtime.drop(taken)
+            log.warning("step.gradient.dropped", step=step, samples=taken.samples, reason=repr(exc))
+            return False
 
     async def _obtain(self, rnd: AveragingRound, flat: torch.Tensor, j: int, log) -> ReducedPart | None:
         """Reduced part ``j``: reduced here, fetched from member ``j``, or from a backup reducer; None: keep ours."""
@@ -341,6 +419,7 @@ class Averager:
             if reduced is not None:
                 return reduced
             rnd.dead.add(j)
+            rnd.backups.add(j)
             backup = backup_reducer(j, spec.k, rnd.dead)
             log.info("averaging.part.retry", part=j, backup=backup)
             if backup == spec.index:
@@ -403,6 +482,31 @@ class Averager:
                 "averaging.member.failed", url=url, round_id=round_id, part=part, code="bad_reply", reason=exc.message
             )
         return None
+
+
+def load_copied_state(runtime, tensors: dict[str, torch.Tensor], metadata: dict) -> tuple[int, str]:
+    """On the compute worker: load a peer's whole state (``load_stage_state``) at this
+    replica's step, keeping the gradients accumulated here for this step and the next
+    (the backwards that made them were reserved and counted; the state replaces what was
+    learned, not what is being learned). Returns (step, digest) after.
+    :class:`RoundConflict` if the state is of another step (nothing changed then)."""
+    theirs = metadata.get("optimizer_steps")
+    if theirs != runtime.step:
+        raise RoundConflict(f"the source's state is of step {theirs}, this replica is at step {runtime.step}")
+    held = [(k, runtime.take_gradients(k)) for k in (runtime.step, runtime.step + 1) if runtime.pending(k)]
+    try:
+        load_stage_state(runtime, tensors, metadata)
+    finally:  # loaded or refused, what was taken goes back
+        for k, taken in held:
+            runtime.give_back(taken, k)
+    return runtime.step, runtime.digest()
+
+
+def _take_and_inner_step(runtime, step: int) -> Accumulated:
+    """``local`` mode, on the compute worker: take the step's gradient and apply it alone, in one job."""
+    taken = runtime.take_gradients(step)
+    runtime.inner_step(taken)
+    return taken
 
 
 def _of_round(round_id: str, base: str) -> bool:

@@ -10,7 +10,8 @@ coordinator's ``averaging.py``).
 
 Plain logic, no aiohttp: ``averaging_routes.py`` is the HTTP edge and ``averager.py`` runs one
 server's side of a round; they hand this module decoded values and a :class:`Transport`
-that posts packed messages to peers.
+that posts packed messages to peers (and fetches a peer's whole state, for a drift repair:
+:class:`CopyOrder`).
 
 A round as member ``i`` of ``k`` runs it (``T`` = the round's ``timeout_s``; times count
 from the moment this member accepted ``/average/start``):
@@ -31,19 +32,42 @@ from the moment this member accepted ``/average/start``):
    backup reduces once every member whose part reached it in step 3 (but ``j``) re-sent
    part ``j``, or at ``RETRY_REDUCE_AT * T``. If that fails too, part ``j`` keeps the
    local values (``averaging.part.failed``).
-5. On the compute worker: a step round applies the optimizer step with the concatenated
-   parts if every part was reduced (else it gives the gradient back and steps not); a
-   params round loads them (bumps the weights' version and drops the backward cache).
+5. On the compute worker: a params round loads the concatenated parts (bumps the
+   weights' version and drops the backward cache); a step round applies the optimizer
+   step with them only where :func:`step_verdict` says so, else gives the gradient back
+   and steps not (see "Step rounds" below).
 
 Every member, the reducer included, loads a reduced part as it comes out of the round's
 codec, so the members of a round end with identical values. Nothing waits past ``T``: at
 the deadline the round closes here and later messages for it are refused.
+
+Step rounds. Every member that steps must apply the same gradient, or the replicas drift
+apart for good (the AdamW state remembers it). A member steps only on a gradient that
+every other member that steps can hold too, and never on an empty one
+(:class:`StepVerdict`):
+
+- every part was reduced (else ``part_failed``);
+- a part that came from a backup reducer holds every member of the round's contributors
+  (the members whose parts the main reducers, this member's own included, took), else
+  ``short_backup``. A backup of part ``j`` never holds ``j``'s own values, and ``j`` may
+  have served its main reduction to the others: a member left with such a backup gives
+  its gradient back; if the others stepped, the coordinator resyncs it as a replica
+  behind its stage. (A backup for a member that sent nothing, dead from the start, holds
+  the whole round and is a step.)
+- the reduced weight is more than 0 samples (else ``empty``: nobody contributed, and an
+  AdamW step with a zero gradient still moves the weights by momentum and decay).
+
+Whatever ends a step round after this member took its gradient (a verdict, a failure, a
+shutdown), the gradient is applied, given back, or, when the compute worker is gone,
+counted as dropped; never lost. The round's compute jobs are the stage's own bookkeeping
+and pass the compute queue's bound (``ComputeWorker.run(bounded=False)``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -73,9 +97,19 @@ class RoundConflict(SwarmError):
     code = "round_conflict"
 
 
+class SourceUnavailable(SwarmError):
+    """A repair could not take its source replica's state (unreachable, refused, malformed)."""
+
+    status = 502
+    code = "source_unavailable"
+
+
 class Transport(Protocol):
     async def post(self, url: str, body: bytes, *, timeout_s: float) -> dict:
         """POST a packed message, return the decoded reply; raise :class:`RemoteError` on any failure."""
+
+    async def get_state(self, url: str, *, timeout_s: float) -> tuple[dict[str, torch.Tensor], dict]:
+        """A peer replica's whole state (``GET /state``: tensors, metadata); :class:`RemoteError` on any failure."""
 
 
 # ------------------------------------------------------------------ pure pieces
@@ -193,6 +227,45 @@ def retry_round_id(round_id: str, part: int) -> str:
     return f"{round_id}{RETRY_SEP}{part}"
 
 
+class StepVerdict(enum.Enum):
+    """What a member does with a step round's reduced gradient (see the module docstring)."""
+
+    APPLY = "apply"
+    PART_FAILED = "part_failed"  # a part was reduced by neither its reducer nor a backup
+    SHORT_BACKUP = "short_backup"  # a backup reduction from fewer contributors than the round's
+    EMPTY = "empty"  # the reduced weight is 0 samples: nobody contributed
+
+
+def step_verdict(parts: list[ReducedPart | None], backups: set[int]) -> StepVerdict:
+    """Whether a member steps on ``parts`` (``backups``: the indices of those that came from a
+    backup reducer). Only ``APPLY`` is a step; anything else gives the gradient back."""
+    if not parts or any(p is None for p in parts):
+        return StepVerdict.PART_FAILED
+    contributors = set().union(*(p.contributors for j, p in enumerate(parts) if j not in backups))
+    if any(not contributors <= set(parts[j].contributors) for j in backups):
+        return StepVerdict.SHORT_BACKUP
+    if min(p.weight for p in parts) <= 0:
+        return StepVerdict.EMPTY
+    return StepVerdict.APPLY
+
+
+def settle_step(runtime, taken, gradient, step: int) -> bool:
+    """On the compute worker, the end of a step round: apply ``gradient`` (the round's
+    reduced ``Accumulated``; None: no step) as global step ``step``, or give ``taken``
+    (what this member took for it) back to the step's bucket. True if it stepped. A
+    replica that is no longer at ``step`` does not step (its bucket of ``step`` is then
+    dropped, and counted, by its next step)."""
+    if gradient is None or runtime.step != step:
+        runtime.give_back(taken, step)
+        return False
+    try:
+        runtime.apply_step(gradient)
+    except BaseException:
+        runtime.give_back(taken, step)
+        raise
+    return True
+
+
 def flat_parameters(params: list[torch.Tensor]) -> torch.Tensor:
     """Every parameter, in order, as one fp32 CPU vector (a copy)."""
     return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params]) if params else torch.empty(0)
@@ -204,16 +277,15 @@ def snapshot(runtime) -> tuple[torch.Tensor, int]:
 
 
 def load_flat_parameters(runtime, flat: torch.Tensor) -> None:
-    """Copy ``flat`` into the runtime's parameters in place; run on the compute worker. Bumps
-    ``runtime.version`` and drops the cached forward graphs, which hold the old weights."""
+    """Copy ``flat`` into the runtime's parameters: a new weights version (the old one stays
+    for the backwards of forwards in flight, see ``runtime.py``); run on the compute worker."""
     total = sum(p.numel() for p in runtime.params)
     assert flat.dim() == 1 and flat.numel() == total, f"expected {total} values, got shape {list(flat.shape)}"
     offset = 0
-    with torch.no_grad():
+    with runtime.new_version(), torch.no_grad():
         for p in runtime.params:
             p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
-    runtime.weights_changed()
 
 
 def apply_average(runtime, snapshot_flat: torch.Tensor, averaged: torch.Tensor) -> None:
@@ -319,6 +391,34 @@ class PartMessage:
         _require(type(sender) is int and 0 <= sender < MAX_MEMBERS, f"'from' must be an int in [0, {MAX_MEMBERS})")
         _require(_is_number(weight) and 0 <= weight <= MAX_WEIGHT, f"'weight' must be a number in [0, {MAX_WEIGHT:g}]")
         return cls(round_id, sender, part, float(weight))
+
+
+@dataclass(frozen=True)
+class CopyOrder:
+    """``/average/copy``: replace this replica's whole state with that of ``source`` (a live
+    replica of its stage), the two being at global step ``step`` (a drift repair)."""
+
+    stage: int
+    source: str
+    step: int
+    timeout_s: float
+
+    @classmethod
+    def from_message(cls, msg: dict, stage: int) -> CopyOrder:
+        source, step, timeout_s = msg.get("source"), msg.get("step"), msg.get("timeout_s")
+        _require(type(msg.get("stage")) is int, "'stage' must be an int")
+        _require(
+            isinstance(source, str) and source.startswith(("http://", "https://")) and len(source) <= 2048,
+            "'source' must be an http(s) URL",
+        )
+        _require(type(step) is int and 0 <= step < 2**53, "'step' must be an int >= 0")
+        _require(
+            _is_number(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S,
+            f"'timeout_s' must be a number in (0, {MAX_TIMEOUT_S}]",
+        )
+        if msg["stage"] != stage:
+            raise WrongStage(f"this server holds stage {stage}, not {msg['stage']}")
+        return cls(stage, source.rstrip("/"), step, float(timeout_s))
 
 
 def parse_part_request(msg: dict) -> tuple[str, int]:
@@ -462,6 +562,8 @@ class AveragingRound:
         self.bytes_sent = 0
         self.closed = False
         self.parts: list[ReducedPart | None] = []
+        self.backups: set[int] = set()  # the parts that came from a backup reducer
+        self.verdict: StepVerdict | None = None  # a step round's, once its parts are in
         self.samples: int | None = None  # a step round: the samples this member's gradient held (else its weight says)
         self.outcome: dict = {
             "contributors": [],
@@ -541,7 +643,8 @@ class AveragingRound:
             "part_contributors": [list(p.contributors) if p is not None else None for p in parts],
             "parts_failed": [j for j, p in enumerate(parts) if p is None],
             "seconds": round(seconds, 4),
-            "ok": all(p is not None for p in parts),
+            "ok": all(p is not None for p in parts) if self.verdict is None else self.verdict is StepVerdict.APPLY,
+            **({"verdict": self.verdict.value} if self.verdict is not None else {}),
         }
 
     def close(self) -> None:

@@ -12,10 +12,15 @@
                          last_round: {round_id, members, contributors, bytes_sent, seconds, ok, ...}};
                          with ``wait``: answered once that round ended here (at most S seconds)
     GET  /digest         -> JSON {step, digest}: SHA-256 of the weights and optimizer state
+    POST /average/copy   {stage, source, step, timeout_s} -> {step, digest}: a drift repair (the
+                         coordinator's digest check): this replica, at 'step', takes the
+                         whole state of the replica at 'source'; answered once it is loaded.
+                         409 round_conflict if it is not at 'step' (the next check repairs
+                         it), 502 source_unavailable if the source gave no state
 
 Errors are JSON: 400 bad_payload (malformed), 409 wrong_stage (another stage's round) or
 round_conflict (busy, unknown or finished round, not this member's part, duplicate part).
-No request here touches the weights; only a round's own last step loads them.
+No request here touches the weights but a round's own last step and a repair's load.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import torch
 from aiohttp import web
 
 from services.stage_server.averager import Averager
 from services.stage_server.averaging import (
     OFF_LOOP_VALUES,
+    CopyOrder,
     PartMessage,
     RoundConflict,
     RoundSpec,
@@ -35,8 +42,17 @@ from services.stage_server.averaging import (
     parse_part_request,
 )
 from services.stage_server.routes import RUNTIME, SETTINGS, WORKER
-from shared.errors import BadPayload, WrongStage
-from shared.http import MSGPACK, msgpack_response, post_message, read_message, swarm_session
+from services.stage_server.state import state_from_bytes
+from shared.errors import BadPayload, RemoteError, WrongStage
+from shared.http import (
+    MSGPACK,
+    OCTET_STREAM,
+    msgpack_response,
+    post_message,
+    read_message,
+    request_bytes,
+    swarm_session,
+)
 from shared.log import get_logger
 
 AVERAGER = web.AppKey("averager", Averager)
@@ -52,6 +68,14 @@ class HttpTransport:
 
     async def post(self, url: str, body: bytes, *, timeout_s: float) -> dict:
         return await post_message(self.session, url, {}, timeout_s=timeout_s, body=body)
+
+    async def get_state(self, url: str, *, timeout_s: float) -> tuple[dict[str, torch.Tensor], dict]:
+        target = url.rstrip("/") + "/state"
+        payload = await request_bytes(self.session, "GET", target, expect=OCTET_STREAM, timeout_s=timeout_s)
+        try:
+            return await asyncio.to_thread(state_from_bytes, payload)
+        except BadPayload as exc:
+            raise RemoteError(target, 200, "bad_reply", exc.message) from None
 
 
 async def start(request: web.Request) -> web.Response:
@@ -89,6 +113,13 @@ async def result(request: web.Request) -> web.Response:
     return web.Response(body=reduced.body, content_type=MSGPACK)
 
 
+async def copy(request: web.Request) -> web.Response:
+    order = CopyOrder.from_message(await read_message(request, CONTROL_BYTES), stage=request.app[SETTINGS].stage)
+    averager = request.app[AVERAGER]
+    step, value = await averager.copy_state(order, averager.log.bind(source=order.source))
+    return msgpack_response({"step": step, "digest": value})
+
+
 async def status(request: web.Request) -> web.Response:
     """``?wait=ROUND_ID``: answered once that round ended here (at most ``wait_s``, default 10 s)."""
     averager, wait = request.app[AVERAGER], request.query.get("wait")
@@ -120,6 +151,7 @@ def add_averaging_routes(app: web.Application) -> None:
     app.router.add_post("/average/start", start)
     app.router.add_post("/average/part", part)
     app.router.add_post("/average/result", result)
+    app.router.add_post("/average/copy", copy)
     app.router.add_get("/average/status", status)
     app.router.add_get("/digest", digest)
 

@@ -3,7 +3,10 @@
 The event loop only accepts, decodes, queues and answers; everything that touches the
 stage's parameters runs here, so an optimizer step never races a backward and
 ``/health`` stays responsive while the stage computes. The queue is bounded: past
-``max_queue`` waiting jobs a caller gets :class:`Overloaded` (503 with Retry-After).
+``max_queue`` waiting jobs a caller gets :class:`Overloaded` (503 with Retry-After), and
+a draining server refuses new work (:class:`Draining`). Both refuse new work only: the
+jobs of a step round (take the gradient, apply the step or give the gradient back) are
+the stage's own bookkeeping of work it already accepted, and run ``bounded=False``.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ class ComputeWorker:
         """Jobs accepted and not finished (running one included)."""
         return self._pending
 
-    async def run(self, fn: Callable[..., Any], *args: Any, work: float = 1.0) -> Any:
-        """Run ``fn(*args)`` on the compute thread. ``work`` (in forward passes) scales the
-        injected delay: a slow device is slow in proportion to the work it does."""
-        if self.draining:
+    async def run(self, fn: Callable[..., Any], *args: Any, work: float = 1.0, bounded: bool = True) -> Any:
+        """Run ``fn(*args)`` on the compute thread, after the jobs queued before it. ``work``
+        (in forward passes) scales the injected delay: a slow device is slow in proportion
+        to the work it does. ``bounded=False``: neither a full queue nor a drain refuses
+        the job (it still counts in :attr:`queue_depth`, and a drain waits for it)."""
+        if bounded and self.draining:
             raise Draining("server is draining; send new work to another replica", retry_after_s=1.0)
-        if self._pending >= self.max_queue:
+        if bounded and self._pending >= self.max_queue:
             raise Overloaded(f"compute queue full ({self._pending} >= max_queue={self.max_queue})", retry_after_s=1.0)
         self._pending += 1
         self._idle.clear()

@@ -9,6 +9,9 @@ completion is polled on ``GET /average/status`` under a bounded deadline.
 Faults: a member that dies right after accepting the round (before sending anything), a
 member whose ``/average/result`` fails (a real server behind a fault-injecting middleware),
 a real server closed right after the start, and a member of another stage that refuses.
+
+Step rounds: a member whose part came back from a backup short of the round does not step.
+The coordinator's digest check repairs drifted replicas by copying a whole state.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import socket
+from dataclasses import dataclass
 
 import aiohttp
 import pytest
@@ -27,6 +31,7 @@ from services.coordinator.averaging import start_round
 from services.stage_server.app import create_app
 from services.stage_server.averaging import REDUCE_AT, flat_parameters, split_bounds
 from services.stage_server.routes import RUNTIME, WORKER
+from services.stage_server.runtime import Accumulated
 from shared.codec import decode_tensor, encode_tensor, pack_message, unpack_message
 from tests.conftest import stage_settings
 
@@ -292,6 +297,91 @@ async def test_member_of_another_stage_refuses_and_is_left_out(serve, http_sessi
     assert (await status_of(http_session, other_url))["last_round"] is None
 
 
+# --------------------------------------------------------------------------- step rounds and repairs
+def hold_gradient(app, samples: int, seed: int, step: int = 0) -> torch.Tensor:
+    """Put a gradient of ``samples`` samples into the replica's bucket of ``step``; returns it."""
+    runtime = app[RUNTIME]
+    gradient = torch.randn(sum(p.numel() for p in runtime.params), generator=torch.Generator().manual_seed(seed))
+    runtime.give_back(Accumulated(gradient, samples, frozenset({f"mb-{seed}"})), step)
+    return gradient
+
+
+async def digest_of(session, url) -> dict:
+    async with session.get(url + "/digest") as resp:
+        assert resp.status == 200
+        return await resp.json()
+
+
+async def test_a_member_whose_part_came_from_a_backup_short_of_the_round_does_not_step(serve, http_session):
+    """Hole 3: member 0's fetch of part 1 from member 1 fails after member 1 took member 0's
+    parts. Member 1 steps with the true mean; member 0's backup of part 1 (itself) holds its own
+    gradient only: stepping on it would leave the pair apart for good. It gives its gradient back."""
+    apps, _, urls = [], [], []
+    for i, faulty in enumerate((False, True)):
+        app = create_app(stage_settings(STAGE, seed=1))
+        hold_gradient(app, samples=4 + 2 * i, seed=10 + i)
+        if faulty:
+            app.middlewares.append(failing_results)
+        _, url = await serve(app)
+        apps.append(app), urls.append(url)
+
+    round_id = await start_round(http_session, STAGE, urls, codec="fp32", timeout_s=3.0, kind="step", step=0)
+    summaries = await wait_for_round(http_session, urls, round_id, within_s=3.0)
+
+    reached, short = apps[1][RUNTIME], apps[0][RUNTIME]
+    assert reached.step == 1 and reached.stats.last_effective_batch == 10 and summaries[1]["ok"], summaries[1]
+    assert summaries[0]["part_contributors"] == [[0, 1], [0]], summaries[0]
+    assert short.step == 0 and short.pending(0) == 4 and short.stats.samples_dropped == 0
+    assert summaries[0]["verdict"] == "short_backup" and not summaries[0]["ok"]
+
+
+@dataclass(frozen=True)
+class Replica:
+    stage: int
+    url: str
+
+
+async def test_the_digest_check_repairs_drift_by_copying_a_whole_state(serve, http_session):
+    """Hole 3: two replicas at one step whose weights AND AdamW states differ. Averaging the
+    weights would leave the optimizer states apart, drifted at every check forever; the repair
+    copies the source's whole state, and the next check finds them identical. The target keeps
+    the gradient it accumulated for its next step."""
+    from services.coordinator.averaging import AveragingScheduler
+    from shared.log import get_logger
+
+    apps, _, urls = await replicas(serve, [1, 1], [0, 0])
+    for i, app in enumerate(apps):
+        app[RUNTIME].apply_step(Accumulated(hold_gradient(app, 4, seed=20 + i), 4, frozenset()))
+        app[RUNTIME].reset_accumulation()
+    source, target = sorted(urls)
+    by_url = dict(zip(urls, apps))
+    hold_gradient(by_url[target], 3, seed=30, step=1)  # the target's backward of the step to come
+    before = {url: await digest_of(http_session, url) for url in urls}
+    assert before[urls[0]]["step"] == before[urls[1]]["step"] == 1
+    assert before[urls[0]]["digest"] != before[urls[1]]["digest"]
+
+    scheduler = AveragingScheduler(
+        lambda: [Replica(STAGE, u) for u in urls], every_s=0, codec="fp32", timeout_s=10.0, log=get_logger()
+    )
+    scheduler.session = http_session
+    (repair,) = await scheduler.average_once()
+
+    assert scheduler.checks[0]["verdict"] == "drifted"
+    after = {url: await digest_of(http_session, url) for url in urls}
+    assert after[target] == after[source] == before[source]
+    assert torch.equal(await params_of(by_url[target]), await params_of(by_url[source]))
+    assert by_url[target][RUNTIME].pending(1) == 3 and by_url[target][RUNTIME].step == 1
+    assert repair.as_json() == {
+        "stage": STAGE,
+        "step": 1,
+        "source": source,
+        "targets": [target],
+        "repaired": [target],
+        "ended": 1,
+    }
+    assert await scheduler.average_once() == [] and scheduler.checks[0]["verdict"] == "identical"
+
+
 # --------------------------------------------------------------------------- bad input
 def start_msg(url, **overrides):
     return {
@@ -382,6 +472,35 @@ async def test_bad_requests_are_refused_and_leave_the_weights_alone(serve, http_
     assert torch.equal(await params_of(app), before)
 
 
+async def test_bad_copy_orders_are_refused_and_leave_the_state_alone(serve, http_session):
+    (app,), _, (url,) = await replicas(serve, [1], [12])
+    digest = (await digest_of(http_session, url))["digest"]
+    copy = url + "/average/copy"
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        nowhere = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    order = {"stage": STAGE, "source": nowhere, "step": 0, "timeout_s": 2.0}
+
+    for bad in [
+        {},
+        {**order, "source": "ftp://x"},
+        {**order, "source": 7},
+        {**order, "step": -1},
+        {**order, "step": "0"},
+        {**order, "timeout_s": 0},
+        {**order, "timeout_s": math.nan},
+        {**order, "stage": "1"},
+    ]:
+        await expect_error(http_session, copy, bad, 400)
+    await expect_error(http_session, copy, None, 415, body=b"{}", content_type="application/json")
+    await expect_error(http_session, copy, {**order, "stage": STAGE + 1}, 409)  # another stage's repair
+    await expect_error(http_session, copy, {**order, "step": 1}, 409)  # this replica is at step 0
+    await expect_error(http_session, copy, order, 502)  # the source gives no state
+    _, _, (other,) = await replicas(serve, [2], [0], num_stages=2)  # stage 1 of a 2-stage cut: other layers
+    await expect_error(http_session, copy, {**order, "source": other}, 409)
+    assert (await digest_of(http_session, url))["digest"] == digest and app[RUNTIME].version == 0
+
+
 async def test_part_and_fetch_that_come_before_the_start_are_kept(serve, http_session):
     """A member may hear from a peer before its own /average/start: the part waits for the
     round, and so does the peer's fetch of the reduction. The test plays member 1."""
@@ -409,78 +528,24 @@ async def test_part_and_fetch_that_come_before_the_start_are_kept(serve, http_se
     assert summary["part_contributors"] == [[0, 1], [0]]  # member 1 never sent its part 1 to its backup (us)
 
 
-async def test_the_coordinator_runs_rounds_and_its_metrics_show_it_moves_no_tensor(serve, http_session):
-    """The coordinator's own averaging loop starts rounds among registered replicas; its
-    /health traffic shows a few hundred bytes of control messages against the members'
-    megabyte each."""
-    from services.coordinator.app import create_app as create_coordinator
+def coordinator_settings(average_every_s: float):
     from shared.config import CoordinatorSettings
 
-    _, _, urls = await replicas(serve, [1, 2, 3], [10, 20, 30])
-    settings = CoordinatorSettings(
+    return CoordinatorSettings(
         run_id="test",
         num_stages=4,
         heartbeat_s=60.0,
         state_db=":memory:",
         mdns=False,
         coordinator="",
-        average_every_s=0.2,
+        average_every_s=average_every_s,
         averaging_timeout_s=10.0,
         rebalance_every_s=0,
     )
-    _, coordinator = await serve(create_coordinator(settings))
-    for i, url in enumerate(urls):
-        body = {
-            "run_id": "test",
-            "server_id": f"r{i}",
-            "stage": STAGE,
-            "url": url,
-            "version": "t",
-            "throughput": 1.0,
-            "queue_length": 0,
-        }
-        async with http_session.post(coordinator + "/register", json=body) as resp:
-            assert resp.status == 200
-
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 20.0
-    while not all([(await status_of(http_session, u))["rounds_completed"] >= 1 for u in urls]):
-        assert loop.time() < deadline, "no averaging round completed within 20 s"
-        await asyncio.sleep(0.05)
-    statuses = [await status_of(http_session, u) for u in urls]
-    member_bytes = min(s["last_round"]["bytes_sent"] for s in statuses)
-    async with http_session.get(coordinator + "/health") as resp:
-        traffic = (await resp.json())["traffic"]["averaging"]
-    rounds = max(s["rounds_completed"] for s in statuses) + 1  # one more may have started since
-    assert 0 < traffic["sent"] < 2048 * rounds and traffic["received"] < 2048 * rounds
-    assert member_bytes > 500 * (traffic["sent"] / rounds)
 
 
-async def test_post_average_runs_a_pass_now_and_answers_when_it_ended(serve, http_session):
-    """``POST /average`` (what a trainer asks before its final evaluation): with periodic
-    averaging off, the coordinator runs one round per stage with 2+ replicas and answers
-    once the members report it ended; the replicas then hold the weighted mean."""
-    from services.coordinator.app import create_app as create_coordinator
-    from shared.config import CoordinatorSettings
-
-    samples = [10, 30]
-    apps, _, urls = await replicas(serve, [7, 8], samples)
-    _, _, (lone,) = await replicas(serve, [9], [5])  # a second stage would be skipped: one replica
-    before = [await params_of(app) for app in apps]
-    expected = weighted_mean(before, samples)
-    settings = CoordinatorSettings(
-        run_id="test",
-        num_stages=4,
-        heartbeat_s=60.0,
-        state_db=":memory:",
-        mdns=False,
-        coordinator="",
-        average_every_s=0,
-        averaging_timeout_s=10.0,
-        rebalance_every_s=0,
-    )
-    _, coordinator = await serve(create_coordinator(settings))
-    for i, (url, stage) in enumerate([(urls[0], STAGE), (urls[1], STAGE), (lone, STAGE + 1)]):
+async def register(session, coordinator: str, replicas: list[tuple[str, int]]) -> None:
+    for i, (url, stage) in enumerate(replicas):
         body = {
             "run_id": "test",
             "server_id": f"r{i}",
@@ -490,18 +555,61 @@ async def test_post_average_runs_a_pass_now_and_answers_when_it_ended(serve, htt
             "throughput": 1.0,
             "queue_length": 0,
         }
-        async with http_session.post(coordinator + "/register", json=body) as resp:
+        async with session.post(coordinator + "/register", json=body) as resp:
             assert resp.status == 200
-    assert [(await status_of(http_session, u))["rounds_completed"] for u in urls] == [0, 0], (
-        "average_every_s=0 runs no round by itself"
-    )
+
+
+async def test_the_coordinator_repairs_drift_by_itself_and_its_metrics_show_it_moves_no_tensor(serve, http_session):
+    """The coordinator's own check loop finds registered replicas that differ and repairs them:
+    its /health traffic shows control messages only, far less than the one state a repair moves
+    between replicas."""
+    from services.coordinator.app import create_app as create_coordinator
+
+    _, _, urls = await replicas(serve, [1, 2, 3], [10, 20, 30])
+    _, coordinator = await serve(create_coordinator(coordinator_settings(average_every_s=0.2)))
+    await register(http_session, coordinator, [(url, STAGE) for url in urls])
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20.0
+    while len({(await digest_of(http_session, u))["digest"] for u in urls}) > 1:
+        assert loop.time() < deadline, "the replicas were not repaired within 20 s"
+        await asyncio.sleep(0.05)
+    async with http_session.get(coordinator + "/health") as resp:
+        traffic = (await resp.json())["traffic"]["averaging"]
+    async with http_session.get(min(urls) + "/state") as resp:
+        state_bytes = len(await resp.read())
+    assert 0 < traffic["sent"] + traffic["received"] < state_bytes / 10, (traffic, state_bytes)
+
+
+async def test_post_average_runs_a_pass_now_and_answers_when_it_ended(serve, http_session):
+    """``POST /average`` (what a trainer asks before its final evaluation): with periodic
+    checks off, the coordinator checks each stage with 2+ replicas now and answers once the
+    drifted ones were repaired: they then hold the source's whole state."""
+    from services.coordinator.app import create_app as create_coordinator
+
+    apps, _, urls = await replicas(serve, [7, 8], [10, 30])
+    _, _, (lone,) = await replicas(serve, [9], [5])  # a second stage would be skipped: one replica
+    source, target = sorted(urls)
+    by_url = dict(zip(urls, apps))
+    expected = await params_of(by_url[source])
+    _, coordinator = await serve(create_coordinator(coordinator_settings(average_every_s=0)))
+    await register(http_session, coordinator, [(urls[0], STAGE), (urls[1], STAGE), (lone, STAGE + 1)])
+    assert by_url[target][RUNTIME].version == 0, "average_every_s=0 runs no check by itself"
 
     async with http_session.post(coordinator + "/average", json={}, timeout=aiohttp.ClientTimeout(total=30)) as resp:
         assert resp.status == 200
-        (rnd,) = (await resp.json())["rounds"]
-    assert (
-        rnd["stage"] == STAGE and sorted(rnd["members"]) == sorted(urls) and rnd["accepted"] == 2 and rnd["ended"] == 2
-    )
-    for app in apps:  # answered after the round ended: no polling needed here
-        assert (await params_of(app) - expected).abs().max().item() <= 1e-6
-    assert [(await status_of(http_session, u))["last_round"]["round_id"] for u in urls] == [rnd["round_id"]] * 2
+        answer = await resp.json()
+    (check,) = answer["checks"]
+    (repair,) = answer["rounds"]
+    assert check["stage"] == STAGE and check["verdict"] == "drifted"
+    assert repair == {
+        "stage": STAGE,
+        "step": 0,
+        "source": source,
+        "targets": [target],
+        "repaired": [target],
+        "ended": 1,
+    }
+    for app in apps:  # answered after the repair ended: no polling needed here
+        assert torch.equal(await params_of(app), expected)
+    assert len({(await digest_of(http_session, u))["digest"] for u in urls}) == 1

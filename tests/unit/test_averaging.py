@@ -87,7 +87,7 @@ def test_values_sent_is_about_2_p_times_k_minus_1_over_k(P, k):
     assert max(sent) <= 2 * P * (k - 1) / k + k
 
 
-def test_load_flat_parameters_round_trips_and_bumps_version_and_drops_cache():
+def test_load_flat_parameters_round_trips_into_a_new_version_and_keeps_the_old_for_the_forward_in_flight():
     rt = StageRuntime(PRESETS["tiny"], 1, 4, seed=0)
     rt.forward("mb", 0, torch.randn(1, 4, PRESETS["tiny"].d_model), None)
     assert rt._cache
@@ -96,7 +96,8 @@ def test_load_flat_parameters_round_trips_and_bumps_version_and_drops_cache():
     new = torch.arange(flat.numel(), dtype=torch.float32) / flat.numel()
     load_flat_parameters(rt, new)
     assert torch.equal(flat_parameters(rt.params), new)
-    assert rt.version == 1 and not rt._cache
+    assert rt.version == 1 and rt._cache["mb"].version == 0 and rt.versions_kept == 2
+    assert torch.equal(flat_parameters(rt._kept[0]), flat)  # the forward's weights, untouched
     assert torch.equal(rt.params[0].reshape(-1), new[: rt.params[0].numel()])
     with pytest.raises(AssertionError):
         load_flat_parameters(rt, new[:-1])

@@ -49,7 +49,7 @@ def build_runtime(settings: StageServerSettings) -> StageRuntime:
     cfg = settings.gpt_config()
     spec = partition(cfg, settings.num_stages)[settings.stage]
     if settings.memory_check:
-        check_stage_memory(cfg, spec, settings.device)
+        check_stage_memory(cfg, spec, settings.device, max_staleness=settings.max_staleness)
     model, report = (
         load_stage_from_hf(settings.model, cfg, spec, settings.device)
         if settings.model not in PRESETS
@@ -225,7 +225,6 @@ def _stepper(app: web.Application, settings: StageServerSettings, session, log) 
         resync=resync,
         wait_round=app[AVERAGER].wait_round,
         in_round=lambda: app[AVERAGER].running,
-        wait_step=app[AVERAGER].wait_step if settings.wait_for_step else None,
         identity={
             "run_id": settings.run_id,
             "stage": settings.stage,

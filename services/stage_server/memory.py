@@ -4,7 +4,8 @@ later (petals#308).
 
 The estimate counts the stage's parameters (on the meta device: no memory) times
 :data:`BYTES_PER_PARAMETER`: fp32 weights, the gradient the optimizer step sets, AdamW's
-two moments and two gradient buckets (the step being filled and the next). Activations
+two moments and two gradient buckets (the step being filled and the next), and the older weights versions
+kept for backwards in flight (``SWARM_MAX_STALENESS`` of them at most). Activations
 come on top and depend on the trainers' microbatches, which a server does not know: the
 check is a floor, not a promise. Free memory: ``torch.cuda.mem_get_info`` on CUDA,
 ``MemAvailable`` of ``/proc/meminfo`` on CPU (Linux); where neither is known the check
@@ -20,6 +21,7 @@ import torch
 from shared.model import ModelConfig, StageSpec, stage_model
 
 BYTES_PER_PARAMETER = 4 * (1 + 1 + 2 + 2)
+BYTES_PER_KEPT_VERSION = 4  # an older weights version kept for the backwards of forwards in flight (fp32)
 
 
 def stage_parameters(cfg: ModelConfig, spec: StageSpec) -> int:
@@ -42,19 +44,28 @@ def free_memory_bytes(device: str | torch.device) -> int | None:
 
 
 def check_stage_memory(
-    cfg: ModelConfig, spec: StageSpec, device: str | torch.device, *, free_bytes: int | None = None
+    cfg: ModelConfig,
+    spec: StageSpec,
+    device: str | torch.device,
+    *,
+    max_staleness: int = 0,
+    free_bytes: int | None = None,
 ) -> int:
-    """The stage's estimated need in bytes; ValueError naming the settings if ``device`` has
-    less free (``free_bytes``, default: measured)."""
+    """The stage's estimated need in bytes, with ``max_staleness`` older weights versions kept
+    for backwards in flight (fp32 each); ValueError naming the settings if ``device`` has less
+    free (``free_bytes``, default: measured)."""
     params = stage_parameters(cfg, spec)
-    need = params * BYTES_PER_PARAMETER
+    per_parameter = BYTES_PER_PARAMETER + BYTES_PER_KEPT_VERSION * max_staleness
+    need = params * per_parameter
     free = free_memory_bytes(device) if free_bytes is None else free_bytes
     if free is not None and need > free:
         raise ValueError(
             f"stage {spec.index} of {spec.num_stages} ({params / 1e6:,.0f}M parameters, layers "
-            f"{spec.layers.start}..{spec.layers.stop - 1}) needs about {need / 2**30:.1f} GiB ({BYTES_PER_PARAMETER} "
-            "bytes per parameter: fp32 weights, gradient, AdamW moments, gradient buckets; activations on top) but "
-            f"{device} has {free / 2**30:.1f} GiB free: cut the model into more stages (SWARM_NUM_STAGES), use a "
-            "device with more memory (SWARM_DEVICE), or skip this check (SWARM_MEMORY_CHECK=false)"
+            f"{spec.layers.start}..{spec.layers.stop - 1}) needs about {need / 2**30:.1f} GiB ({per_parameter} "
+            "bytes per parameter: fp32 weights, gradient, AdamW moments, gradient buckets, and "
+            f"{max_staleness} older weights versions for backwards in flight; activations on top) but "
+            f"{device} has {free / 2**30:.1f} GiB free: cut the model into more stages (SWARM_NUM_STAGES), keep fewer "
+            "versions (SWARM_MAX_STALENESS), use a device with more memory (SWARM_DEVICE), or skip this check "
+            "(SWARM_MEMORY_CHECK=false)"
         )
     return need

@@ -70,22 +70,37 @@ class StageMetrics:
         )
         yield counter(
             "swarm_stage_stale_backwards",
-            "backwards refused (409): their forward more than SWARM_MAX_STALENESS steps old",
+            "backwards refused (409): their forward's weights not kept, or more than SWARM_MAX_STALENESS steps old",
             stats.stale_backwards,
         )
         yield counter(
             "swarm_stage_stale_gradients",
-            "backwards accumulated into a later step than that of the weights they ran on",
+            "backwards accumulated into a later step than that of the weights they ran on (at most "
+            "SWARM_MAX_STALENESS later)",
             stats.stale_gradients,
         )
         yield counter(
-            "swarm_stage_next_step_waits",
-            "backwards reserved for the next step that waited for this replica to take the current one",
-            stats.next_step_waits,
-        )
-        yield counter("swarm_stage_next_step_wait_seconds", "seconds those backwards waited", stats.next_step_wait_s)
-        yield counter(
             "swarm_stage_backward_cache_hits", "backwards that reused a cached forward graph", stats.cache_hits
+        )
+        yield counter(
+            "swarm_stage_backward_recomputes",
+            "backwards that recomputed their forward on its weights version (its graph not cached here)",
+            stats.recomputes,
+        )
+        yield counter(
+            "swarm_stage_other_weights_backwards",
+            "backwards computed on other weights than their forward's (0 by construction: a check)",
+            stats.other_weights_backwards,
+        )
+        yield gauge(
+            "swarm_stage_weight_versions_kept",
+            "weights versions held for backwards in flight, the current one included (at most SWARM_MAX_STALENESS + 1)",
+            self.runtime.versions_kept,
+        )
+        yield gauge(
+            "swarm_stage_weight_versions_kept_bytes",
+            "bytes of the older weights versions held for backwards in flight",
+            self.runtime.kept_bytes(),
         )
         yield counter("swarm_stage_compute_seconds", "seconds of forward and backward compute", stats.compute_s)
         yield counter("swarm_stage_busy_seconds", "seconds the compute worker spent on jobs", worker.busy_s)

@@ -1,24 +1,39 @@
-"""StageRuntime: one pipeline stage's weights, optimizer and gradient accumulation.
+"""StageRuntime: one pipeline stage's weights, its kept weights versions, optimizer and
+gradient accumulation.
 
 Plain logic, no networking. Every method that touches parameters is called from the
-server's single compute worker, so none of them race. Backward is stateless: it gets the
-stage input again and recomputes the forward, so any replica can serve it. A bounded
-cache of forward graphs may skip the recompute; it is used only when the weights have
-not changed since and the input is bit-identical, so the result is the same either way.
+server's single compute worker, so none of them race.
+
+**Each backward runs on its forward's weights** (PipeDream-2BW's weight stashing,
+generalised to ``max_staleness``). Every write of the weights (an optimizer step, a loaded
+state, an averaged or outer-stepped state) goes through :meth:`StageRuntime.new_version`:
+if a forward in flight here ran on the current parameter tensors, they are kept as they
+are and the write goes to fresh copies (the optimizer's state moves with them), so the
+cached graphs that hold the old tensors stay valid. A version is kept while a forward that
+ran on it waits for its backward, and only while it is within ``max_staleness`` steps of
+the stage's: at most ``max_staleness + 1`` versions, the current one included. A backward
+uses its forward's cached graph, or recomputes the forward on its forward's version (the
+graph was evicted, or another replica of a ``global`` stage ran the forward at the same
+step: replicas at one step hold identical weights); when that version is not kept here it
+is refused with :class:`StaleForward` and the trainer runs the microbatch again. No
+forward is ever recomputed on other weights than its own (``other_weights_backwards``
+counts a violation and stays 0).
 
 Steps are global (see ``stepping.py``): a backward only accumulates its gradient, into
 the bucket of the global step it was given (the coordinator hands each microbatch a
 step, so that every step holds exactly the global batch; a backward may fill the next
-step's bucket while the current one is all-reduced). The stage's replicas all-reduce a
-step's buckets, and every one of them calls :meth:`StageRuntime.apply_step` with the same
-mean gradient, so they stay bit-identical. ``solo=True`` (a server with no coordinator,
-or a test) steps on its own as soon as it alone holds the global batch.
+step's bucket while the current one is all-reduced). Its gradient, computed on version
+step ``f``, may go into bucket ``b`` with ``f <= b <= f + max_staleness`` only: the step
+``b`` takes the weights from ``b`` to ``b + 1`` with a gradient ``b - f`` steps old
+(bounded-staleness SGD; delay 0 is synchronous training). A later bucket is refused with
+:class:`StaleForward`. The stage's replicas all-reduce a step's buckets, and every one of
+them calls :meth:`StageRuntime.apply_step` with the same mean gradient, so they stay
+bit-identical. ``solo=True`` (a server with no coordinator, or a test) steps on its own as
+soon as it alone holds the global batch.
 
-Staleness is bounded: a backward says at which step its forward ran here
-(``forward_step``); one older than ``max_staleness`` steps is refused with
-:class:`StaleForward`, and the trainer runs the microbatch again. A microbatch id whose
-gradient is already accumulated (in a step not applied yet or in one of the last
-``DEDUP_STEPS``) is computed again for its input gradient but not accumulated twice.
+A microbatch id is accumulated at most once here: from its accumulation until its step is
+applied (its bucket filling, taken by a step round, or given back) and for ``DEDUP_STEPS``
+applied steps after, a backward of the same id computes its input gradient only.
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ from shared.model import ModelConfig, build_stage
 LR_SCHEDULES = ("constant", "cosine")
 NO_BUCKET = -1  # backward(bucket=NO_BUCKET): the input gradient only, nothing accumulated
 DEDUP_STEPS = 16  # a microbatch accumulated in one of this many last steps is not accumulated again (a re-run, a retry)
+MAX_FORWARDS_IN_FLIGHT = 4096  # records of forwards awaiting their backward (the oldest forgotten past this)
 
 
 class StaleForward(SwarmError):
@@ -99,9 +115,10 @@ class StageStats:
     stale_backwards: int = 0  # backwards refused: their forward was more than max_staleness steps old
     samples_dropped: int = 0  # accumulated samples that never reached a step (a failed round, a resync)
     last_effective_batch: int = 0  # samples that went into the last step's all-reduced gradient
-    stale_gradients: int = 0  # backwards accumulated into a step after that of the weights they ran on
-    next_step_waits: int = 0  # backwards reserved for the next step that waited for this replica to step
-    next_step_wait_s: float = 0.0  # seconds those backwards waited
+    stale_gradients: int = 0  # backwards accumulated into a later step than that of the weights they ran on
+    recomputes: int = 0  # backwards that recomputed their forward (on its version): the graph was not cached here
+    other_weights_backwards: int = 0  # backwards computed on other weights than their forward's: 0 by construction
+    versions_made: int = 0  # writes of the weights that kept the old tensors for forwards in flight (copies)
 
 
 @dataclass
@@ -111,6 +128,14 @@ class _Bucket:
     grad_sum: list[torch.Tensor]
     samples: int = 0
     ids: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """A forward run here whose backward may come: the weights version it ran on, and its step."""
+
+    version: int
+    step: int
 
 
 @dataclass
@@ -177,6 +202,10 @@ class StageRuntime:
         self.spec = self.model.spec
         self.params = [p for p in self.model.parameters()]
         self.param_dtype = self.params[0].dtype
+        # where each parameter sits in the model (a tied head: two places), to install a version
+        self._slots = [
+            [(m, n) for m in self.model.modules() for n, q in m._parameters.items() if q is p] for p in self.params
+        ]
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -188,7 +217,11 @@ class StageRuntime:
         self._recent_ids: deque[tuple[int, frozenset[str]]] = deque(
             maxlen=DEDUP_STEPS
         )  # (step, its microbatches) of the last steps applied
-        self.version = 0  # bumped by every change of the weights
+        self.version = 0  # the weights version: bumped by every write of the weights
+        self._kept: dict[int, list[torch.Tensor]] = {}  # older versions still needed: version -> its parameters
+        self._version_steps: dict[int, int] = {0: 0}  # version -> the stage's step when it was made
+        self._forwards: OrderedDict[str, _Forward] = OrderedDict()  # forwards whose backward may come
+        self._taken: dict[int, frozenset[str]] = {}  # step -> microbatch ids of its bucket, taken by a step round
         self.stats = StageStats()
         self._cache: OrderedDict[str, _CachedForward] = OrderedDict()
         self._cache_size = cache_size
@@ -266,6 +299,11 @@ class StageRuntime:
         self.validate(inputs, targets, None, backward=False)
         inputs, targets, _ = self._as_model_types(inputs, targets, None)
         started = time.perf_counter()
+        if keep_graph:
+            self._forwards[microbatch_id] = _Forward(self.version, self.step)
+            self._forwards.move_to_end(microbatch_id)
+            while len(self._forwards) > MAX_FORWARDS_IN_FLIGHT:
+                self._cache.pop(self._forwards.popitem(last=False)[0], None)
         if self._cache_size and keep_graph:
             leaf, output = self._run(seed, inputs, targets, grad=True)
             self._remember(microbatch_id, _CachedForward(self.version, seed, inputs, targets, leaf, output))
@@ -289,35 +327,38 @@ class StageRuntime:
     ) -> BackwardResult:
         """Accumulate this microbatch's parameter gradients (once per microbatch id) for global
         step ``bucket`` (None: the current step); return the input gradient. ``forward_step``:
-        the step at which this stage ran the microbatch's forward (None: the caller does not
-        know, e.g. the last stage's single call). A bucket of a step already applied counts
-        the samples as dropped, or (``late_to_current``) goes to the current step."""
+        the step at which this stage ran the microbatch's forward (None: the forward runs now,
+        e.g. the last stage's single call). The gradient is computed on the forward's weights
+        version (see the module's docstring); :class:`StaleForward` if that version is not kept
+        here or ``bucket`` is more than ``max_staleness`` steps after it. A bucket of a step
+        already applied counts the samples as dropped, or (``late_to_current``) goes to the
+        current step."""
         self.validate(inputs, targets, grad_outputs, backward=True)
         if forward_step is not None:
             self.check_staleness(microbatch_id, forward_step)
+        version = self._version_of(microbatch_id, forward_step)
+        weights_step = self._version_steps[version] if forward_step is None else forward_step
+        step, bucket = self.step, self.step if bucket is None else bucket
+        if late_to_current and 0 <= bucket < step:  # a replica counting its own steps: late for its step, the next
+            bucket = step
+        if bucket > weights_step + self.max_staleness:
+            self._forwards.pop(microbatch_id, None)
+            self.stats.stale_backwards += 1
+            raise StaleForward(
+                f"the gradient of {microbatch_id!r}, computed on the weights of step {weights_step}, would go into "
+                f"step {bucket} (SWARM_MAX_STALENESS={self.max_staleness}): run the microbatch again"
+            )
         inputs, targets, grad_outputs = self._as_model_types(inputs, targets, grad_outputs)
         started = time.perf_counter()
-        cached = self._cache.pop(microbatch_id, None)
-        if (
-            cached
-            and cached.version == self.version
-            and cached.seed == seed
-            and _same(cached.inputs, inputs)
-            and _same(cached.targets, targets)
-        ):
-            leaf, output = cached.leaf, cached.output
-            self.stats.cache_hits += 1
-        else:
-            leaf, output = self._run(seed, inputs, targets, grad=True)
-        wrt = self.params + ([] if self.spec.is_first else [leaf])
-        grads = torch.autograd.grad(
-            output, wrt, grad_outputs=None if self.spec.is_last else grad_outputs, allow_unused=True
-        )
-        step, bucket = self.step, self.step if bucket is None else bucket
-        if (
-            late_to_current and 0 <= bucket < step
-        ):  # a replica counting its own steps: late for its step, the next one takes it
-            bucket = step
+        params = self._params_of(version)
+        with self._installed(params):
+            leaf, output = self._graph(microbatch_id, version, seed, inputs, targets)
+            wrt = params + ([] if self.spec.is_first else [leaf])
+            grads = torch.autograd.grad(
+                output, wrt, grad_outputs=None if self.spec.is_last else grad_outputs, allow_unused=True
+            )
+        self._forwards.pop(microbatch_id, None)
+        self._forget_unused_versions()
         self.stats.backwards_run += 1
         first_bucket = self.accumulated_in(microbatch_id)
         duplicate = first_bucket is not None
@@ -330,10 +371,10 @@ class StageRuntime:
             self.stats.samples_dropped += batch
         else:
             holder = bucket
-            if bucket > step:  # computed on older weights than the step it goes into (a wait that timed out, alone)
+            if bucket > weights_step:  # bounded staleness: a gradient of older weights than the step it goes into
                 self.stats.stale_gradients += 1
             target = self._bucket(bucket)
-            for acc, g in zip(target.grad_sum, grads[: len(self.params)]):
+            for acc, g in zip(target.grad_sum, grads[: len(params)]):
                 if g is not None:
                     acc.add_(g, alpha=batch)  # gradients of the microbatch mean, weighted by its samples
             target.samples += batch
@@ -347,12 +388,53 @@ class StageRuntime:
         loss = float(output.detach()) if self.spec.is_last else None
         return BackwardResult(grad_inputs, loss, step, not duplicate and bucket >= step, holder)
 
+    def _version_of(self, microbatch_id: str, forward_step: int | None) -> int:
+        """The weights version the backward of ``microbatch_id`` runs on: its forward's here;
+        else (another replica ran it, or its record aged out) the version this replica had at
+        ``forward_step`` in ``global`` mode, where replicas at one step are identical.
+        :class:`StaleForward` when that version is not kept (``local`` mode: never another's)."""
+        if forward_step is None:
+            return self.version  # the forward runs now, with its backward
+        ran = self._forwards.get(microbatch_id)
+        if ran is not None and ran.step == forward_step:
+            return ran.version
+        if self.outer is None:
+            kept = [v for v in (*self._kept, self.version) if self._version_steps.get(v) == forward_step]
+            if kept:
+                return max(kept)
+        self.stats.stale_backwards += 1
+        raise StaleForward(
+            f"the weights that the forward of {microbatch_id!r} ran on (step {forward_step}) are not kept here "
+            f"(this stage is at step {self.step}): run the microbatch again"
+        )
+
+    def _graph(self, microbatch_id: str, version: int, seed: int, inputs, targets):
+        """(leaf, output) of the forward: the cached graph if it is this microbatch's on these
+        inputs and version, else the forward recomputed on ``version`` (installed by the caller)."""
+        cached = self._cache.pop(microbatch_id, None)
+        if (
+            cached
+            and cached.version == version
+            and cached.seed == seed
+            and _same(cached.inputs, inputs)
+            and _same(cached.targets, targets)
+        ):
+            self.stats.cache_hits += 1
+            return cached.leaf, cached.output
+        if cached is not None and cached.version != version:
+            self.stats.other_weights_backwards += 1  # never: a forward's record names the version it ran on
+        self.stats.recomputes += 1
+        return self._run(seed, inputs, targets, grad=True)
+
     def accumulated_in(self, microbatch_id: str) -> int | None:
-        """The step whose gradient already holds this microbatch (pending or among the last
-        DEDUP_STEPS applied), or None. Safe from the event loop while the compute worker
+        """The step whose gradient already holds this microbatch (pending, taken by a step round,
+        or among the last DEDUP_STEPS applied), or None. Safe from the event loop while the compute worker
         steps: it reads copies (taken whole under the GIL)."""
         for step, b in list(self._buckets.items()):
             if microbatch_id in b.ids:
+                return step
+        for step, ids in list(self._taken.items()):  # in a step round now
+            if microbatch_id in ids:
                 return step
         return next((step for step, ids in list(self._recent_ids) if microbatch_id in ids), None)
 
@@ -386,9 +468,11 @@ class StageRuntime:
 
     def take_gradients(self, step: int | None = None) -> Accumulated:
         """Hand the gradient accumulated for ``step`` (default: the current one) to the step."""
-        bucket = self._buckets.pop(self.step if step is None else step, None)
+        step = self.step if step is None else step
+        bucket = self._buckets.pop(step, None)
         if bucket is None:
             return Accumulated(torch.zeros(sum(p.numel() for p in self.params)), 0, frozenset())
+        self._taken[step] = self._taken.get(step, frozenset()) | frozenset(bucket.ids)  # still held until applied
         n = bucket.samples
         mean = (
             torch.cat([(acc / max(n, 1)).reshape(-1).to("cpu", torch.float32) for acc in bucket.grad_sum])
@@ -399,7 +483,9 @@ class StageRuntime:
 
     def give_back(self, taken: Accumulated, step: int | None = None) -> None:
         """A step round failed before anyone stepped: the gradient taken for it accumulates again."""
-        bucket, offset = self._bucket(self.step if step is None else step), 0
+        step = self.step if step is None else step
+        bucket, offset = self._bucket(step), 0
+        self._taken[step] = self._taken.get(step, frozenset()) - taken.microbatch_ids
         for acc in bucket.grad_sum:
             acc.add_(
                 taken.mean[offset : offset + acc.numel()].view_as(acc).to(acc.device, acc.dtype), alpha=taken.samples
@@ -409,39 +495,46 @@ class StageRuntime:
         bucket.ids |= taken.microbatch_ids
 
     def drop(self, taken: Accumulated) -> None:
-        """The gradient taken for a step that this replica did not take part in: lost, and counted."""
+        """The gradient taken for a step that this replica did not take part in: lost, and
+        counted; its microbatches are no longer held here (a re-run may accumulate them)."""
         self.stats.samples_dropped += taken.samples
+        self._taken = {k: ids - taken.microbatch_ids for k, ids in self._taken.items() if ids - taken.microbatch_ids}
 
     def apply_step(self, gradient: Accumulated) -> None:
         """One global step with ``gradient.mean`` (the stage's all-reduced mean gradient): clip,
-        schedule, AdamW. Every replica that calls it with the same values stays identical."""
-        offset = 0
-        for p in self.params:
-            p.grad = gradient.mean[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype)
-            offset += p.numel()
-        assert offset == gradient.mean.numel(), f"a step needs {offset} gradient values, got {gradient.mean.numel()}"
-        norm = torch.nn.utils.clip_grad_norm_(
-            self.params, self.optim_cfg.max_grad_norm if self.optim_cfg.max_grad_norm > 0 else math.inf
-        )
-        self.stats.last_grad_norm = float(norm)
-        if 0 < self.optim_cfg.max_grad_norm < self.stats.last_grad_norm:
-            self.stats.clipped_steps += 1
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.optim_cfg.lr_at(self.step)
-        self.optimizer.step()
-        for p in self.params:
-            p.grad = None
-        self._recent_ids.append((self.step, gradient.microbatch_ids))
-        self.stats.last_effective_batch = gradient.samples
-        self.stats.optimizer_steps += 1
+        schedule, AdamW, into a new weights version. Every replica that calls it with the same
+        values stays identical. A step of no sample is refused (``AssertionError``): momentum
+        and weight decay would move the weights with nothing learned."""
+        assert gradient.samples > 0, "a global step needs a gradient of at least one sample"
+        with self.new_version():
+            offset = 0
+            for p in self.params:
+                p.grad = gradient.mean[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype)
+                offset += p.numel()
+            assert offset == gradient.mean.numel(), (
+                f"a step needs {offset} gradient values, got {gradient.mean.numel()}"
+            )
+            norm = torch.nn.utils.clip_grad_norm_(
+                self.params, self.optim_cfg.max_grad_norm if self.optim_cfg.max_grad_norm > 0 else math.inf
+            )
+            self.stats.last_grad_norm = float(norm)
+            if 0 < self.optim_cfg.max_grad_norm < self.stats.last_grad_norm:
+                self.stats.clipped_steps += 1
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.optim_cfg.lr_at(self.step)
+            self.optimizer.step()
+            for p in self.params:
+                p.grad = None
+            self._recent_ids.append((self.step, gradient.microbatch_ids | self._taken.pop(self.step, frozenset())))
+            self.stats.last_effective_batch = gradient.samples
+            self.stats.optimizer_steps += 1
         for old in [k for k in self._buckets if k < self.step]:  # came in after their step was taken
             self.drop(self.take_gradients(old))
-        self.weights_changed()
 
     def pass_step(self) -> None:
         """Global step taken without a gradient of this replica (``local`` mode: it served no
         sample of it): the step counter moves, the weights and the optimizer do not."""
-        self._recent_ids.append((self.step, frozenset()))
+        self._recent_ids.append((self.step, self._taken.pop(self.step, frozenset())))
         self.stats.last_effective_batch = 0
         self.stats.optimizer_steps += 1
         for old in [k for k in self._buckets if k < self.step]:
@@ -492,11 +585,75 @@ class StageRuntime:
             name: acc / max(bucket.samples, 1) for (name, _), acc in zip(self.model.named_parameters(), bucket.grad_sum)
         }
 
-    def weights_changed(self) -> None:
-        """Call after the weights were changed from outside (averaging, a loaded state):
-        a new version, and the cached forward graphs, which hold the old weights, dropped."""
+    @contextlib.contextmanager
+    def new_version(self):
+        """Around every write of the weights (an optimizer step, a loaded, averaged or
+        outer-stepped state): the write makes a new weights version. If a forward in flight
+        ran on the current parameters (its backward will need them), they are kept as they are
+        and the write goes to copies, which the model and the optimizer (its state moved over)
+        hold from now on; else the write goes to them in place. Frozen parameters are shared by
+        every version."""
+        if any(f.version == self.version for f in self._forwards.values()):
+            old = self.params
+            self._kept[self.version] = old
+            new = [torch.nn.Parameter(p.detach().clone()) if p.requires_grad else p for p in old]
+            fresh = {id(p): q for p, q in zip(old, new)}
+            for group in self.optimizer.param_groups:
+                group["params"] = [fresh.get(id(p), p) for p in group["params"]]
+            for p, q in zip(old, new):
+                if p is not q and p in self.optimizer.state:
+                    self.optimizer.state[q] = self.optimizer.state.pop(p)
+            self.params = new
+            self._install(new)
+            self.stats.versions_made += 1
+        yield
         self.version += 1
-        self._cache.clear()
+        self._version_steps[self.version] = self.step
+        self._forget_unused_versions()
+
+    @property
+    def versions_kept(self) -> int:
+        """Weights versions held in memory, the current one included (at most ``max_staleness + 1``)."""
+        return 1 + len(self._kept)
+
+    def kept_bytes(self) -> int:
+        """Bytes of the older weights versions kept for backwards in flight."""
+        return sum(p.numel() * p.element_size() for params in self._kept.values() for p in params if p.requires_grad)
+
+    def _params_of(self, version: int) -> list[torch.Tensor]:
+        return self.params if version == self.version else self._kept[version]
+
+    @contextlib.contextmanager
+    def _installed(self, params: list[torch.Tensor]):
+        """The model computes with ``params`` (a kept version's) inside, the current ones after.
+        A checkpointed block recomputed during the backward then uses its forward's weights too."""
+        if params is self.params:
+            yield
+            return
+        self._install(params)
+        try:
+            yield
+        finally:
+            self._install(self.params)
+
+    def _install(self, params: list[torch.Tensor]) -> None:
+        for p, slots in zip(params, self._slots):
+            for module, name in slots:
+                module._parameters[name] = p
+
+    def _forget_unused_versions(self) -> None:
+        """Drop what no backward can use any more: records of forwards more than
+        ``max_staleness`` steps old, cached graphs whose record is gone, versions that no
+        recorded forward ran on."""
+        oldest = self.step - self.max_staleness
+        for mb in [mb for mb, f in self._forwards.items() if f.step < oldest]:
+            del self._forwards[mb]
+        for mb in [mb for mb in self._cache if mb not in self._forwards]:
+            del self._cache[mb]
+        needed = {f.version for f in self._forwards.values()}
+        for version in [v for v in self._kept if v not in needed]:
+            del self._kept[version]
+        self._version_steps = {v: s for v, s in self._version_steps.items() if v in self._kept or v == self.version}
 
     def catch_up(self, step: int) -> None:
         """Take global step ``step`` with the weights as they are: the replicas that held the
@@ -504,13 +661,15 @@ class StageRuntime:
         if step > self.step:
             self.reset_accumulation()
             self.stats.optimizer_steps = step
+            self._forget_unused_versions()
 
     def reset_accumulation(self) -> None:
-        """Drop the accumulated gradients too (a state replaced the stage's training); they are counted as dropped."""
+        """Drop the accumulated gradients (a state replaced the stage's training, or its step
+        numbers moved); they are counted as dropped."""
         for step in list(self._buckets):
             self.drop(self.take_gradients(step))
+        self._taken.clear()
         self._recent_ids.clear()
-        self.weights_changed()
 
     @property
     def pending_samples(self) -> int:

@@ -64,25 +64,26 @@ def load_stage_state(runtime: StageRuntime, tensors: dict[str, torch.Tensor], me
 
     Everything is checked first: a state of another stage or model raises
     :class:`WrongStage`, a malformed one :class:`BadPayload`, and either leaves the
-    runtime untouched. Loading drops the accumulated gradients and cached forward graphs
-    (they belong to the old weights) and bumps ``runtime.version``.
+    runtime untouched. Loading makes a new weights version (the old one stays for the
+    backwards of forwards in flight) and drops the accumulated gradients.
     """
     adam_step = _validate(runtime, tensors, metadata)
-    with torch.no_grad():
+    with runtime.new_version():
+        with torch.no_grad():
+            for name, p in _named_params(runtime):
+                p.copy_(tensors[name])
+        runtime.optimizer.state.clear()
         for name, p in _named_params(runtime):
-            p.copy_(tensors[name])
-    runtime.optimizer.state.clear()
-    for name, p in _named_params(runtime):
-        if name in adam_step:
-            # the entries AdamW creates on its first step, holding the peer's values
-            runtime.optimizer.state[p] = {
-                "step": torch.tensor(float(adam_step[name]), dtype=torch.float32),
-                **{
-                    m: tensors[f"{OPTIM_PREFIX}{name}/{m}"].to(device=p.device, dtype=p.dtype, copy=True)
-                    for m in _MOMENTS
-                },
-            }
-    runtime.stats.optimizer_steps = metadata["optimizer_steps"]
+            if name in adam_step:
+                # the entries AdamW creates on its first step, holding the peer's values
+                runtime.optimizer.state[p] = {
+                    "step": torch.tensor(float(adam_step[name]), dtype=torch.float32),
+                    **{
+                        m: tensors[f"{OPTIM_PREFIX}{name}/{m}"].to(device=p.device, dtype=p.dtype, copy=True)
+                        for m in _MOMENTS
+                    },
+                }
+        runtime.stats.optimizer_steps = metadata["optimizer_steps"]
     if runtime.outer is not None:
         if OUTER_ANCHOR in tensors:
             runtime.outer.reset(tensors[OUTER_ANCHOR], tensors[OUTER_MOMENTUM])

@@ -83,18 +83,18 @@ def test_dropout_is_seeded_by_the_request():
     assert not torch.equal(rt.forward("a", 1, x, None), rt.forward("a", 2, x, None))
 
 
-def test_cache_is_not_used_after_the_weights_changed_or_for_another_input():
+def test_a_cached_graph_stays_valid_after_a_step_and_is_not_used_for_another_input():
     rt = runtime(global_batch=2)
     x = hidden()
     rt.forward("a", 0, x, None)
     rt.forward("b", 0, x, None)
-    rt.backward("a", 0, x, None, hidden(seed=1))  # 2 samples: optimizer step, cache cleared
-    assert rt.stats.cache_hits == 1 and rt.version == 1
-    rt.backward("b", 0, x, None, hidden(seed=1))
-    assert rt.stats.cache_hits == 1  # "b" was cached with the old weights: recomputed
+    rt.backward("a", 0, x, None, hidden(seed=1), forward_step=0)  # 2 samples: optimizer step, a new version
+    assert rt.stats.cache_hits == 1 and rt.version == 1 and rt.versions_kept == 2
+    rt.backward("b", 0, x, None, hidden(seed=1), forward_step=0)
+    assert rt.stats.cache_hits == 2 and rt.versions_kept == 1  # its forward's weights, kept for it, then let go
     rt.forward("c", 0, x, None)
-    rt.backward("c", 0, hidden(seed=5), None, hidden(seed=1))  # same id, another input
-    assert rt.stats.cache_hits == 1
+    rt.backward("c", 0, hidden(seed=5), None, hidden(seed=1), forward_step=rt.step)  # same id, another input
+    assert rt.stats.cache_hits == 2 and rt.stats.other_weights_backwards == 0
 
 
 def test_cache_is_bounded():
@@ -192,6 +192,7 @@ def test_a_duplicate_says_which_step_holds_its_microbatch_also_after_that_step_w
 def test_a_backward_whose_forward_is_too_old_is_refused_before_it_touches_anything():
     rt = runtime(global_batch=2)
     rt.backward("a", 0, hidden(), None, hidden(seed=1))  # step 1
+    rt.forward("c", 0, hidden(), None)  # at step 1: its weights are kept for its backward
     rt.backward("b", 0, hidden(seed=2), None, hidden(seed=3))  # step 2
     assert rt.step == 2
     rt.backward("c", 0, hidden(), None, hidden(seed=1), forward_step=1)  # 1 step old: within the bound (and step 3)
@@ -257,7 +258,7 @@ def test_catching_up_takes_the_step_number_keeps_the_weights_and_drops_what_was_
     before, version = weights(rt), rt.version
     assert rt.pending_samples == 2
     rt.catch_up(5)
-    assert rt.step == 5 and rt.pending_samples == 0 and rt.version == version + 1
+    assert rt.step == 5 and rt.pending_samples == 0 and rt.version == version  # the weights did not change
     assert all(torch.equal(v, rt.model.state_dict()[k]) for k, v in before.items())
     rt.catch_up(3)  # never backwards
     assert rt.step == 5

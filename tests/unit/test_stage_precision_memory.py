@@ -38,6 +38,20 @@ def test_a_stage_too_large_is_refused_naming_the_settings():
     check_stage_memory(cfg, partition(cfg, 8)[3], "cuda:0", free_bytes=80 * GiB)  # an eighth fits
 
 
+def test_the_kept_weights_versions_are_counted_and_named_in_the_refusal():
+    cfg = PRESETS["llama-7b"]
+    spec = partition(cfg, 8)[3]
+    params = stage_parameters(cfg, spec)
+    assert check_stage_memory(cfg, spec, "cpu", max_staleness=2, free_bytes=10**15) == params * (
+        BYTES_PER_PARAMETER + 2 * 4
+    )
+    fits_one_version = params * BYTES_PER_PARAMETER + 1
+    check_stage_memory(cfg, spec, "cuda:0", max_staleness=0, free_bytes=fits_one_version)
+    with pytest.raises(ValueError, match="SWARM_MAX_STALENESS") as exc:
+        check_stage_memory(cfg, spec, "cuda:0", max_staleness=1, free_bytes=fits_one_version)
+    assert "1 older weights versions" in str(exc.value)
+
+
 def test_on_this_cpu_the_check_reads_free_memory_and_refuses_a_whole_7b_before_allocating():
     free = free_memory_bytes("cpu")
     if free is None:

@@ -39,6 +39,16 @@ CREATE TABLE IF NOT EXISTS servers (
 )
 """
 _COLUMNS = "server_id, stage, url, version, throughput, queue_length, registered_at, last_heartbeat"
+# the global steps' duplicate window (services/coordinator/steps.py): microbatch ids each stage holds
+_STEP_WINDOW_SCHEMA = """
+CREATE TABLE IF NOT EXISTS step_window (
+    stage          INTEGER NOT NULL,
+    microbatch_id  TEXT NOT NULL,
+    step           INTEGER NOT NULL,
+    url            TEXT NOT NULL,
+    PRIMARY KEY (stage, microbatch_id)
+)
+"""
 
 
 class UnknownServer(SwarmError):
@@ -146,6 +156,7 @@ class Registry:
         with self._db:
             self._db.execute(_SCHEMA)
             self._db.execute("CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            self._db.execute(_STEP_WINDOW_SCHEMA)
         (top,) = self._db.execute("SELECT MAX(stage) FROM servers").fetchone()
         if top is not None and top >= self.num_stages:
             raise ValueError(
@@ -187,6 +198,38 @@ class Registry:
             "checkpoint": self._run_value("checkpoint"),
             "assignment": assignment,
         }
+
+    def save_step_window(self, journal: list[tuple]) -> bool:
+        """Apply the changes of the global steps' duplicate window, in order, in one
+        transaction (``StepCounter.journal``'s hold, release and prune entries); False if the
+        file refused them (e.g. a full disk)."""
+        try:
+            with self._db:
+                for op, stage, *args in journal:
+                    if op == "hold":
+                        mb, step, url = args
+                        self._db.execute(
+                            "INSERT OR REPLACE INTO step_window (stage, microbatch_id, step, url) VALUES (?, ?, ?, ?)",
+                            (stage, mb, step, url),
+                        )
+                    elif op == "release":
+                        self._db.execute(
+                            "DELETE FROM step_window WHERE stage = ? AND microbatch_id = ?", (stage, *args)
+                        )
+                    elif op == "prune":
+                        self._db.execute("DELETE FROM step_window WHERE stage = ? AND step < ?", (stage, *args))
+                    else:
+                        raise ValueError(f"unknown change of the step window: {op!r}")
+        except sqlite3.Error:
+            return False
+        return True
+
+    def step_window(self) -> list[tuple[int, str, int, str]]:
+        """The duplicate window as saved: (stage, microbatch id, step, replica URL) rows."""
+        return self._db.execute(
+            "SELECT stage, microbatch_id, step, url FROM step_window WHERE stage < ? ORDER BY stage, step",
+            (self.num_stages,),
+        ).fetchall()
 
     def _run_value(self, key: str, default=None):
         row = self._db.execute("SELECT value FROM run WHERE key = ?", (key,)).fetchone()

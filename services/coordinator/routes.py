@@ -16,12 +16,15 @@ unknown fields are ignored, so old and new servers interoperate::
     POST /deregister {server_id} -> {removed}
     GET  /swarm      -> {run_id, num_stages, heartbeat_s, lease_s, stages: [{stage, capacity, replicas,
                          step: {step, reserved, accumulated, global_batch, round, samples_dropped,
-                                last_effective_batch}}]}
-    POST /step/reserve {run_id, stage, url, step, samples, global_batch}
-                     -> {bucket, closes, resync, catch_up, complete, step}
-    POST /step/done  {run_id, stage, url, step, bucket, reserved, samples, global_batch} -> {round, step}
-                     global steps: which step a backward's gradient goes to, and what it
-                     accumulated; the step round starts once a step is complete (steps.py)
+                                duplicates_refused, last_effective_batch, steps_lost}}]}
+    POST /step/reserve {run_id, stage, url, step, samples, global_batch, microbatch_id, until_step?}
+                     -> {verdict, bucket, step, replicas}
+    POST /step/done  {run_id, stage, url, step, bucket, reserved, samples, global_batch, microbatch_id,
+                      closes?} -> {round, step}
+                     global steps: which step a backward's gradient goes to (or a verdict
+                     without one: resync, catch_up, complete, duplicate), and what it
+                     accumulated; the step round starts once a step is complete (steps.py,
+                     the messages in shared/step_protocol.py)
     GET  /health     -> {status: "ok", servers}
     GET  /metrics, GET /, GET /dashboard.json, POST /progress: metrics.py, dashboard_routes.py
     GET  /v1/models, POST /v1/completions, POST /v1/chat/completions: the OpenAI-compatible
@@ -46,11 +49,12 @@ from services.coordinator.averaging import AveragingScheduler
 from services.coordinator.checkpointer import Checkpointer
 from services.coordinator.placement import Joiner, placement_inputs, stage_for_joiner, uses_topology
 from services.coordinator.registry import Registry, check_region, check_report, check_rtt
-from services.coordinator.steps import StepScheduler, check_step_report
+from services.coordinator.steps import StepScheduler
 from shared import checkpoint
 from shared.config import CoordinatorSettings
 from shared.errors import BadPayload, Overloaded, SwarmError
 from shared.http import read_body
+from shared.step_protocol import DoneReport, ReserveRequest
 
 SETTINGS = web.AppKey("settings", CoordinatorSettings)
 REGISTRY = web.AppKey("registry", Registry)
@@ -206,32 +210,22 @@ async def run(request: web.Request) -> web.Response:
 
 
 async def step_reserve(request: web.Request) -> web.Response:
-    """``POST /step/reserve`` {run_id, stage, url, step, samples, global_batch, until_step?} from
-    a replica about to run a backward -> {bucket, closes, resync, complete, step}: see ``steps.py``."""
+    """``POST /step/reserve`` {run_id, stage, url, step, samples, global_batch, microbatch_id, until_step?}
+    from a replica about to run a backward -> {verdict, bucket, step, replicas}: see ``steps.py``."""
     msg = await read_json(request)
     _check_run(request, msg)
-    stage, url, step, samples, global_batch = check_step_report(
-        msg, request.app[REGISTRY].num_stages, ("step", "samples", "global_batch")
-    )
-    until_step = msg.get("until_step")
-    if until_step is not None and (type(until_step) is not int or until_step < 1):
-        raise BadPayload("'until_step' must be an int >= 1")
-    return web.json_response(await request.app[STEPS].reserve(stage, url, step, samples, global_batch, until_step))
+    req = ReserveRequest.from_json(msg, request.app[REGISTRY].num_stages)
+    return web.json_response(await request.app[STEPS].reserve(req))
 
 
 async def step_done(request: web.Request) -> web.Response:
-    """``POST /step/done`` {run_id, stage, url, step, bucket, reserved, samples, global_batch, closes?}
-    after the backward -> {round, step}: the step's round (a report that ``closes`` its step
-    is answered once the round started)."""
+    """``POST /step/done`` {run_id, stage, url, step, bucket, reserved, samples, global_batch,
+    microbatch_id, closes?} after the backward -> {round, step}: the step's round (a report that
+    ``closes`` its step is answered once the round started)."""
     msg = await read_json(request)
     _check_run(request, msg)
-    fields = ("step", "bucket", "reserved", "samples", "global_batch")
-    closes = msg.get("closes", False)
-    if type(closes) is not bool:
-        raise BadPayload("'closes' must be a bool")
-    return web.json_response(
-        await request.app[STEPS].done(*check_step_report(msg, request.app[REGISTRY].num_stages, fields), closes=closes)
-    )
+    report = DoneReport.from_json(msg, request.app[REGISTRY].num_stages)
+    return web.json_response(await request.app[STEPS].done(report))
 
 
 async def average_now(request: web.Request) -> web.Response:

@@ -3,20 +3,43 @@ when a stage's replicas all-reduce and step.
 
 Every global step of a stage holds the run's global batch (``SWARM_GLOBAL_BATCH``
 samples), whatever the replicas and trainers. Before a replica runs a backward it asks
-which step the microbatch's gradient goes to (``POST /step/reserve``): the stage's step
-until its reservations reach the global batch (the reservation that gets there ``closes``
-it), then the next one. Only one step ahead of the stage's is handed out: a reservation
-past that waits until the stage steps, bounded by ``step_timeout_s``. After
-the backward the replica says what it accumulated (``POST /step/done``; 0 samples for a
-duplicate or a failed backward, which gives the reservation back). Once every sample
-reserved for the stage's step is accumulated, the coordinator starts a ``step`` round
-among the stage's live replicas (the butterfly all-reduce of the stage server's
-``averaging.py``; the coordinator moves no tensor), waits until the members report it
-ended, and moves the stage to the step they reached. Reservations still out
-``step_timeout_s`` after the step closed (a replica died with them) are given up: the
-round starts with what was accumulated, and the step holds fewer samples. A given-up
-reservation counts in ``samples_dropped`` if its replica reports it later; one whose
-replica died does not (its backward failed there, and the trainer runs it again).
+which step the microbatch's gradient goes to (``POST /step/reserve``; the messages and the
+verdict are in ``shared/step_protocol.py``): the stage's step until its reservations reach
+the global batch (the reservation that gets there ``closes`` it), then the next one. Only
+one step ahead of the stage's is handed out: a reservation past that waits until the stage
+steps, bounded by ``step_timeout_s``. After the backward the replica says what it
+accumulated (``POST /step/done``; 0 samples for a failed backward, which gives the
+reservation back). Once every sample reserved for the stage's step is accumulated, the
+coordinator starts a ``step`` round among the stage's live replicas (the butterfly
+all-reduce of the stage server's ``averaging.py``; the coordinator moves no tensor), waits
+until the members report it ended, and moves the stage to the step they reached.
+Reservations still out ``step_timeout_s`` after the step closed (a replica died with them)
+are given up: the round starts with what was accumulated, and the step holds fewer samples.
+
+A microbatch the coordinator admitted for a step (``admitted_step``, see ``admission.py``)
+goes into that step, or into the next open one if the stage took it meanwhile or it is full;
+never into an earlier one: a reservation for a step the stage has not opened yet is held
+until it opens. So a gradient goes into a step at most the admission's lookahead
+(``SWARM_MAX_STALENESS``, 0 with ``SWARM_SCHEDULE=sync``) after the step of the weights its
+forward ran on, on every stage.
+
+A reservation is for one microbatch, and lives until its replica reports it or it is given
+up. Only a live reservation's report changes what the step has reserved. A report of a
+reservation given up (its replica was slow, not dead), or made with this coordinator's
+predecessor, comes after the fact: its samples count in their step like a reservation would
+(while the step is below its global batch), else in ``samples_dropped``. So a step counts at
+most the global batch plus one microbatch (the reservation that closes it may overshoot).
+
+Each microbatch counts at most once per stage, whichever replica runs its backward: a trainer
+retries a backward that timed out on another replica, or a chain sends a hop on to an
+alternate, while the first one still computes. The coordinator holds the id of every
+microbatch reserved at a stage, while its reservation is out and then for ``WINDOW_STEPS``
+steps after the one it went into, and answers another reservation of it ``duplicate``
+(counted in ``duplicates_refused``): that backward returns its input gradient and
+accumulates nothing. A reservation given back (0 samples) or given up releases its id, so
+that the microbatch run again counts. The window is kept in the run's state file (the
+registry's SQLite), so a restarted coordinator still refuses the duplicates of its
+predecessor's reservations.
 
 A replica at an older step than its stage's is told to take a live replica's state
 (``resync``); a newer one (this coordinator restarted) moves the stage's count forward.
@@ -27,7 +50,10 @@ completed alone), nobody can give that state: the replica is told to catch up
 steps in between are lost (``step.caught_up``, counted in ``steps_lost``), and every
 stage's step count stays the run's, rather than waiting forever for a state that is gone.
 A replica that could not reach the coordinator accumulates into its current step and
-reports it afterwards (``reserved: 0``): that step may then hold more than the global batch.
+reports it afterwards (``reserved: 0``, no microbatch named): such samples count on top of
+the reserved ones, at most one global batch of them per step (the replicas' shares of a
+step they fill alone add up to it); the rest count in ``samples_dropped``. A step thus
+counts at most two global batches and one microbatch.
 
 :class:`StepCounter` is the plain logic; :class:`StepScheduler` runs it with HTTP.
 """
@@ -36,18 +62,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import aiohttp
 
 from services.coordinator.averaging import StageRound, start_round, wait_round_ended
-from shared.errors import BadPayload, Draining, Overloaded, SwarmError
+from shared.errors import Draining, Overloaded, SwarmError
+from shared.step_protocol import DoneReport, ReserveAnswer, ReserveRequest, Verdict
 
 STARTING = "<starting>"  # round_id while a round's start messages are on their way
 CHECK_EVERY_S = 0.5  # how often stalled steps are looked for
 RETRY_FAILED_ROUND_S = 1.0  # a step round that nobody completed is tried again after this
+WINDOW_STEPS = 16  # a microbatch accumulated into a step is refused again for this many steps after it
 
 
 class GlobalBatchMismatch(SwarmError):
@@ -57,25 +87,43 @@ class GlobalBatchMismatch(SwarmError):
     code = "global_batch_mismatch"
 
 
+@dataclass(frozen=True)
+class Claim:
+    """A live reservation: its replica and samples."""
+
+    url: str
+    samples: int
+
+
 @dataclass
 class StageCount:
-    """A stage's step and the samples reserved and accumulated for its next steps."""
+    """A stage's step and the samples reserved and accumulated for its next steps.
+
+    Invariants, for every step k: ``reserved[k] == done[k] + sum of claims[k]``; the samples
+    counted through reservations (``done[k] - unreserved[k]`` once reported) stay below the
+    global batch plus one microbatch, and ``unreserved[k] <= global_batch``; a microbatch id
+    is counted in at most one step (``held``)."""
 
     step: int = 0  # global steps the stage has taken (as its replicas reported them)
     global_batch: int = 0  # from the first report (0: none yet)
     reserved: dict[int, int] = field(default_factory=dict)  # step -> samples reserved (accumulated ones included)
     done: dict[int, int] = field(default_factory=dict)  # step -> samples accumulated
+    unreserved: dict[int, int] = field(default_factory=dict)  # step -> of those, reported without a reservation
     closed_at: dict[int, float] = field(default_factory=dict)  # step -> when its reservations reached the global batch
     round_id: str | None = None  # the step round running, if any
     replica_steps: dict[str, int] = field(default_factory=dict)  # replica URL -> the step it last reported
     last_seen: dict[str, float] = field(
         default_factory=dict
     )  # replica URL -> when it last reported (alive, registered or not)
-    outstanding: dict[int, dict[str, int]] = field(
+    claims: dict[int, dict[str, Claim]] = field(
         default_factory=dict
-    )  # step -> replica URL -> samples reserved, not reported yet
+    )  # step -> microbatch id -> live reservation, not reported yet
+    held: dict[str, tuple[int, str]] = field(
+        default_factory=dict
+    )  # microbatch id -> (step, replica URL) it is reserved or accumulated in: the duplicate window
     not_before: float = 0.0  # a failed round is not retried before this time
-    samples_dropped: int = 0  # accumulated samples that missed their step (replicas that did not step, late reports)
+    samples_dropped: int = 0  # accumulated samples not counted in their step (late, past its room, not in its round)
+    duplicates_refused: int = 0  # reservations refused: the stage held their microbatch already
     steps_lost: list[tuple[int, int]] = field(
         default_factory=list
     )  # (from, to) of each catch-up: the updates of those steps were lost with the replicas that held them
@@ -84,28 +132,20 @@ class StageCount:
     def closed(self, step: int) -> bool:
         return step in self.closed_at
 
-
-@dataclass(frozen=True)
-class ReserveAnswer:
-    bucket: int | None  # the step the microbatch's gradient goes to; None: resync, catch up, or wait
-    closes: bool = False
-    resync: bool = False
-    complete: bool = False
-    catch_up: bool = False  # behind, and no live replica holds the stage's step: take its number, lose its updates
-
-    def as_json(self, stage_step: int) -> dict:
-        return {
-            "bucket": self.bucket,
-            "closes": self.closes,
-            "resync": self.resync,
-            "complete": self.complete,
-            "catch_up": self.catch_up,
-            "step": stage_step,
-        }
+    def outstanding(self, step: int) -> dict[str, int]:
+        """Replica URL -> samples it reserved for ``step`` and has not reported yet."""
+        by_url: dict[str, int] = {}
+        for claim in self.claims.get(step, {}).values():
+            by_url[claim.url] = by_url.get(claim.url, 0) + claim.samples
+        return by_url
 
 
 class StepCounter:
-    """Per-stage reservations and the decision to step; ``clock`` is monotonic seconds."""
+    """Per-stage reservations and the decision to step; ``clock`` is monotonic seconds.
+
+    Changes to the duplicate window are appended to ``journal`` (``("hold", stage, id,
+    step, url)``, ``("release", stage, id)``, ``("prune", stage, below_step)``, in order) for
+    the caller to persist; :meth:`restore_held` puts a persisted window back."""
 
     def __init__(
         self, num_stages: int, *, timeout_s: float, lease_s: float = 0.0, clock: Callable[[], float] = time.monotonic
@@ -114,6 +154,7 @@ class StepCounter:
         (a restarted coordinator's registry fills again as the servers heartbeat)."""
         self.stages = [StageCount() for _ in range(num_stages)]
         self.timeout_s, self.lease_s, self.clock = timeout_s, lease_s, clock
+        self.journal: list[tuple] = []
 
     def _check(self, stage: int, url: str, replica_step: int, global_batch: int) -> StageCount:
         st = self.stages[stage]
@@ -129,77 +170,110 @@ class StepCounter:
         if (
             replica_step > st.step and st.round_id is None
         ):  # its replicas are further than we know (e.g. after a restart)
-            self._advance(st, replica_step)
+            self._advance(stage, replica_step)
         return st
 
     def reserve(
-        self,
-        stage: int,
-        url: str,
-        replica_step: int,
-        samples: int,
-        global_batch: int,
-        until_step: int | None = None,
-        live: Iterable[str] | None = None,
-        reported: Mapping[str, int] | None = None,
+        self, req: ReserveRequest, live: Iterable[str] | None = None, reported: Mapping[str, int] | None = None
     ) -> ReserveAnswer:
-        """The step a microbatch of ``samples`` gets, or None: the replica must resync
-        (``resync``), the trainer's run ends before that step (``complete``: its ``until_step``
-        steps are all reserved and accumulated), or the stage is a whole step ahead already, or
-        the run's last step still has reservations out (wait: one given back opens that step
-        again, and a backward told ``complete`` meanwhile would leave it short for good).
-        ``live`` (the stage's registered replicas) and ``reported`` (URL -> the step of their
-        registration or heartbeat): a replica behind its stage when none of them, nor any that
-        reported within the lease, holds the stage's step is told to catch up instead."""
-        st = self._check(stage, url, replica_step, global_batch)
-        if replica_step < st.step:
-            if live is None or st.round_id is not None or self._holds_the_step(st, url, live, reported or {}):
-                return ReserveAnswer(None, resync=True)
-            st.steps_lost.append((replica_step, st.step))
-            st.replica_steps[url] = st.step
-            return ReserveAnswer(None, catch_up=True)
+        """The verdict on a microbatch's backward: the step its gradient goes to (``reserved``,
+        ``closes``), or: the replica must ``resync``; the stage holds the microbatch already
+        (``duplicate``); the trainer's run ends before that step (``complete``: its
+        ``until_step`` steps are all reserved and accumulated); or ``wait``: the stage is a
+        whole step ahead already, or the run's last step still has reservations out (one
+        given back opens that step again, and a backward told ``complete`` meanwhile would
+        leave it short for good). ``live`` (the stage's registered replicas) and ``reported``
+        (URL -> the step of their registration or heartbeat): a replica behind its stage when
+        none of them, nor any that reported within the lease, holds the stage's step is told
+        to ``catch_up`` instead."""
+        st = self._check(req.stage, req.url, req.step, req.global_batch)
+        if req.step < st.step:
+            if live is None or st.round_id is not None or self._holds_the_step(st, req.url, live, reported or {}):
+                return ReserveAnswer(Verdict.RESYNC, None, st.step)
+            st.steps_lost.append((req.step, st.step))
+            st.replica_steps[req.url] = st.step
+            return ReserveAnswer(Verdict.CATCH_UP, None, st.step)
+        if req.microbatch_id in st.held:
+            st.duplicates_refused += 1
+            return ReserveAnswer(Verdict.DUPLICATE, None, st.step)
         open_steps = ([] if st.round_id is not None else [st.step]) + [
             st.step + 1
         ]  # the round running took its step's buckets
-        k = next((k for k in open_steps if st.reserved.get(k, 0) < st.global_batch), None)
+        floor = req.admitted_step if req.admitted_step is not None else st.step  # never before its admitted step
+        k = next((k for k in open_steps if k >= floor and st.reserved.get(k, 0) < st.global_batch), None)
         if k is None:
-            return ReserveAnswer(None)  # a whole step ahead already: wait
-        if until_step is not None and k >= until_step:
-            if any(st.reserved.get(j, 0) > st.done.get(j, 0) for j in open_steps if j < until_step):
-                return ReserveAnswer(None)  # the run's last steps have reservations out, which may come back: wait
-            return ReserveAnswer(None, complete=True)
-        st.reserved[k] = st.reserved.get(k, 0) + samples
-        by_url = st.outstanding.setdefault(k, {})
-        by_url[url] = by_url.get(url, 0) + samples
+            return ReserveAnswer(Verdict.WAIT, None, st.step)  # a whole step ahead already, or not at its step yet
+        if req.until_step is not None and k >= req.until_step:
+            if any(st.reserved.get(j, 0) > st.done.get(j, 0) for j in open_steps if j < req.until_step):
+                return ReserveAnswer(Verdict.WAIT, None, st.step)  # the run's last steps have reservations out
+            return ReserveAnswer(Verdict.COMPLETE, None, st.step)
+        st.reserved[k] = st.reserved.get(k, 0) + req.samples
+        st.claims.setdefault(k, {})[req.microbatch_id] = Claim(req.url, req.samples)
+        self._hold(req.stage, req.microbatch_id, k, req.url)
         closes = st.reserved[k] >= st.global_batch
         if closes:
             st.closed_at[k] = self.clock()
-        return ReserveAnswer(k, closes)
+        return ReserveAnswer(Verdict.CLOSES if closes else Verdict.RESERVED, k, st.step)
 
-    def done(
-        self, stage: int, url: str, replica_step: int, bucket: int, reserved: int, samples: int, global_batch: int
-    ) -> None:
-        """A replica accumulated ``samples`` of the ``reserved`` it asked for ``bucket``."""
-        st = self._check(stage, url, replica_step, global_batch)
-        if bucket < st.step:  # its step was taken without it
-            st.samples_dropped += samples
+    def done(self, report: DoneReport) -> None:
+        """A replica accumulated ``samples`` of the ``reserved`` it asked for ``bucket``: see
+        the module's docstring for reports of live reservations, of reservations given up,
+        and of none."""
+        st = self._check(report.stage, report.url, report.step, report.global_batch)
+        k = report.bucket
+        if k < st.step:  # its step was taken without it
+            st.samples_dropped += report.samples
             return
-        if reserved == 0:  # accumulated without a reservation (the coordinator was away)
-            st.reserved[bucket] = st.reserved.get(bucket, 0) + samples
-            if st.reserved[bucket] >= st.global_batch and not st.closed(bucket):
-                st.closed_at[bucket] = self.clock()
+        if report.reserved == 0:  # accumulated without a reservation (the coordinator was away)
+            counted = min(report.samples, max(0, st.global_batch - st.unreserved.get(k, 0)))
+            st.unreserved[k] = st.unreserved.get(k, 0) + counted
+            st.samples_dropped += report.samples - counted
+            self._count(st, k, counted)
+            return
+        claim = st.claims.get(k, {}).get(report.microbatch_id)
+        if claim is None or claim.url != report.url:
+            self._after_the_fact(report)
+            return
+        del st.claims[k][report.microbatch_id]
+        samples = min(report.samples, claim.samples)
+        st.reserved[k] -= claim.samples - samples  # given back
+        st.done[k] = st.done.get(k, 0) + samples
+        if samples == 0:
+            self._release(report.stage, report.microbatch_id)
+        if st.reserved[k] < st.global_batch:  # open again: the next reservation completes it
+            st.closed_at.pop(k, None)
+
+    def _after_the_fact(self, report: DoneReport) -> None:
+        """A report whose reservation is not live (given up, or this coordinator's
+        predecessor's): it gives nothing back; its samples count while the step has room,
+        unless another reservation holds the microbatch (then it was accumulated twice)."""
+        st, k, mb = self.stages[report.stage], report.bucket, report.microbatch_id
+        holder = st.held.get(mb)
+        ours = holder is None or holder == (k, report.url)
+        if report.samples == 0:
+            if holder is not None and ours:
+                self._release(report.stage, mb)
+            return
+        if ours:  # accumulated here: a run of it again must not count
+            self._hold(report.stage, mb, k, report.url)
+        room = st.reserved.get(k, 0) < st.global_batch and not (k == st.step and st.round_id is not None)
+        if ours and room:
+            self._count(st, k, report.samples)
         else:
-            st.reserved[bucket] = st.reserved.get(bucket, 0) - (reserved - samples)  # given back
-            by_url = st.outstanding.get(bucket, {})
-            by_url[url] = by_url.get(url, 0) - reserved
-            if st.reserved[bucket] < st.global_batch:  # open again: the next reservation completes it
-                st.closed_at.pop(bucket, None)
-        st.done[bucket] = st.done.get(bucket, 0) + samples
+            st.samples_dropped += report.samples
+
+    def _count(self, st: StageCount, k: int, samples: int) -> None:
+        """``samples`` accumulated in step ``k`` without a live reservation."""
+        st.reserved[k] = st.reserved.get(k, 0) + samples
+        st.done[k] = st.done.get(k, 0) + samples
+        if st.reserved[k] >= st.global_batch and not st.closed(k):
+            st.closed_at[k] = self.clock()
 
     def ready(self, stage: int, live: Iterable[str] | None = None) -> bool:
         """Start the stage's step round now? Its step is closed and everything reserved for
         it accumulated, but what replicas no longer ``live`` (gone from the registry) held,
-        or its reservations have been out ``timeout_s``."""
+        or its reservations have been out ``timeout_s``. A step nothing was accumulated for is
+        not taken: its reservations are given up, and it fills again."""
         st = self.stages[stage]
         k = st.step
         if st.round_id is not None or not st.closed(k) or self.clock() < st.not_before:
@@ -208,12 +282,12 @@ class StepCounter:
         alive = (
             None if live is None else set(live) | {url for url, at in st.last_seen.items() if now - at < self.lease_s}
         )
-        lost = sum(
-            n for url, n in st.outstanding.get(k, {}).items() if n > 0 and alive is not None and url not in alive
-        )
+        lost = sum(n for url, n in st.outstanding(k).items() if alive is not None and url not in alive)
         complete = st.done.get(k, 0) >= st.reserved.get(k, 0) - lost or now - st.closed_at[k] >= self.timeout_s
         if complete and st.done.get(k, 0) == 0:  # everything reserved for it was lost: no empty step, fill it again
-            st.reserved[k], st.outstanding[k] = 0, {}
+            for mb in st.claims.pop(k, {}):
+                self._release(stage, mb)
+            st.reserved[k] = 0
             st.closed_at.pop(k, None)
             return False
         return complete
@@ -257,8 +331,27 @@ class StepCounter:
         )  # accumulated, yet not in the step: members that failed or vanished
         st.samples_dropped += dropped
         st.last_effective_batch = effective
-        self._advance(st, reached)
+        self._advance(stage, reached)
         return effective, dropped
+
+    def restore_held(self, stage: int, microbatch_id: str, step: int, url: str) -> None:
+        """Put back an id of a persisted duplicate window (a restarted coordinator's)."""
+        if 0 <= stage < len(self.stages):
+            self.stages[stage].held[microbatch_id] = (step, url)
+
+    def take_journal(self) -> list[tuple]:
+        """The window's changes since the last call, in order (see the class docstring)."""
+        journal, self.journal = self.journal, []
+        return journal
+
+    def _hold(self, stage: int, microbatch_id: str, step: int, url: str) -> None:
+        if self.stages[stage].held.get(microbatch_id) != (step, url):
+            self.stages[stage].held[microbatch_id] = (step, url)
+            self.journal.append(("hold", stage, microbatch_id, step, url))
+
+    def _release(self, stage: int, microbatch_id: str) -> None:
+        if self.stages[stage].held.pop(microbatch_id, None) is not None:
+            self.journal.append(("release", stage, microbatch_id))
 
     def _holds_the_step(self, st: StageCount, url: str, live: Iterable[str], reported: Mapping[str, int]) -> bool:
         """Is a replica alive and at the stage's step (it can give its state)? ``url`` itself
@@ -267,16 +360,26 @@ class StepCounter:
         alive = set(live) | {u for u, at in st.last_seen.items() if now - at < self.lease_s} | {url}
         return any(max(st.replica_steps.get(u, -1), reported.get(u, -1)) >= st.step for u in alive)
 
-    def _advance(self, st: StageCount, step: int) -> None:
-        for k in [k for k in st.reserved if k < step]:
-            st.reserved.pop(k, None)
-        for table in (st.done, st.closed_at, st.outstanding):
+    def _advance(self, stage: int, step: int) -> None:
+        """The stage is at ``step``: reservations of earlier steps missed theirs (their ids are
+        released, so the microbatches run again count) and the window slides."""
+        st = self.stages[stage]
+        for k in [k for k in st.claims if k < step]:
+            for mb in st.claims.pop(k):
+                self._release(stage, mb)
+        for table in (st.reserved, st.done, st.unreserved, st.closed_at):
             for k in [k for k in table if k < step]:
                 table.pop(k)
+        below = step - WINDOW_STEPS
+        aged = [mb for mb, (k, _) in st.held.items() if k < below]
+        for mb in aged:
+            del st.held[mb]
+        if aged:
+            self.journal.append(("prune", stage, below))
         st.step = step
 
     def view(self) -> list[dict]:
-        """Per stage: step, samples reserved and accumulated for it, dropped samples."""
+        """Per stage: step, samples reserved and accumulated for it, dropped samples, refused duplicates."""
         return [
             {
                 "stage": i,
@@ -286,6 +389,7 @@ class StepCounter:
                 "global_batch": st.global_batch,
                 "round": st.round_id,
                 "samples_dropped": st.samples_dropped,
+                "duplicates_refused": st.duplicates_refused,
                 "last_effective_batch": st.last_effective_batch,
                 "steps_lost": st.steps_lost[-4:],
             }
@@ -293,20 +397,12 @@ class StepCounter:
         ]
 
 
-def check_step_report(msg: dict, num_stages: int, fields: tuple[str, ...]) -> tuple:
-    """(stage, url, *fields) of a ``/step/reserve`` or ``/step/done`` body, validated."""
-    stage, url = msg.get("stage"), msg.get("url")
-    if type(stage) is not int or not 0 <= stage < num_stages:
-        raise BadPayload(f"'stage' must be an int in [0, {num_stages})")
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > 512:
-        raise BadPayload("'url' must be the replica's http(s) URL")
-    values = []
-    for name in fields:
-        value, low = msg.get(name), 1 if name == "global_batch" else 0
-        if type(value) is not int or not low <= value < 2**53:
-            raise BadPayload(f"'{name}' must be an int >= {low}")
-        values.append(value)
-    return (stage, url.rstrip("/"), *values)
+class WindowStore(Protocol):
+    """Where the duplicate window persists (the registry's SQLite file)."""
+
+    def save_step_window(self, journal: list[tuple]) -> bool: ...
+
+    def step_window(self) -> list[tuple[int, str, int, str]]: ...
 
 
 class StepScheduler:
@@ -323,8 +419,11 @@ class StepScheduler:
         log,
         lease_s: float = 0.0,
         reported_step: Callable[[object], int | None] = lambda server: None,
+        store: WindowStore | None = None,
     ):
-        """``reported_step(server)``: the step a live server said in its registration or last heartbeat."""
+        """``reported_step(server)``: the step a live server said in its registration or last
+        heartbeat. ``store``: where the duplicate window persists; the window it holds is
+        put back now (None: kept in memory only)."""
         self.live_servers, self.codec, self.timeout_s, self.aggregator, self.log = (
             live_servers,
             codec,
@@ -334,6 +433,9 @@ class StepScheduler:
         )
         self.reported_step = reported_step
         self.counter = StepCounter(num_stages, timeout_s=timeout_s, lease_s=lease_s)
+        self.store = store
+        for row in store.step_window() if store is not None else ():
+            self.counter.restore_held(*row)
         self.session: aiohttp.ClientSession | None = None
         self._changed = (
             asyncio.Condition()
@@ -350,10 +452,16 @@ class StepScheduler:
     def _live(self, stage: int) -> list[str]:
         return sorted(s.url for s in self.live_servers() if s.stage == stage)
 
-    async def reserve(
-        self, stage: int, url: str, replica_step: int, samples: int, global_batch: int, until_step: int | None = None
-    ) -> dict:
-        """A reservation; while the stage is a whole step ahead, wait (at most ``timeout_s``) for it to step."""
+    def _persist(self) -> None:
+        """Write the duplicate window's changes to the store (a failed write is logged: the
+        window then holds in memory only until the next one that succeeds)."""
+        journal = self.counter.take_journal()
+        if journal and self.store is not None and not self.store.save_step_window(journal):
+            self.log.warning("step.window.save_failed", changes=len(journal))
+
+    async def reserve(self, req: ReserveRequest) -> dict:
+        """A reservation (see :meth:`StepCounter.reserve`); while no step is open to it,
+        wait (at most ``timeout_s``) for the stage to step."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         async with self._changed:
@@ -361,93 +469,85 @@ class StepScheduler:
                 reported = {
                     s.url: step
                     for s in self.live_servers()
-                    if s.stage == stage and (step := self.reported_step(s)) is not None
+                    if s.stage == req.stage and (step := self.reported_step(s)) is not None
                 }
-                r = self.counter.reserve(
-                    stage,
-                    url,
-                    replica_step,
-                    samples,
-                    global_batch,
-                    until_step,
-                    live=self._live(stage),
-                    reported=reported,
-                )
-                if r.catch_up:
+                r = self.counter.reserve(req, live=self._live(req.stage), reported=reported)
+                self._persist()
+                st = self.counter.stages[req.stage]
+                if r.verdict is Verdict.CATCH_UP:
                     self.log.warning(
                         "step.caught_up",
-                        stage=stage,
-                        replica=url,
-                        replica_step=replica_step,
-                        step=self.counter.stages[stage].step,
+                        stage=req.stage,
+                        replica=req.url,
+                        replica_step=req.step,
+                        step=st.step,
                         reason=(
                             "no live replica of the stage holds its step: the updates of the steps in between are lost"
                         ),
                     )
+                if r.verdict is Verdict.DUPLICATE:
+                    self.log.info(
+                        "step.duplicate",
+                        stage=req.stage,
+                        replica=req.url,
+                        microbatch=req.microbatch_id,
+                        held_in=st.held[req.microbatch_id][0],
+                        held_by=st.held[req.microbatch_id][1],
+                    )
                 self.log.debug(
                     "step.reserve",
-                    stage=stage,
-                    replica=url,
-                    replica_step=replica_step,
-                    samples=samples,
+                    stage=req.stage,
+                    replica=req.url,
+                    replica_step=req.step,
+                    samples=req.samples,
+                    microbatch=req.microbatch_id,
+                    verdict=r.verdict.value,
                     bucket=r.bucket,
-                    closes=r.closes,
-                    resync=r.resync,
-                    complete=r.complete,
-                    stage_step=self.counter.stages[stage].step,
-                    reserved=dict(self.counter.stages[stage].reserved),
-                    done=dict(self.counter.stages[stage].done),
+                    stage_step=st.step,
+                    reserved=dict(st.reserved),
+                    done=dict(st.done),
                 )
-                if r.bucket is not None or r.resync or r.complete or r.catch_up:
-                    return {**r.as_json(self.counter.stages[stage].step), "replicas": len(self._live(stage))}
+                if r.verdict is not Verdict.WAIT:
+                    return dataclasses.replace(r, replicas=len(self._live(req.stage))).as_json()
                 if self.closing:
                     raise Draining("the coordinator is stopping: reserve again once it is back")
                 if loop.time() >= deadline:
                     raise Overloaded(
-                        f"stage {stage} is a whole global step ahead of its step {self.counter.stages[stage].step}",
-                        retry_after_s=1.0,
+                        f"stage {req.stage} is a whole global step ahead of its step {st.step}", retry_after_s=1.0
                     )
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), deadline - loop.time())
 
-    async def done(
-        self,
-        stage: int,
-        url: str,
-        replica_step: int,
-        bucket: int,
-        reserved: int,
-        samples: int,
-        global_batch: int,
-        closes: bool = False,
-    ) -> dict:
+    async def done(self, report: DoneReport) -> dict:
         """Record what a replica accumulated; start the stage's round if that completed its
         step. The report of the reservation that closed a step is answered once that step's
         round started (other reports of the step may still be on their way; at most
         ``timeout_s``), so that its replica can wait for the step. A report that gives its
-        reservation back (a duplicate, a failed backward) opens its step again: the
-        reservations held meanwhile look again at once, and a closing one that gave back no
-        longer closes anything, so it does not wait."""
-        gave_back = 0 < reserved and samples < reserved
-        self.counter.done(stage, url, replica_step, bucket, reserved, samples, global_batch)
+        reservation back (a failed backward) opens its step again: the reservations held
+        meanwhile look again at once, and a closing one that gave back no longer closes
+        anything, so it does not wait."""
+        stage, bucket = report.stage, report.bucket
+        self.counter.done(report)
+        self._persist()
+        st = self.counter.stages[stage]
         self.log.debug(
             "step.reported",
             stage=stage,
-            replica=url,
-            replica_step=replica_step,
+            replica=report.url,
+            replica_step=report.step,
             bucket=bucket,
-            reserved_here=reserved,
-            samples=samples,
-            closes=closes,
-            stage_step=self.counter.stages[stage].step,
-            reserved=dict(self.counter.stages[stage].reserved),
-            done=dict(self.counter.stages[stage].done),
+            microbatch=report.microbatch_id,
+            reserved_here=report.reserved,
+            samples=report.samples,
+            closes=report.closes,
+            stage_step=st.step,
+            reserved=dict(st.reserved),
+            done=dict(st.done),
         )
-        if gave_back:
+        if report.gives_back:
             await self._notify()
         await self.maybe_start(stage)
-        st = self.counter.stages[stage]
-        if closes and not gave_back:
+        if report.closes and not report.gives_back:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.timeout_s
             async with self._changed:
@@ -466,7 +566,9 @@ class StepScheduler:
             self._changed.notify_all()
 
     async def maybe_start(self, stage: int) -> None:
-        if not self.counter.ready(stage, self._live(stage)) or self.session is None:
+        ready = self.counter.ready(stage, self._live(stage))
+        self._persist()  # a step that lost every reservation gave them up
+        if not ready or self.session is None:
             return
         st = self.counter.stages[stage]
         reported = {
@@ -520,6 +622,7 @@ class StepScheduler:
             if last.get("round_id") == rnd.round_id and isinstance(said, (int, float)):
                 samples[url] = int(said)
         effective, dropped = self.counter.round_ended(rnd.stage, member_steps, samples)
+        self._persist()
         st = self.counter.stages[rnd.stage]
         if st.step > step:
             self.log.info(
@@ -547,6 +650,12 @@ class StepScheduler:
     async def settled(self) -> None:
         """Until the rounds running now have ended here (their members polled, the stages moved)."""
         await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def wait_changed(self, timeout_s: float) -> None:
+        """Until a round starts or ends (a stage may have stepped), at most ``timeout_s``."""
+        async with self._changed:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(0.0, timeout_s))
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         """Hold the session; start the rounds of steps whose reservations stalled."""

@@ -4,7 +4,7 @@ Request bodies (msgpack maps, see ``shared.codec``)::
 
     /forward  {v, run_id?, stage, microbatch_id, seed, codec?, eval?, inputs, targets?}
               -> {stage, microbatch_id, step, outputs} or, on the last stage, {stage, microbatch_id, step, loss}
-    /backward {v, run_id?, stage, microbatch_id, seed, codec?, forward_step?, until_step?,
+    /backward {v, run_id?, stage, microbatch_id, seed, codec?, forward_step?, until_step?, admitted_step?,
                inputs, targets?, grad_outputs?}
               -> {stage, microbatch_id, step, stage_step, bucket, accumulated, step_wait_s,
                   complete?, grad_inputs?, loss?}
@@ -20,7 +20,8 @@ microbatch again). ``accumulated: false``: this microbatch's gradient was alread
 accumulated here (a retried backward); its input gradient is returned all the same.
 ``until_step``: the trainer's run ends at that global step; once its steps are all
 reserved at this stage, the backward computes the input gradient, accumulates nothing,
-and answers ``complete: true``.
+and answers ``complete: true``. ``admitted_step``: the global step the coordinator admitted
+the microbatch for (the trainer's admission); its gradient goes into no earlier step.
 
 ``GET /metrics`` (Prometheus text) is added by the app factory (``shared.metrics``).
 
@@ -50,6 +51,7 @@ from shared.codec import FLOAT_CODECS, decode_tensor, encode_tensor
 from shared.config import StageServerSettings
 from shared.errors import BadPayload, WrongStage
 from shared.http import MSGPACK, msgpack_response, read_message
+from shared.step_protocol import Verdict
 
 SETTINGS = web.AppKey("settings", StageServerSettings)
 STEPPER = web.AppKey("stepper", StepClient)  # absent without a coordinator (the runtime steps on its own)
@@ -73,6 +75,7 @@ class StageRequest:
     grad_outputs: torch.Tensor | None
     forward_step: int | None = None
     until_step: int | None = None
+    admitted_step: int | None = None  # the global step the coordinator admitted the microbatch for
 
 
 async def _parse(request: web.Request, *, backward: bool) -> StageRequest:
@@ -109,9 +112,10 @@ async def parse_message(request: web.Request, msg: dict, *, names: list[str]) ->
     is_eval = msg.get("eval", False)
     if type(is_eval) is not bool:
         raise BadPayload("'eval' must be a bool")
-    forward_step, until_step = msg.get("forward_step"), msg.get("until_step")
-    if forward_step is not None and (type(forward_step) is not int or not 0 <= forward_step < 2**53):
-        raise BadPayload("'forward_step' must be an int >= 0")
+    forward_step, until_step, admitted_step = msg.get("forward_step"), msg.get("until_step"), msg.get("admitted_step")
+    for name, value in (("forward_step", forward_step), ("admitted_step", admitted_step)):
+        if value is not None and (type(value) is not int or not 0 <= value < 2**53):
+            raise BadPayload(f"'{name}' must be an int >= 0")
     if until_step is not None and (type(until_step) is not int or not 1 <= until_step < 2**53):
         raise BadPayload("'until_step' must be an int >= 1")
     device = request.app[RUNTIME].device
@@ -122,7 +126,16 @@ async def parse_message(request: web.Request, msg: dict, *, names: list[str]) ->
     request.app[STAGE_METRICS].count_tensors("in", msg)
     if not is_eval and not request.app[RUNTIME].spec.is_first:  # the inputs are the previous stage's activations
         request.app[STAGE_METRICS].note_activation(msg["inputs"], _samples(tensors[0]))
-    return StageRequest(mb_id, seed, codec, is_eval, *tensors, forward_step=forward_step, until_step=until_step)
+    return StageRequest(
+        mb_id,
+        seed,
+        codec,
+        is_eval,
+        *tensors,
+        forward_step=forward_step,
+        until_step=until_step,
+        admitted_step=admitted_step,
+    )
 
 
 def _samples(inputs: torch.Tensor) -> int:
@@ -199,12 +212,16 @@ async def run_backward(app: web.Application, req: StageRequest) -> dict:
         runtime.accumulated_in(req.microbatch_id) is not None
     )  # a retry or a re-run of a microbatch already here: it takes no reservation (giving one back reopens a step)
     waited = time.perf_counter()
-    reservation = await stepper.reserve(_samples(req.inputs), req.until_step) if stepper and not duplicate else None
+    answer = (
+        await stepper.reserve(_samples(req.inputs), req.until_step, req.microbatch_id, req.admitted_step)
+        if stepper and not duplicate
+        else None
+    )
     waited = time.perf_counter() - waited
-    complete = (
-        stepper is not None and reservation is None and not duplicate
-    )  # the run's steps are all reserved: compute, accumulate nothing
-    bucket = NO_BUCKET if complete else reservation.bucket if reservation else None
+    refused = isinstance(answer, Verdict)  # COMPLETE or DUPLICATE (on another replica): compute, accumulate nothing
+    reservation = None if refused else answer
+    complete = answer is Verdict.COMPLETE  # the run's steps are all reserved
+    bucket = NO_BUCKET if refused else reservation.bucket if reservation else None
     late_to_current = bool(reservation and reservation.alone)  # a step this replica counts alone: never dropped
     try:
         result = await app[WORKER].run(

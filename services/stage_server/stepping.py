@@ -6,21 +6,17 @@ all replicas and trainers together). The coordinator counts (see its ``steps.py`
 before a backward, :meth:`StepClient.reserve` asks which step the microbatch's gradient
 goes to; the runtime accumulates it in that step's bucket; :meth:`StepClient.done` says
 what was accumulated (0 samples for a duplicate or a failed backward, which gives the
-reservation back). Once a step's reservations are all accumulated, the coordinator starts
+reservation back). The messages and the verdict are in ``shared/step_protocol.py``. A
+reservation names its microbatch: told ``duplicate`` (another backward of it, on this
+replica or another, holds it at this stage), the backward returns its input gradient and
+accumulates nothing. Once a step's reservations are all accumulated, the coordinator starts
 a ``step`` round among the stage's live replicas (``averaging.py``): they all-reduce that
 step's buckets and apply the same optimizer step. Meanwhile backwards may be reserved
 for the next step, never one further: the coordinator holds such a reservation until the
-stage steps. With ``SWARM_WAIT_FOR_STEP`` (``wait_step`` given; off by default, as it
-costs throughput with more than a global batch in flight), a backward reserved for the
-next step waits until this replica took the current one, then runs on the new weights
-(the forward's cached graph is gone with the old ones): every step's gradient is then
-computed on the weights that step updates, so the model does not depend on how many
-replicas and trainers fill a step or in which order. Without the wait such a backward
-runs on the old weights and its gradient goes into the next step, one step stale: 7-27%
-of backwards (by stage) with one replica per stage, 37-47% with two replicas and two
-trainers, which trained a worse model. The wait is bounded by the round's
-``round_wait_s``; a gradient that still goes into a later step than its weights' counts
-in ``stale_gradients``.
+stage steps. A backward always runs on its forward's weights (the runtime keeps them, see
+``runtime.py``); a microbatch the trainer's admission bound to a step (``admitted_step``)
+goes into no earlier step, so its gradient is at most ``SWARM_MAX_STALENESS`` steps older
+than the step it goes into (0 with ``SWARM_SCHEDULE=sync``).
 
 Most ``done`` reports go in the background. The one of the reservation that completed a
 step's global batch goes in the foreground and, if it started the round, the backward
@@ -46,11 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from shared.errors import Overloaded, RemoteError
+from shared.errors import BadPayload, Overloaded, RemoteError
+from shared.step_protocol import DoneReport, ReserveAnswer, ReserveRequest, Verdict
 
 
 @dataclass(frozen=True)
@@ -62,6 +58,7 @@ class Reservation:
     reserved: int
     closes: bool = False  # this reservation completed the step's global batch
     alone: int = 0  # samples this replica gave the step itself (the coordinator away)
+    microbatch_id: str | None = None  # the microbatch reserved (None: unreserved)
 
 
 class StepClient:
@@ -80,7 +77,6 @@ class StepClient:
         round_wait_s: float,
         log,
         in_round: Callable[[], bool] = lambda: False,
-        wait_step: Callable[[int, float], Awaitable[None]] | None = None,
     ):
         self.runtime, self.post, self.resync, self.wait_round, self.in_round = (
             runtime,
@@ -90,7 +86,6 @@ class StepClient:
             in_round,
         )
         self.identity, self.round_wait_s, self.log = identity, round_wait_s, log
-        self.wait_step = wait_step
         self.global_batch = int(identity["global_batch"])
         self.replicas = 1  # live replicas of this stage, as the coordinator last said
         self.coordinator_away = False
@@ -102,24 +97,27 @@ class StepClient:
         self._resyncing: asyncio.Task | None = None
         self.failures = 0
 
-    async def reserve(self, samples: int, until_step: int | None = None) -> Reservation | None:
-        """The step for a backward of ``samples``, or None when the trainer's ``until_step``
-        steps are all reserved at this stage (the backward accumulates nothing). A replica
-        behind its stage first takes a live replica's state (the backward waits for it);
-        :class:`Overloaded` if that fails or the stage is a whole step ahead (the trainer
-        retries). Without an answer from the coordinator: the current step, unreserved."""
+    async def reserve(
+        self, samples: int, until_step: int | None, microbatch_id: str, admitted_step: int | None = None
+    ) -> Reservation | Verdict:
+        """The step for the backward of ``microbatch_id`` (``samples``; ``admitted_step``: the
+        step the coordinator admitted it for, if the trainer said), or the verdict of a
+        backward that accumulates nothing: ``COMPLETE`` (the trainer's ``until_step`` steps
+        are all reserved at this stage), ``DUPLICATE`` (the stage holds this microbatch
+        already). A replica behind its stage first takes a live replica's state (the backward
+        waits for it); :class:`Overloaded` if that fails or the stage is a whole step ahead
+        (the trainer retries). Without an answer from the coordinator: the current step,
+        unreserved."""
         if self.coordinator_away and self.runtime.pending():
             await self._tell_what_is_held()
+        stage, url = self.identity["stage"], self.identity["url"]
         for _ in range(3):  # again after a resync, or if this replica stepped while it asked
-            sent_at = self.runtime.step
-            body = {
-                **self.identity,
-                "step": sent_at,
-                "samples": samples,
-                **({"until_step": until_step} if until_step is not None else {}),
-            }
+            request = ReserveRequest(
+                stage, url, self.runtime.step, samples, self.global_batch, microbatch_id, until_step, admitted_step
+            )
             try:
-                answer = await self.post("/step/reserve", body)
+                reply = await self.post("/step/reserve", {**self.identity, **request.as_json()})
+                answer = ReserveAnswer.from_json(reply)
             except RemoteError as exc:
                 if exc.status == 503:
                     raise Overloaded(
@@ -128,39 +126,30 @@ class StepClient:
                     ) from None
                 self._failed(exc)
                 return self._reserve_alone(samples)
+            except BadPayload as exc:
+                self._failed(RemoteError("/step/reserve", 200, "bad_reply", f"{exc}: {reply!r}"))
+                return self._reserve_alone(samples)
             self.coordinator_away = False
-            if type(answer.get("replicas")) is int and answer["replicas"] > 0:
-                self.replicas = answer["replicas"]
-            if answer.get("catch_up") and isinstance(answer.get("step"), int):
-                self._catch_up(answer["step"])
+            if answer.replicas > 0:
+                self.replicas = answer.replicas
+            if answer.verdict is Verdict.CATCH_UP:
+                self._catch_up(answer.step)
                 continue
-            if not answer.get("resync"):
+            if answer.verdict is not Verdict.RESYNC:
                 break
-            if isinstance(answer.get("step"), int) and self.runtime.step < answer["step"]:
-                await self._resync_now(answer["step"])
+            if self.runtime.step < answer.step:
+                await self._resync_now(answer.step)
         else:
             raise Overloaded(
                 f"this replica is at step {self.runtime.step}, behind its stage, "
                 "and could not take a live replica's state yet",
                 retry_after_s=1.0,
             )
-        if answer.get("complete"):
-            return None
-        bucket = answer.get("bucket")
-        if type(bucket) is not int:
-            self._failed(RemoteError("/step/reserve", 200, "bad_reply", f"no bucket in {answer!r}"))
-            return self._reserve_alone(samples)
-        if bucket > self.runtime.step and self.wait_step is not None:
-            await self._wait_for_step(bucket)
-        return Reservation(bucket, samples, bool(answer.get("closes")))
-
-    async def _wait_for_step(self, bucket: int) -> None:
-        """Until this replica took the step before ``bucket`` (at most ``round_wait_s``;
-        see the module's docstring), counted in the runtime's stats."""
-        stats, started = self.runtime.stats, time.perf_counter()
-        await self.wait_step(bucket, self.round_wait_s)
-        stats.next_step_waits += 1
-        stats.next_step_wait_s += time.perf_counter() - started
+        if answer.verdict is Verdict.WAIT:  # the coordinator holds these itself; never sent
+            raise Overloaded("the coordinator said to wait for a step", retry_after_s=1.0)
+        if not answer.verdict.accumulates:
+            return answer.verdict
+        return Reservation(answer.bucket, samples, answer.verdict is Verdict.CLOSES, microbatch_id=microbatch_id)
 
     def _reserve_alone(self, samples: int) -> Reservation:
         """Without the coordinator: this replica fills its own steps with its share of the
@@ -178,20 +167,14 @@ class StepClient:
         async with self._telling:  # one report of what is held, however many backwards come back at once
             if not self.coordinator_away:
                 return
-            body = {
-                **self.identity,
-                "step": self.runtime.step,
-                "bucket": self.runtime.step,
-                "reserved": 0,
-                "samples": self.runtime.pending(),
-                "closes": False,
-            }
+            step, held = self.runtime.step, self.runtime.pending()
+            report = DoneReport(self.identity["stage"], self.identity["url"], step, step, 0, held, self.global_batch)
             try:
-                await self.post("/step/done", body)
+                await self.post("/step/done", {**self.identity, **report.as_json()})
             except RemoteError:
                 return  # still away
             self.coordinator_away = False
-            self.log.info("step.together", step=self.runtime.step, held=body["samples"])
+            self.log.info("step.together", step=step, held=held)
 
     def alone_share(self) -> int:
         """While the coordinator is away: the samples after which this replica steps on its
@@ -222,14 +205,18 @@ class StepClient:
     async def done(self, reservation: Reservation, samples: int) -> None:
         """Say what the backward accumulated; in the foreground (waiting for the step round
         it starts) when its reservation completed the step, else in the background."""
-        body = {
-            **self.identity,
-            "step": self.runtime.step,
-            "bucket": reservation.bucket,
-            "reserved": reservation.reserved,
-            "samples": samples,
-            "closes": reservation.closes,
-        }
+        report = DoneReport(
+            self.identity["stage"],
+            self.identity["url"],
+            self.runtime.step,
+            reservation.bucket,
+            reservation.reserved,
+            samples,
+            self.global_batch,
+            reservation.microbatch_id if reservation.reserved else None,
+            reservation.closes,
+        )
+        body = {**self.identity, **report.as_json()}
         if reservation.closes or not reservation.reserved:
             await self._done(body, wait=True)
             return

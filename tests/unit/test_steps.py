@@ -1,19 +1,23 @@
 """The coordinator's step counting without HTTP: reservations fill each global step with
 exactly the global batch, a step's round starts once its reservations are accumulated,
-and replicas behind their stage are told to resync."""
+replicas behind their stage are told to resync, and each microbatch counts once per stage."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+from dataclasses import dataclass
 
 import pytest
 
 from services.coordinator.steps import GlobalBatchMismatch, StepCounter, StepScheduler
 from shared.errors import Draining
 from shared.log import get_logger
+from shared.step_protocol import DoneReport, ReserveAnswer, ReserveRequest, Verdict
 
 A, B = "http://a", "http://b"
 G = 8  # global batch
+_ids = itertools.count()
 
 
 class Clock:
@@ -24,9 +28,53 @@ class Clock:
         return self.now
 
 
-def counter(timeout_s: float = 10.0) -> tuple[StepCounter, Clock]:
+@dataclass(frozen=True)
+class Ticket:
+    """A reservation asked and its answer."""
+
+    req: ReserveRequest
+    answer: ReserveAnswer
+
+    @property
+    def bucket(self) -> int | None:
+        return self.answer.bucket
+
+    @property
+    def closes(self) -> bool:
+        return self.answer.verdict is Verdict.CLOSES
+
+    @property
+    def verdict(self) -> Verdict:
+        return self.answer.verdict
+
+
+class Counter(StepCounter):
+    """The counter with the old positional call shape, each reservation of a new microbatch."""
+
+    def ask(self, stage, url, step, samples, g, until_step=None, mb=None, **kw) -> Ticket:
+        req = ReserveRequest(stage, url, step, samples, g, mb or f"mb{next(_ids)}", until_step)
+        return Ticket(req, self.reserve(req, **kw))
+
+    def tell(self, t: Ticket, samples: int, step: int | None = None) -> None:
+        """The report of ``t``: ``samples`` of its reservation accumulated."""
+        q = t.req
+        self.done(
+            DoneReport(
+                q.stage,
+                q.url,
+                q.step if step is None else step,
+                t.bucket,
+                q.samples,
+                samples,
+                q.global_batch,
+                q.microbatch_id,
+            )
+        )
+
+
+def counter(timeout_s: float = 10.0, stages: int = 2, lease_s: float = 0.0) -> tuple[Counter, Clock]:
     clock = Clock()
-    return StepCounter(2, timeout_s=timeout_s, clock=clock), clock
+    return Counter(stages, timeout_s=timeout_s, lease_s=lease_s, clock=clock), clock
 
 
 def scheduler_without_replicas(timeout_s: float = 30.0) -> StepScheduler:
@@ -36,14 +84,19 @@ def scheduler_without_replicas(timeout_s: float = 30.0) -> StepScheduler:
     )
 
 
+def ask(stage, url, step, samples, g, until_step=None, mb=None) -> ReserveRequest:
+    return ReserveRequest(stage, url, step, samples, g, mb or f"mb{next(_ids)}", until_step)
+
+
 def test_reservations_fill_a_step_with_exactly_the_global_batch_then_the_next():
     c, _ = counter()
-    got = [c.reserve(0, url, 0, 4, G) for url in (A, B, A)]
-    assert [(r.bucket, r.closes) for r in got] == [(0, False), (0, True), (1, False)]
+    got = [c.ask(0, url, 0, 4, G) for url in (A, B, A)]
+    assert [(t.bucket, t.closes) for t in got] == [(0, False), (0, True), (1, False)]
+    assert [t.verdict for t in got] == [Verdict.RESERVED, Verdict.CLOSES, Verdict.RESERVED]
     assert not c.ready(0)  # reserved, not accumulated yet
-    c.done(0, A, 0, 0, 4, 4, G)
+    c.tell(got[0], 4)
     assert not c.ready(0)
-    c.done(0, B, 0, 0, 4, 4, G)
+    c.tell(got[1], 4)
     assert c.ready(0)  # step 0 holds its 8 samples, all accumulated
     assert not c.ready(1)  # stages count on their own
 
@@ -51,33 +104,33 @@ def test_reservations_fill_a_step_with_exactly_the_global_batch_then_the_next():
 def test_the_round_running_takes_its_step_and_reservations_go_one_step_ahead_at_most():
     c, _ = counter()
     for url in (A, B):
-        c.done(0, url, 0, c.reserve(0, url, 0, 4, G).bucket, 4, 4, G)
+        c.tell(c.ask(0, url, 0, 4, G), 4)
     c.round_started(0, "r0")
-    assert c.reserve(0, A, 0, 4, G).bucket == 1
-    assert c.reserve(0, B, 0, 4, G).closes
-    held = c.reserve(0, A, 0, 4, G)
-    assert held.bucket is None and not held.resync  # step 1 is full and step 0 steps now: wait
+    assert c.ask(0, A, 0, 4, G).bucket == 1
+    assert c.ask(0, B, 0, 4, G).closes
+    held = c.ask(0, A, 0, 4, G)
+    assert held.bucket is None and held.verdict is Verdict.WAIT  # step 1 is full and step 0 steps now: wait
     effective, dropped = c.round_ended(0, {A: 1, B: 1}, {A: 4, B: 4})
     assert (effective, dropped) == (8, 0) and c.stages[0].step == 1
-    assert c.reserve(0, A, 1, 4, G).bucket == 2
+    assert c.ask(0, A, 1, 4, G).bucket == 2
 
 
 def test_a_reservation_given_back_opens_its_step_again():
     c, _ = counter()
-    first, second = c.reserve(0, A, 0, 4, G), c.reserve(0, B, 0, 4, G)
+    first, second = c.ask(0, A, 0, 4, G), c.ask(0, B, 0, 4, G)
     assert second.closes
-    c.done(0, B, 0, second.bucket, 4, 0, G)  # B's backward failed: 0 accumulated
-    again = c.reserve(0, A, 0, 4, G)
+    c.tell(second, 0)  # B's backward failed: 0 accumulated
+    again = c.ask(0, A, 0, 4, G)
     assert again.bucket == 0 and again.closes
-    c.done(0, A, 0, first.bucket, 4, 4, G)
-    c.done(0, A, 0, again.bucket, 4, 4, G)
+    c.tell(first, 4)
+    c.tell(again, 4)
     assert c.ready(0)
 
 
 def test_a_reservation_out_past_the_timeout_is_given_up():
     c, clock = counter(timeout_s=5.0)
-    a, b = c.reserve(0, A, 0, 4, G), c.reserve(0, B, 0, 4, G)
-    c.done(0, A, 0, a.bucket, 4, 4, G)  # B died with its reservation
+    a, b = c.ask(0, A, 0, 4, G), c.ask(0, B, 0, 4, G)
+    c.tell(a, 4)  # B died with its reservation
     clock.now = 4.9
     assert not c.ready(0)
     clock.now = 5.0
@@ -85,20 +138,20 @@ def test_a_reservation_out_past_the_timeout_is_given_up():
     c.round_started(0, "r0")
     effective, dropped = c.round_ended(0, {A: 1}, {A: 4})
     assert effective == 4 and c.stages[0].step == 1
-    c.done(0, B, 0, b.bucket, 4, 4, G)  # too late: its step was taken without it
+    c.tell(b, 4)  # too late: its step was taken without it
     assert c.stages[0].samples_dropped == 4
 
 
 def test_members_that_did_not_step_lose_their_samples_and_are_left_out_of_the_next_round():
     c, _ = counter()
     for url in (A, B):
-        c.done(0, url, 0, c.reserve(0, url, 0, 4, G).bucket, 4, 4, G)
+        c.tell(c.ask(0, url, 0, 4, G), 4)
     c.round_started(0, "r0")
     effective, dropped = c.round_ended(0, {A: 1, B: 0}, {A: 4, B: 4})
     assert (effective, dropped) == (4, 4)
     assert c.members(0, [A, B]) == [A]
-    assert c.reserve(0, B, 0, 4, G).resync  # B is behind its stage: it takes A's state
-    assert c.reserve(0, B, 1, 4, G).bucket == 1  # ... and is in step again
+    assert c.ask(0, B, 0, 4, G).verdict is Verdict.RESYNC  # B is behind its stage: it takes A's state
+    assert c.ask(0, B, 1, 4, G).bucket == 1  # ... and is in step again
     assert c.members(0, [A, B]) == [A, B]
 
 
@@ -107,22 +160,22 @@ def test_a_replica_behind_by_its_registration_or_silent_is_left_out_of_its_round
     reached s + 1: named in that round, it would refuse, and the others would wait for its
     parts until the deadline (measured: 8 s of a stalled swarm)."""
     c, _ = counter()
-    c.done(0, A, 0, c.reserve(0, A, 0, 8, G).bucket, 8, 8, G)
+    c.tell(c.ask(0, A, 0, 8, G), 8)
     assert c.members(0, [A, B]) == [A]  # B is live in the registry and has said nothing
     assert c.members(0, [A, B], reported={B: 0}) == [A, B]  # its registration said step 0: it takes part, with nothing
     c.round_started(0, "r0")
     c.round_ended(0, {A: 1}, {A: 8})
     assert c.members(0, [A, B], reported={B: 0}) == [A]  # registered at step 0, the stage is at 1
-    assert c.reserve(0, B, 0, 4, G).resync  # B's first reservation: it is behind, it resyncs
+    assert c.ask(0, B, 0, 4, G).verdict is Verdict.RESYNC  # B's first reservation: it is behind, it resyncs
     assert c.members(0, [A, B]) == [A]
-    assert c.reserve(0, B, 1, 4, G).bucket == 1
+    assert c.ask(0, B, 1, 4, G).bucket == 1
     assert c.members(0, [A, B]) == [A, B]
 
 
 def test_a_round_nobody_completed_is_tried_again_later_with_nothing_lost():
     c, clock = counter()
     for url in (A, B):
-        c.done(0, url, 0, c.reserve(0, url, 0, 4, G).bucket, 4, 4, G)
+        c.tell(c.ask(0, url, 0, 4, G), 4)
     c.round_started(0, "r0")
     assert c.round_ended(0, {A: 0, B: 0}, {A: 4, B: 4}) == (0, 0)
     assert c.stages[0].step == 0 and not c.ready(0)
@@ -132,14 +185,14 @@ def test_a_round_nobody_completed_is_tried_again_later_with_nothing_lost():
 
 def test_the_last_step_of_a_run_and_the_replicas_after_a_coordinator_restart():
     c, _ = counter()
-    closing = c.reserve(0, A, 0, 8, G, until_step=1)
+    closing = c.ask(0, A, 0, 8, G, until_step=1)
     assert closing.closes
-    held = c.reserve(0, A, 0, 8, G, until_step=1)
-    assert held.bucket is None and not held.complete  # step 0's reservation is still out: wait
-    c.done(0, A, 0, closing.bucket, 8, 8, G)
-    assert c.reserve(0, A, 0, 8, G, until_step=1).complete  # step 1 is past the run's end
+    held = c.ask(0, A, 0, 8, G, until_step=1)
+    assert held.verdict is Verdict.WAIT  # step 0's reservation is still out: wait
+    c.tell(closing, 8)
+    assert c.ask(0, A, 0, 8, G, until_step=1).verdict is Verdict.COMPLETE  # step 1 is past the run's end
     fresh, _ = counter()  # a restarted coordinator learns the step from the replicas
-    assert fresh.reserve(1, A, 7, 4, G).bucket == 7 and fresh.stages[1].step == 7
+    assert fresh.ask(1, A, 7, 4, G).bucket == 7 and fresh.stages[1].step == 7
 
 
 def test_a_run_s_last_step_given_back_is_filled_again_not_left_short():
@@ -147,41 +200,41 @@ def test_a_run_s_last_step_given_back_is_filled_again_not_left_short():
     re-run microbatch) and gave its samples back after another backward had been told the run
     was complete; the stage never took its last step. Now that backward waits and fills it."""
     c, _ = counter()
-    first = c.reserve(0, A, 0, 4, G, until_step=1)
-    duplicate = c.reserve(0, B, 0, 4, G, until_step=1)
+    first = c.ask(0, A, 0, 4, G, until_step=1)
+    duplicate = c.ask(0, B, 0, 4, G, until_step=1)
     assert duplicate.closes
-    c.done(0, A, 0, first.bucket, 4, 4, G)
-    waiting = c.reserve(0, A, 0, 4, G, until_step=1)
-    assert waiting.bucket is None and not waiting.complete
-    c.done(0, B, 0, duplicate.bucket, 4, 0, G)  # already accumulated: 0 samples, the reservation goes back
+    c.tell(first, 4)
+    waiting = c.ask(0, A, 0, 4, G, until_step=1)
+    assert waiting.verdict is Verdict.WAIT
+    c.tell(duplicate, 0)  # already accumulated: 0 samples, the reservation goes back
     assert not c.ready(0)
-    again = c.reserve(0, A, 0, 4, G, until_step=1)
+    again = c.ask(0, A, 0, 4, G, until_step=1)
     assert again.bucket == 0 and again.closes
-    c.done(0, A, 0, again.bucket, 4, 4, G)
+    c.tell(again, 4)
     assert c.ready(0) and c.stages[0].done[0] == G
 
 
 def test_replicas_must_agree_on_the_global_batch():
     c, _ = counter()
-    c.reserve(0, A, 0, 4, G)
+    c.ask(0, A, 0, 4, G)
     with pytest.raises(GlobalBatchMismatch, match="SWARM_GLOBAL_BATCH"):
-        c.reserve(0, B, 0, 4, G * 2)
+        c.ask(0, B, 0, 4, G * 2)
 
 
 def test_what_a_replica_gone_from_the_registry_held_is_given_up_at_once():
     c, _ = counter(timeout_s=60.0)
-    a, _ = c.reserve(0, A, 0, 4, G), c.reserve(0, B, 0, 4, G)
-    c.done(0, A, 0, a.bucket, 4, 4, G)
+    a, _ = c.ask(0, A, 0, 4, G), c.ask(0, B, 0, 4, G)
+    c.tell(a, 4)
     assert not c.ready(0, [A, B])  # B may still report
     assert c.ready(0, [A])  # B's lease ran out: no need to wait for the timeout
 
 
 def test_a_step_whose_every_reservation_was_lost_is_filled_again_not_taken_empty():
     c, clock = counter(timeout_s=5.0)
-    c.reserve(0, A, 0, 8, G)  # A dies with the whole step reserved
+    c.ask(0, A, 0, 8, G)  # A dies with the whole step reserved
     clock.now = 6.0
     assert not c.ready(0, [B])  # no round of zero samples: a step of zero gradient would still move AdamW
-    again = c.reserve(0, B, 0, 8, G)
+    again = c.ask(0, B, 0, 8, G)
     assert (again.bucket, again.closes) == (0, True)
 
 
@@ -191,17 +244,22 @@ async def test_a_reservation_given_back_wakes_the_held_ones_and_its_report_does_
     scheduler's timeout: the swarm stalled that long), and the duplicate's report, which
     had closed its step, no longer waits for a round that its step cannot start."""
     scheduler = scheduler_without_replicas()
-    first = [await scheduler.reserve(0, A, 0, 4, G) for _ in range(4)]  # steps 0 and 1, full
-    assert [(r["bucket"], r["closes"]) for r in first] == [(0, False), (0, True), (1, False), (1, True)]
-    held = asyncio.create_task(scheduler.reserve(0, B, 0, 4, G))
+    asked = [ask(0, A, 0, 4, G) for _ in range(4)]
+    first = [await scheduler.reserve(req) for req in asked]  # steps 0 and 1, full
+    assert [(r["bucket"], r["verdict"]) for r in first] == [
+        (0, "reserved"),
+        (0, "closes"),
+        (1, "reserved"),
+        (1, "closes"),
+    ]
+    held = asyncio.create_task(scheduler.reserve(ask(0, B, 0, 4, G)))
     await asyncio.sleep(0)  # let it reach its wait (a yield, not a timed wait)
     assert not held.done()
-    report = await asyncio.wait_for(
-        scheduler.done(0, A, 0, 0, 4, 0, G, closes=True), 5.0
-    )  # the closing one: a duplicate
+    closing = DoneReport(0, A, 0, 0, 4, 0, G, asked[1].microbatch_id, closes=True)
+    report = await asyncio.wait_for(scheduler.done(closing), 5.0)  # the closing one: its backward failed
     assert report["step"] == 0
     woken = await asyncio.wait_for(held, 5.0)  # far below the scheduler's 30 s
-    assert (woken["bucket"], woken["closes"]) == (0, True)
+    assert (woken["bucket"], woken["verdict"]) == (0, "closes")
 
 
 async def test_a_stopping_coordinator_answers_the_waiting_reservations_and_reports_at_once():
@@ -211,12 +269,13 @@ async def test_a_stopping_coordinator_answers_the_waiting_reservations_and_repor
     default). ``close()`` (the coordinator's on_shutdown) answers a held reservation 503
     (draining) and lets a closing report return, at once."""
     scheduler = scheduler_without_replicas()
-    first = [await scheduler.reserve(0, A, 0, 4, G) for _ in range(4)]  # steps 0 and 1, full
-    assert first[1]["closes"]
-    held = asyncio.create_task(scheduler.reserve(0, B, 0, 4, G))
+    asked = [ask(0, A, 0, 4, G) for _ in range(4)]
+    first = [await scheduler.reserve(req) for req in asked]  # steps 0 and 1, full
+    assert first[1]["verdict"] == "closes"
+    held = asyncio.create_task(scheduler.reserve(ask(0, B, 0, 4, G)))
     await asyncio.sleep(0)  # let it reach its wait (a yield, not a timed wait)
     # the closing report of step 0 waits for a round no member can start (no live replica)
-    report = asyncio.create_task(scheduler.done(0, A, 0, 0, 4, 4, G, closes=True))
+    report = asyncio.create_task(scheduler.done(DoneReport(0, A, 0, 0, 4, 4, G, asked[1].microbatch_id, closes=True)))
     await asyncio.sleep(0)
     assert not held.done() and not report.done()
     await scheduler.close()
@@ -231,32 +290,29 @@ def test_a_replica_behind_a_step_nobody_holds_any_more_catches_up_and_the_count_
     came back from an older checkpoint and asked forever for a state that was gone (training
     stalled). Now it takes the stage's step number with its own weights (the updates in
     between are lost, and said so), and every stage keeps counting the run's steps."""
-    c = StepCounter(2, timeout_s=10.0, lease_s=3.0, clock=(clock := Clock()))
+    c, clock = counter(lease_s=3.0)
     for k in range(2):  # A trains the stage to step 2
-        c.done(0, A, k, c.reserve(0, A, k, 8, G).bucket, 8, 8, G)
+        c.tell(c.ask(0, A, k, 8, G), 8)
         c.round_started(0, f"r{k}")
         c.round_ended(0, {A: k + 1}, {A: 8})
     assert c.stages[0].step == 2
-    assert c.reserve(
-        0, B, 1, 4, G, live=[A, B]
-    ).resync  # B rejoined from a checkpoint of step 1: A is alive, B takes its state
-    assert c.reserve(
-        0, B, 1, 4, G, live=[B]
-    ).resync  # A left the registry, but reported within the lease: maybe only slow
+    # B rejoined from a checkpoint of step 1: A is alive, B takes its state
+    assert c.ask(0, B, 1, 4, G, live=[A, B]).verdict is Verdict.RESYNC
+    # A left the registry, but reported within the lease: maybe only slow
+    assert c.ask(0, B, 1, 4, G, live=[B]).verdict is Verdict.RESYNC
     clock.now += 3.5
-    r = c.reserve(0, B, 1, 4, G, live=[B])  # A is gone: nobody holds step 2 any more
-    assert r.catch_up and r.bucket is None and not r.resync and r.as_json(2)["catch_up"]
+    r = c.ask(0, B, 1, 4, G, live=[B])  # A is gone: nobody holds step 2 any more
+    assert r.verdict is Verdict.CATCH_UP and r.bucket is None and r.answer.as_json()["verdict"] == "catch_up"
+    assert r.answer.step == 2
     assert c.stages[0].step == 2 and c.stages[0].steps_lost == [(1, 2)] and c.view()[0]["steps_lost"] == [(1, 2)]
-    r = c.reserve(0, B, 2, 8, G, live=[B])  # B took step 2's number: it fills step 2 and the stage steps on
+    r = c.ask(0, B, 2, 8, G, live=[B])  # B took step 2's number: it fills step 2 and the stage steps on
     assert r.bucket == 2 and r.closes
-    c.done(0, B, 2, 2, 8, 8, G)
+    c.tell(r, 8)
     assert c.ready(0, [B])
-    assert c.reserve(1, A, 0, 4, G, live=[]).bucket == 0  # another stage is not touched
-    c.reserve(1, A, 1, 4, G, live=[A])  # A said it is at step 1 of stage 1 (the stage moves with it)
-    assert c.reserve(
-        1, A, 0, 4, G, live=[A]
-    ).resync  # a report of A's sent before that step: A holds the step, no catch-up
+    assert c.ask(1, A, 0, 4, G, live=[]).bucket == 0  # another stage is not touched
+    c.ask(1, A, 1, 4, G, live=[A])  # A said it is at step 1 of stage 1 (the stage moves with it)
+    # a report of A's sent before that step: A holds the step, no catch-up
+    assert c.ask(1, A, 0, 4, G, live=[A]).verdict is Verdict.RESYNC
     c.registered(1, A, 0)  # A restarted (same URL) from a checkpoint of step 0: its old step is void
-    assert c.reserve(
-        1, A, 0, 4, G, live=[A]
-    ).catch_up  # measured in the arena: both replicas of a stage back at step 2 of 15
+    # measured in the arena: both replicas of a stage back at step 2 of 15
+    assert c.ask(1, A, 0, 4, G, live=[A]).verdict is Verdict.CATCH_UP

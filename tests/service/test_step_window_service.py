@@ -1,0 +1,68 @@
+"""The global steps' protocol through the coordinator's real app (``aiohttp_client``): one
+microbatch reserved at a stage by two replicas is refused the second time (``verdict:
+duplicate``, counted in ``GET /swarm``), also by a restarted coordinator on the same state
+file; malformed reservations are refused with 400."""
+
+from __future__ import annotations
+
+from services.coordinator.app import create_app
+from shared.config import CoordinatorSettings
+
+RUN_ID = "test-run"
+A, B = "http://a:1", "http://b:1"
+
+
+def settings(state_db: str) -> CoordinatorSettings:
+    return CoordinatorSettings(
+        run_id=RUN_ID,
+        num_stages=2,
+        heartbeat_s=2.0,
+        lease_heartbeats=3,
+        max_servers=64,
+        state_db=state_db,
+        mdns=False,
+        coordinator="",
+        average_every_s=0,
+        rebalance_every_s=0,
+    )
+
+
+def reservation(url: str, microbatch_id: str, **overrides) -> dict:
+    body = {"run_id": RUN_ID, "stage": 1, "url": url, "step": 0, "samples": 4, "global_batch": 8}
+    return {**body, "microbatch_id": microbatch_id, **overrides}
+
+
+async def test_a_microbatch_counts_once_per_stage_across_replicas_and_restarts(aiohttp_client, tmp_path):
+    state_db = str(tmp_path / "coordinator.sqlite")
+    client = await aiohttp_client(create_app(settings(state_db)))
+    first = await client.post("/step/reserve", json=reservation(A, "run:c:1"))
+    assert first.status == 200
+    assert await first.json() == {"verdict": "reserved", "bucket": 0, "step": 0, "replicas": 0}
+    again = await (await client.post("/step/reserve", json=reservation(B, "run:c:1"))).json()
+    assert again["verdict"] == "duplicate" and again["bucket"] is None
+    other_stage = await (await client.post("/step/reserve", json=reservation(B, "run:c:1", stage=0))).json()
+    assert other_stage["verdict"] == "reserved"  # a stage counts its own microbatches
+    done = {**reservation(A, "run:c:1"), "bucket": 0, "reserved": 4, "samples": 4}
+    assert (await client.post("/step/done", json=done)).status == 200
+    swarm = await (await client.get("/swarm")).json()
+    assert [s["step"]["duplicates_refused"] for s in swarm["stages"]] == [0, 1]
+    assert swarm["stages"][1]["step"]["accumulated"] == 4
+    await client.close()
+
+    restarted = await aiohttp_client(create_app(settings(state_db)))
+    again = await (await restarted.post("/step/reserve", json=reservation(B, "run:c:1"))).json()
+    assert again["verdict"] == "duplicate"
+    fresh = await (await restarted.post("/step/reserve", json=reservation(B, "run:c:2"))).json()
+    assert fresh["verdict"] == "reserved"
+
+
+async def test_malformed_step_messages_are_refused(aiohttp_client):
+    client = await aiohttp_client(create_app(settings(":memory:")))
+    no_id = reservation(A, "x")
+    del no_id["microbatch_id"]
+    for body in (no_id, reservation(A, ""), reservation(A, "x", samples=-1)):
+        response = await client.post("/step/reserve", json=body)
+        assert response.status == 400 and (await response.json())["error"]["code"] == "bad_payload"
+    too_many = {**reservation(A, "x"), "bucket": 0, "reserved": 4, "samples": 5}
+    response = await client.post("/step/done", json=too_many)
+    assert response.status == 400

@@ -112,6 +112,7 @@ class Plan:
     sweep_steps: int = 4
     routing: str = ""  # the mesh trainers' SWARM_ROUTING ("": the trainer's default)
     max_staleness: int = 0  # the mesh servers' SWARM_MAX_STALENESS (0: the server's default)
+    schedule: str = ""  # the mesh coordinator's SWARM_SCHEDULE ("": its default)
     codecs: tuple[str, ...] = (
         "int8",
         "fp32",
@@ -390,6 +391,10 @@ class MeshSide(SideRun):
             "SWARM_STATE_DB": str(self.logs / f"{self.label}-coordinator.sqlite"),
             "SWARM_REBALANCE_EVERY_S": str(self.sc.rebalance_every_s),
         }
+        if self.plan.schedule:
+            env["SWARM_SCHEDULE"] = self.plan.schedule
+        if self.plan.max_staleness:  # the coordinator's async schedule admits steps within it
+            env["SWARM_MAX_STALENESS"] = str(self.plan.max_staleness)
         (self.logs / f"{self.label}-coordinator.sqlite").unlink(missing_ok=True)
         if (
             self.sc.checkpoint_every_s
@@ -863,6 +868,7 @@ def run(ctx) -> BenchResult:
         "mesh_settings": plan.mesh_settings,
         "mesh_routing": plan.mesh_routing,
         "max_staleness": plan.max_staleness or "default",
+        "schedule": plan.schedule or "default",
         "pipeline_candidates": plan.pipeline_candidates,
         "scenarios": details,
     }
@@ -896,6 +902,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-staleness", type=int, default=0, help="the mesh servers' SWARM_MAX_STALENESS (default: the servers' own)"
     )
+    p.add_argument("--schedule", choices=("async", "sync"), help="the mesh coordinator's SWARM_SCHEDULE")
     p.add_argument(
         "--codecs", metavar="C,...", help="the mesh sides' wire codecs (default int8,fp32; e.g. int4,int8,fp32)"
     )
@@ -926,6 +933,8 @@ def main(argv: list[str] | None = None) -> int:
     changes: dict = {"routing": args.routing} if args.routing else {}
     if args.max_staleness:
         changes["max_staleness"] = args.max_staleness
+    if args.schedule:
+        changes["schedule"] = args.schedule
     if args.codecs:
         from shared.codec import FLOAT_CODECS
 

@@ -87,6 +87,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ),
     )
     p.add_argument(
+        "--schedule",
+        default=os.environ.get("SWARM_SCHEDULE", "async"),
+        choices=("async", "sync"),
+        help=(
+            "'async': the microbatches of a global step start while every stage is at most SWARM_MAX_STALENESS steps "
+            "behind it; 'sync': only once every stage took the step before (the same model as one process) "
+            "(default: SWARM_SCHEDULE, else async)"
+        ),
+    )
+    p.add_argument(
         "--local-steps",
         type=int,
         default=os.environ.get("SWARM_LOCAL_STEPS", "10"),
@@ -191,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "SWARM_MDNS": "false",
         "SWARM_HEARTBEAT_S": str(args.heartbeat_s),
         "SWARM_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
+        "SWARM_SCHEDULE": args.schedule,
     }
     procs = LocalProcesses(run_dir)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

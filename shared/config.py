@@ -427,16 +427,9 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
         ge=0,
         le=1000,
         description=(
-            "a backward whose forward ran here more than this many global steps ago is refused (409 stale_forward) and "
-            "the trainer runs the microbatch again"
-        ),
-    )
-    wait_for_step: bool = Field(
-        False,
-        description=(
-            "a backward reserved for the next global step waits until this replica took the current one, so that every "
-            "step's gradient is computed on the weights it updates (the model then does not depend on the swarm's "
-            "shape; costs throughput when more than a global batch is in flight)"
+            "a backward's gradient goes into a global step at most this many steps after the weights its forward ran "
+            "on (kept for it: at most this + 1 weights versions); a later one is refused (409 stale_forward) and the "
+            "trainer runs the microbatch again"
         ),
     )
     max_body_mb: float = Field(128.0, gt=0, description="largest request body accepted (413 past it)")
@@ -479,8 +472,7 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     join_timeout_s: float = Field(
         60.0,
         gt=0,
-        description="timeout of the state download when joining a stage; with wait_for_step, also bounds how long "
-        "a backward reserved for the next global step waits for this replica to take the current one",
+        description="timeout of the state download when joining a stage",
     )
     region: str = Field(
         "",
@@ -557,6 +549,23 @@ class CoordinatorSettings(DiscoverySettings):
         description=(
             "a step round (the all-reduce of a stage's accumulated gradients) never waits longer than this: a member "
             "that lags is left out, its samples dropped"
+        ),
+    )
+    schedule: Literal["async", "sync"] = Field(
+        "async",
+        description=(
+            "when trainers may start the microbatches of a global step: 'async' while every stage is at most "
+            "SWARM_MAX_STALENESS steps behind it (bounded-staleness pipelining); 'sync' only once every stage took the "
+            "step before (GPipe/1F1B semantics: the same model as one process)"
+        ),
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description=(
+            "the 'async' schedule admits the microbatches of a global step while every stage is at most this many "
+            "steps behind it (set it as on the stage servers)"
         ),
     )
     averaging_aggregator: Literal["mean", "centered_clip"] = Field(

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
+import time
 
 import aiohttp
 from aiohttp import web
 
+from services.coordinator.admission import Admission
+from services.coordinator.admission_routes import ADMISSION, add_admission_routes
 from services.coordinator.assignment import rebalancing_policy, swarm_view
 from services.coordinator.averaging import AveragingScheduler
 from services.coordinator.checkpointer import Checkpointer
@@ -135,9 +138,24 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
         log=log,
         lease_s=app[REGISTRY].lease_s,
         reported_step=lambda server: app[REGISTRY].reports.get(server.server_id, ServerReport()).step,
+        store=app[REGISTRY],  # the duplicate window survives a restart in the run's state file
     )
     app.cleanup_ctx.append(_steps())
     app.on_shutdown.append(_stop_waiting_for_steps)
+    app[ADMISSION] = Admission(
+        global_batch=0,  # as the servers report it (SWARM_GLOBAL_BATCH), see add_admission_routes
+        lookahead=0 if settings.schedule == "sync" else settings.max_staleness,
+        lease_s=settings.step_timeout_s * ADMISSION_LEASE_STEP_TIMEOUTS,
+        clock=time.monotonic,
+    )
+    add_admission_routes(
+        app,
+        swarm_step=lambda: min(st.step for st in app[STEPS].counter.stages),
+        global_batch=lambda: _global_batch(app),
+        wait_changed=app[STEPS].wait_changed,
+        closing=lambda: app[STEPS].closing,
+        timeout_s=settings.step_timeout_s,
+    )
     if settings.rebalance_every_s > 0:
         app.cleanup_ctx.append(_rebalancing(settings, log))
     if settings.checkpoint_dir:
@@ -155,6 +173,16 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     if settings.mdns:
         app.cleanup_ctx.append(_announcement(settings))
     return app
+
+
+ADMISSION_LEASE_STEP_TIMEOUTS = 3  # an admission not renewed for this many step timeouts: its trainer is gone
+
+
+def _global_batch(app: web.Application) -> int:
+    """The run's global batch as its stage servers said it (0: none said it yet)."""
+    counted = [st.global_batch for st in app[STEPS].counter.stages if st.global_batch]
+    reported = [r.samples_per_step for r in app[REGISTRY].reports.values() if r.samples_per_step]
+    return max(counted or reported or [0])
 
 
 async def _stop_waiting_for_steps(app: web.Application) -> None:

@@ -87,6 +87,7 @@ PASSED_ON = (
     "codec",
     "eval",
     "until_step",
+    "admitted_step",
     "targets",
 )  # what the next hop gets as it came
 

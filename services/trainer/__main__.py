@@ -15,6 +15,7 @@ from pathlib import Path
 
 import aiohttp
 
+from services.trainer.admission import AdmissionClient
 from services.trainer.data import make_batcher
 from services.trainer.pipeline import HopTimeouts, PipelineClient
 from services.trainer.progress import ProgressDisplay, choose_display
@@ -182,6 +183,16 @@ async def train(settings: TrainerSettings) -> int:
             on_step=lambda record: (display.show_record(record), telemetry.step_done(record)),
             before_final_eval=(lambda: view.average(settings.final_average_timeout_s))
             if view and settings.final_average
+            else None,
+            admission=AdmissionClient(
+                session,
+                view.coordinator,
+                run_id=settings.run_id,
+                until_step=settings.steps,
+                wait_s=max(settings.stage_wait_s, settings.backward_timeout_s),
+                log=log,
+            )
+            if view
             else None,
         )
         log.info(

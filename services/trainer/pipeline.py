@@ -37,6 +37,7 @@ not count against its retries. Past it, they count as before and the microbatch 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 import uuid
@@ -154,12 +155,19 @@ class PipelineClient:
             int, list[str]
         ] = {}  # chain routing: a microbatch's replicas of stages 1.., kept for its re-runs
 
-    async def train(self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None = None) -> TrainResult:
+    def microbatch_id(self, index: int) -> str:
+        """The id of the run's microbatch ``index`` as this trainer sends it (its re-runs keep it)."""
+        return f"{self.run_id}:{self.client_id}:{index}"
+
+    async def train(
+        self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None = None, step: int | None = None
+    ) -> TrainResult:
         """Forward and backward one microbatch, again from the start if a stage finds its
         forward too old (at most ``MAX_RERUNS`` times); raises :class:`MicrobatchFailed`.
         ``on_loss(loss_step)``: called when the last stage has answered, before the stages
-        below run their backwards."""
-        train_once = self._train_chain if self.routing == "chain" else self._train_once
+        below run their backwards. ``step``: the global step the coordinator admitted it for
+        (every stage reserves that step for it); None: the stages' next open step."""
+        train_once = functools.partial(self._train_chain if self.routing == "chain" else self._train_once, step=step)
         runs = counted = 0  # re-runs in all, and those that count against MAX_RERUNS (not waiting out an outage)
         outage = Outage(self.timeouts.stage_wait_s)
         while counted <= MAX_RERUNS:
@@ -220,12 +228,14 @@ class PipelineClient:
             )
 
     async def _train_once(
-        self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None, outage: Outage
+        self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None, outage: Outage, step: int | None
     ) -> tuple[float, int, int, bool]:
-        mb_id = f"{self.run_id}:{self.client_id}:{mb.index}"
+        mb_id = self.microbatch_id(mb.index)
         base = {"run_id": self.run_id, "microbatch_id": mb_id, "seed": seed, "codec": self.codec}
         if self.until_step is not None:
             base["until_step"] = self.until_step
+        if step is not None:
+            base["admitted_step"] = step
         last = self.num_stages - 1
         targets = encode_tensor(mb.targets, "raw")
         stage_inputs = [encode_tensor(mb.inputs, "raw")]
@@ -256,17 +266,14 @@ class PipelineClient:
         return loss, loss_step, swarm_step, complete
 
     async def _train_chain(
-        self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None, outage: Outage
+        self, mb: Microbatch, seed: int, on_loss: Callable[[int], None] | None, outage: Outage, step: int | None
     ) -> tuple[float, int, int, bool]:
         """One run of the microbatch down a chain of stage servers and back (see the module's docstring)."""
-        msg = {
-            "run_id": self.run_id,
-            "microbatch_id": f"{self.run_id}:{self.client_id}:{mb.index}",
-            "seed": seed,
-            "codec": self.codec,
-        }
+        msg = {"run_id": self.run_id, "microbatch_id": self.microbatch_id(mb.index), "seed": seed, "codec": self.codec}
         if self.until_step is not None:
             msg["until_step"] = self.until_step
+        if step is not None:
+            msg["admitted_step"] = step
         reply = await self._chain(mb, msg, _chain_trained, outage)
         loss, loss_step, swarm_step, complete = reply
         if on_loss:

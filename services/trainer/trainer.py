@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from services.trainer.admission import AdmissionClient, Admitted
 from services.trainer.data import ByteBatcher
 from services.trainer.pipeline import MicrobatchFailed, PipelineClient
 
@@ -113,6 +114,7 @@ class Trainer:
         shard_index: int = 0,
         num_shards: int = 1,
         eval_every: int = 0,
+        admission: AdmissionClient | None = None,
     ):
         """Trains global steps ``start_step`` .. ``steps - 1`` (a resumed run starts past 0).
         ``before_final_eval``: an async callable awaited after the last step, before the
@@ -120,7 +122,9 @@ class Trainer:
         ``on_step``: called with each step's metrics record as the step completes (progress).
         ``eval_every``: also evaluate the held-out loss each time this many more steps are
         done (beside the training, forward only), into ``summary.eval_curve``: the
-        loss against samples and wall time, from which a time to a target loss is read."""
+        loss against samples and wall time, from which a time to a target loss is read.
+        ``admission``: ask the coordinator which global step each microbatch is for before
+        starting it (flow control, and the ``sync`` schedule); None: start at once."""
         self.client, self.batcher, self.log = client, batcher, log
         self.steps, self.in_flight, self.seed, self.log_every = steps, in_flight, seed, log_every
         self.start_step, self.global_batch = start_step, global_batch
@@ -129,6 +133,7 @@ class Trainer:
         self.before_final_eval = before_final_eval
         self.on_step = on_step
         self.eval_every = eval_every
+        self.admission = admission
         self._evaluations: list[asyncio.Task] = []
         self.microbatches_per_step = max(1, math.ceil(global_batch / batcher.microbatch_size))
 
@@ -163,14 +168,23 @@ class Trainer:
             while more():
                 k = first + state["next"]
                 state["next"] += 1
-                summary.microbatches_scheduled += 1
                 index = self.microbatch_index(k)
                 mb = self.batcher.microbatch(index)
+                admitted = await self._admit(index, mb)
+                if admitted.complete:  # every step of the run has its samples: start no more
+                    state["complete"] = True
+                    break
+                summary.microbatches_scheduled += 1
                 try:
                     result = await self.client.train(
-                        mb, seed=self.seed * 1_000_003 + index, on_loss=functools.partial(losses.hold, index)
+                        mb,
+                        seed=self.seed * 1_000_003 + index,
+                        on_loss=functools.partial(losses.hold, index),
+                        step=admitted.step,
                     )
                 except MicrobatchFailed as exc:
+                    if self.admission is not None:
+                        await self.admission.release(self.client.microbatch_id(index))
                     losses.forget(index)
                     summary.microbatches_failed += 1
                     summary.failures.append(str(exc))
@@ -233,6 +247,11 @@ class Trainer:
         summary.eval_loss_after = await self.evaluate()
         self._emit("train.eval", when="after", loss=round(summary.eval_loss_after, 4))
         return summary
+
+    async def _admit(self, index: int, mb) -> Admitted:
+        if self.admission is None:
+            return Admitted(None)
+        return await self.admission.admit(self.client.microbatch_id(index), int(mb.inputs.shape[0]))
 
     def _release(
         self, losses: StepLosses, upto: int, summary: TrainSummary, started: float, final: bool = False

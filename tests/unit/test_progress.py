@@ -231,7 +231,7 @@ async def test_trainer_calls_on_step_with_each_metrics_record(tmp_path):
     class Client:  # a swarm that steps every two microbatches (global batch 4 of microbatches of 2)
         done = 0
 
-        async def train(self, mb, seed: int, on_loss=None) -> TrainResult:
+        async def train(self, mb, seed: int, on_loss=None, step=None) -> TrainResult:
             Client.done += 1
             return TrainResult(2.0, mb.index // 2, Client.done // 2)
 

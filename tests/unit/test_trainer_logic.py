@@ -159,7 +159,7 @@ class FakeClient:
         self.train_calls: list[tuple[int, int]] = []
         self.eval_calls: list[int] = []
 
-    async def train(self, mb, seed: int, on_loss=None) -> TrainResult:
+    async def train(self, mb, seed: int, on_loss=None, step=None) -> TrainResult:
         self.train_calls.append((mb.index, seed))
         self.current += 1
         self.max_current = max(self.max_current, self.current)

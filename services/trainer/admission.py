@@ -1,0 +1,89 @@
+"""The trainer's side of admission: ask the coordinator which global step a microbatch is
+for before starting it (``POST /step/admit``; the rules are the coordinator's
+``admission.py``), and give the admission back when the microbatch failed for good.
+
+While the window is full the coordinator holds the ask and answers 503 with Retry-After at
+its step timeout; the ask is repeated until ``wait_s`` has passed without an answer, then
+the microbatch starts unadmitted (its step is whatever the stages reserve for it), so that a
+stuck coordinator cannot stall training forever. A coordinator that does not answer at all
+(restarting), or does not know admission (an older one), likewise: training goes on, as
+without a coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from shared.errors import RemoteError
+from shared.http import post_json
+
+ASK_TIMEOUT_MARGIN_S = 10.0  # beyond the coordinator's own hold of an ask
+MIN_RETRY_S = 0.05
+
+
+@dataclass(frozen=True)
+class Admitted:
+    step: int | None  # the global step the microbatch is for; None: unadmitted (the coordinator away)
+    complete: bool = False  # every step this trainer trains for is admitted: start no more microbatches
+
+
+class AdmissionClient:
+    def __init__(self, session, coordinator: str, *, run_id: str, until_step: int, wait_s: float, log=None):
+        self.session, self.url, self.run_id = session, coordinator.rstrip("/"), run_id
+        self.until_step, self.wait_s, self.log = until_step, wait_s, log
+        self.supported = True  # False once the coordinator said it has no admission (404)
+        self.unadmitted = 0  # microbatches started without an admission
+
+    async def admit(self, microbatch_id: str, samples: int) -> Admitted:
+        body = {
+            "run_id": self.run_id,
+            "microbatch_id": microbatch_id,
+            "samples": samples,
+            "until_step": self.until_step,
+        }
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_s
+        while self.supported:
+            try:
+                answer = await post_json(
+                    self.session, self.url + "/step/admit", body, timeout_s=self.wait_s + ASK_TIMEOUT_MARGIN_S
+                )
+            except RemoteError as exc:
+                if exc.status == 404:
+                    self.supported = False
+                    break
+                if exc.status not in (503, None) or loop.time() >= deadline:
+                    self._unadmitted(microbatch_id, exc)
+                    return Admitted(None)
+                await asyncio.sleep(max(MIN_RETRY_S, min(exc.retry_after_s or 1.0, deadline - loop.time())))
+                continue
+            if answer.get("verdict") == "complete":
+                return Admitted(None, complete=True)
+            step = answer.get("step")
+            if answer.get("verdict") == "admitted" and (step is None or type(step) is int):
+                return Admitted(step)
+            self._unadmitted(microbatch_id, RemoteError(self.url, 200, "bad_reply", f"no step in {answer!r}"))
+            return Admitted(None)
+        self.unadmitted += 1
+        return Admitted(None)
+
+    async def release(self, microbatch_id: str) -> None:
+        """The microbatch failed for good: its place in its step goes to another."""
+        if not self.supported:
+            return
+        try:
+            await post_json(
+                self.session,
+                self.url + "/step/release",
+                {"run_id": self.run_id, "microbatch_id": microbatch_id},
+                timeout_s=ASK_TIMEOUT_MARGIN_S,
+            )
+        except RemoteError as exc:  # the admission then expires at the coordinator (its lease)
+            if self.log:
+                self.log.warning("admission.release.failed", microbatch=microbatch_id, error=str(exc))
+
+    def _unadmitted(self, microbatch_id: str, exc: RemoteError) -> None:
+        self.unadmitted += 1
+        if self.log and (self.unadmitted == 1 or self.unadmitted % 100 == 0):
+            self.log.warning("admission.failed", microbatch=microbatch_id, error=str(exc), unadmitted=self.unadmitted)

@@ -1,0 +1,81 @@
+"""Admission (the coordinator's flow control and the sync schedule), as plain logic on a virtual clock."""
+
+from __future__ import annotations
+
+from services.coordinator.admission import Admission, Admit
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def admission(*, global_batch=32, lookahead=0, lease_s=60.0, clock=None) -> Admission:
+    return Admission(global_batch=global_batch, lookahead=lookahead, lease_s=lease_s, clock=clock or Clock())
+
+
+def test_sync_admits_one_global_batch_then_waits_until_every_stage_stepped():
+    a = admission(lookahead=0)
+    assert [a.admit(f"mb{i}", 8) for i in range(4)] == [(Admit.ADMITTED, 0)] * 4
+    assert a.admit("mb4", 8) == (Admit.WAIT, None)
+    assert not a.stepped(0)
+    assert a.admit("mb4", 8) == (Admit.WAIT, None)
+    assert a.stepped(1)  # the slowest stage took step 0
+    assert a.admit("mb4", 8) == (Admit.ADMITTED, 1)
+    assert a.history[-1] == (0, ["mb0", "mb1", "mb2", "mb3"])
+
+
+def test_async_admits_lookahead_steps_ahead_of_the_slowest_stage():
+    a = admission(lookahead=1)
+    steps = [a.admit(f"mb{i}", 8)[1] for i in range(8)]
+    assert steps == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert a.admit("mb8", 8) == (Admit.WAIT, None) and a.in_flight() == 64
+    a.stepped(1)
+    assert a.admit("mb8", 8) == (Admit.ADMITTED, 2)
+
+
+def test_a_rerun_keeps_its_step_and_takes_no_second_place():
+    a = admission()
+    assert a.admit("mb", 8) == (Admit.ADMITTED, 0)
+    assert a.admit("mb", 8) == (Admit.ADMITTED, 0)
+    assert a.admitted == {0: 8}
+
+
+def test_a_released_or_expired_admission_gives_its_place_to_another():
+    clock = Clock()
+    a = admission(global_batch=16, lease_s=10.0, clock=clock)
+    a.admit("a", 8)
+    a.admit("b", 8)
+    assert a.admit("c", 8) == (Admit.WAIT, None)
+    assert a.release("a") and not a.release("a")
+    assert a.admit("c", 8) == (Admit.ADMITTED, 0)
+    clock.now = 5.0
+    a.admit("c", 8)  # a re-run renews "c"; "b" is not heard of again
+    clock.now = 12.0
+    assert a.admit("d", 8) == (Admit.ADMITTED, 0) and a.expired == 1
+    a.stepped(1)
+    assert a.history[-1] == (0, ["c", "d"]) and a.released == 1
+
+
+def test_the_trainers_last_step_completes_it():
+    a = admission(global_batch=8, lookahead=5)
+    assert a.admit("a", 8, until_step=2) == (Admit.ADMITTED, 0)
+    assert a.admit("b", 8, until_step=2) == (Admit.ADMITTED, 1)
+    assert a.admit("c", 8, until_step=2) == (Admit.COMPLETE, None)
+
+
+def test_a_microbatch_of_a_step_taken_without_it_is_admitted_again_into_an_open_step():
+    a = admission(global_batch=8, lookahead=1)
+    a.admit("late", 8)
+    a.stepped(2)  # the stages went on (its reservations were given up)
+    assert a.admit("late", 8) == (Admit.ADMITTED, 2)
+
+
+def test_a_step_never_admits_more_than_the_global_batch_plus_one_microbatch_short_of_it():
+    a = admission(global_batch=30, lookahead=2)
+    for i in range(20):
+        a.admit(f"mb{i}", 8)
+    assert all(n < 30 + 8 for n in a.admitted.values()) and sorted(a.admitted) == [0, 1, 2]

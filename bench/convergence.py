@@ -29,6 +29,7 @@ from bench.pump import MeshClient
 from bench.report import BenchResult
 from services.coordinator.app import create_app as create_coordinator
 from services.stage_server.app import create_app as create_stage
+from services.trainer.admission import AdmissionClient
 from services.trainer.trainer import Trainer
 from shared.config import CoordinatorSettings, StageServerSettings
 from shared.processes import free_port
@@ -152,6 +153,7 @@ async def train_one(plan: Plan, codec: str, replicas: int, trainers: int, sync: 
                     shard_index=t,
                     num_shards=trainers,
                     before_final_eval=lambda view=mesh.view: view.average(60.0),
+                    admission=AdmissionClient(mesh.session, coordinator, run_id=run_id, until_step=steps, wait_s=60.0),
                 )
             )  # evaluate once the last step is applied
         summaries = await asyncio.gather(*(r.run() for r in runs))

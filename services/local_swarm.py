@@ -88,12 +88,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--schedule",
-        default=os.environ.get("SWARM_SCHEDULE", "async"),
+        default=os.environ.get("SWARM_SCHEDULE", "sync"),
         choices=("async", "sync"),
         help=(
             "'async': the microbatches of a global step start while every stage is at most SWARM_MAX_STALENESS steps "
             "behind it; 'sync': only once every stage took the step before (the same model as one process) "
-            "(default: SWARM_SCHEDULE, else async)"
+            "(default: SWARM_SCHEDULE, else sync)"
         ),
     )
     p.add_argument(

@@ -552,7 +552,7 @@ class CoordinatorSettings(DiscoverySettings):
         ),
     )
     schedule: Literal["async", "sync"] = Field(
-        "async",
+        "sync",
         description=(
             "when trainers may start the microbatches of a global step: 'async' while every stage is at most "
             "SWARM_MAX_STALENESS steps behind it (bounded-staleness pipelining); 'sync' only once every stage took the "

@@ -21,7 +21,9 @@ microbatch failed for good), or it is not renewed for ``lease_s`` (its trainer d
 another microbatch takes its place in the step. Invariants (checked by the unit tests): a
 step never admits more than the global batch plus one microbatch short of it (the last
 microbatch may overfill when the microbatch size does not divide the batch); a step is
-admitted only within ``lookahead`` of the swarm's step; one id holds one admission.
+admitted only within ``lookahead`` of the swarm's step; one id holds one admission. A
+trainer is told ``complete`` (start no more microbatches) once every step it trains for is
+admitted and taken by every stage: its final evaluation then sees the run's last step.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class Admit(str, Enum):
 
     ADMITTED = "admitted"  # train it for ``step`` (None: no window is known yet, the stages reserve its step)
     WAIT = "wait"  # the window is full: ask again once the swarm stepped
-    COMPLETE = "complete"  # every step the trainer trains for is admitted: no more microbatches
+    COMPLETE = "complete"  # every step the trainer trains for is admitted and taken: no more microbatches
 
 
 @dataclass
@@ -78,8 +80,8 @@ class Admission:
         k = self.swarm_step
         while self.admitted.get(k, 0) >= self.global_batch:
             k += 1
-        if until_step is not None and k >= until_step:
-            return Admit.COMPLETE, None
+        if until_step is not None and k >= until_step:  # complete once the last of them is taken everywhere
+            return (Admit.COMPLETE, None) if self.swarm_step >= until_step else (Admit.WAIT, None)
         if k > self.swarm_step + self.lookahead:
             return Admit.WAIT, None
         self.admitted[k] = self.admitted.get(k, 0) + samples
@@ -107,6 +109,17 @@ class Admission:
         self._held = {mb: h for mb, h in self._held.items() if h.step >= swarm_step}
         self.swarm_step = swarm_step
         return True
+
+    def floor(self, admitted_step: int) -> int:
+        """The earliest step a stage may reserve a microbatch admitted for ``admitted_step``
+        into: that step, or an earlier one with room left by admissions that expired or were
+        released (their trainer died: without this, microbatches admitted further would wait
+        for a step that nobody fills any more). An earlier step only shortens the delay."""
+        self._expire(self.clock())
+        if self.global_batch <= 0:
+            return admitted_step
+        holes = [k for k in range(self.swarm_step, admitted_step) if self.admitted.get(k, 0) < self.global_batch]
+        return min(holes, default=admitted_step)
 
     def batch(self, step: int) -> list[str]:
         """The microbatch ids admitted into ``step``, in admission order (a step within the history)."""

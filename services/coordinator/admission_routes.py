@@ -15,11 +15,10 @@ import asyncio
 
 from aiohttp import web
 
-from services.coordinator.admission import Admission, Admit
-from services.coordinator.routes import _check_run, read_json
+from services.coordinator.admission import Admit
+from services.coordinator.routes import ADMISSION, _check_run, read_json
 from shared.errors import BadPayload, Draining, Overloaded
 
-ADMISSION = web.AppKey("admission", Admission)
 MAX_ID_LENGTH = 256
 
 

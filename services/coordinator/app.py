@@ -11,7 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from services.coordinator.admission import Admission
-from services.coordinator.admission_routes import ADMISSION, add_admission_routes
+from services.coordinator.admission_routes import add_admission_routes
 from services.coordinator.assignment import rebalancing_policy, swarm_view
 from services.coordinator.averaging import AveragingScheduler
 from services.coordinator.checkpointer import Checkpointer
@@ -21,6 +21,7 @@ from services.coordinator.dashboard_routes import DASHBOARD_PATHS, EVENTS, PROGR
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.registry import RegisteredServer, Registry, ServerReport
 from services.coordinator.routes import (
+    ADMISSION,
     AVERAGING,
     CHECKPOINTER,
     LOG,
@@ -145,7 +146,7 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     app[ADMISSION] = Admission(
         global_batch=0,  # as the servers report it (SWARM_GLOBAL_BATCH), see add_admission_routes
         lookahead=0 if settings.schedule == "sync" else settings.max_staleness,
-        lease_s=settings.step_timeout_s * ADMISSION_LEASE_STEP_TIMEOUTS,
+        lease_s=settings.step_timeout_s,  # an admission not renewed for a step timeout: its trainer is gone
         clock=time.monotonic,
     )
     add_admission_routes(
@@ -173,9 +174,6 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     if settings.mdns:
         app.cleanup_ctx.append(_announcement(settings))
     return app
-
-
-ADMISSION_LEASE_STEP_TIMEOUTS = 3  # an admission not renewed for this many step timeouts: its trainer is gone
 
 
 def _global_batch(app: web.Application) -> int:

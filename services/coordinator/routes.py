@@ -40,11 +40,13 @@ Errors are ``{"error": {"code", "message"}}``: 400 bad_payload, 404 unknown_serv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import structlog
 from aiohttp import web
 
+from services.coordinator.admission import Admission
 from services.coordinator.averaging import AveragingScheduler
 from services.coordinator.checkpointer import Checkpointer
 from services.coordinator.placement import Joiner, placement_inputs, stage_for_joiner, uses_topology
@@ -64,6 +66,7 @@ AVERAGING = web.AppKey("averaging", AveragingScheduler)
 CHECKPOINTER = web.AppKey("checkpointer", Checkpointer)
 LOG = web.AppKey("log", structlog.typing.FilteringBoundLogger)
 ASSIGN_LOCK = web.AppKey("assign_lock", asyncio.Lock)
+ADMISSION = web.AppKey("admission", Admission)
 JOINER_ID, PENDING_PREFIX = "<joiner>", "<pending>"  # peer ids no server can have (server ids are [A-Za-z0-9._-])
 
 JSON = "application/json"
@@ -215,6 +218,8 @@ async def step_reserve(request: web.Request) -> web.Response:
     msg = await read_json(request)
     _check_run(request, msg)
     req = ReserveRequest.from_json(msg, request.app[REGISTRY].num_stages)
+    if req.admitted_step is not None and ADMISSION in request.app:
+        req = dataclasses.replace(req, admitted_step=request.app[ADMISSION].floor(req.admitted_step))
     return web.json_response(await request.app[STEPS].reserve(req))
 
 

@@ -219,6 +219,7 @@ class StageRuntime:
         )  # (step, its microbatches) of the last steps applied
         self.version = 0  # the weights version: bumped by every write of the weights
         self._kept: dict[int, list[torch.Tensor]] = {}  # older versions still needed: version -> its parameters
+        self._spare: list[torch.Tensor] | None = None  # the tensors of a version let go, for the next one
         self._version_steps: dict[int, int] = {0: 0}  # version -> the stage's step when it was made
         self._forwards: OrderedDict[str, _Forward] = OrderedDict()  # forwards whose backward may come
         self._taken: dict[int, frozenset[str]] = {}  # step -> microbatch ids of its bucket, taken by a step round
@@ -596,7 +597,7 @@ class StageRuntime:
         if any(f.version == self.version for f in self._forwards.values()):
             old = self.params
             self._kept[self.version] = old
-            new = [torch.nn.Parameter(p.detach().clone()) if p.requires_grad else p for p in old]
+            new = self._copies(old)
             fresh = {id(p): q for p, q in zip(old, new)}
             for group in self.optimizer.param_groups:
                 group["params"] = [fresh.get(id(p), p) for p in group["params"]]
@@ -619,6 +620,19 @@ class StageRuntime:
     def kept_bytes(self) -> int:
         """Bytes of the older weights versions kept for backwards in flight."""
         return sum(p.numel() * p.element_size() for params in self._kept.values() for p in params if p.requires_grad)
+
+    def _copies(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of the trainable ``params`` (frozen ones shared), in the tensors of a version let
+        go if there is one: steady training alternates between two sets of tensors instead of
+        allocating a new one at every step, which fragmented the heap (RSS crept up under load)."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return [torch.nn.Parameter(p.detach().clone()) if p.requires_grad else p for p in params]
+        with torch.no_grad():
+            for q, p in zip(spare, params):
+                if p.requires_grad:
+                    q.copy_(p)
+        return [q if p.requires_grad else p for q, p in zip(spare, params)]
 
     def _params_of(self, version: int) -> list[torch.Tensor]:
         return self.params if version == self.version else self._kept[version]
@@ -652,7 +666,7 @@ class StageRuntime:
             del self._cache[mb]
         needed = {f.version for f in self._forwards.values()}
         for version in [v for v in self._kept if v not in needed]:
-            del self._kept[version]
+            self._spare = self._kept.pop(version)  # nothing refers to it any more: the next version's tensors
         self._version_steps = {v: s for v, s in self._version_steps.items() if v in self._kept or v == self.version}
 
     def catch_up(self, step: int) -> None:

@@ -24,10 +24,9 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from services.coordinator.admission_routes import ADMISSION
 from services.coordinator.app import STEPS
 from services.coordinator.app import create_app as create_coordinator
-from services.coordinator.routes import TRAFFIC
+from services.coordinator.routes import ADMISSION, TRAFFIC
 from services.stage_server.app import MEMBERSHIP, create_app
 from services.stage_server.averaging import flat_parameters
 from services.stage_server.averaging_routes import AVERAGER as AVERAGER_KEY

@@ -60,10 +60,14 @@ def test_a_released_or_expired_admission_gives_its_place_to_another():
     assert a.history[-1] == (0, ["c", "d"]) and a.released == 1
 
 
-def test_the_trainers_last_step_completes_it():
+def test_the_trainers_last_step_completes_it_once_every_stage_took_it():
     a = admission(global_batch=8, lookahead=5)
     assert a.admit("a", 8, until_step=2) == (Admit.ADMITTED, 0)
     assert a.admit("b", 8, until_step=2) == (Admit.ADMITTED, 1)
+    assert a.admit("c", 8, until_step=2) == (Admit.WAIT, None)  # its final evaluation would miss step 1
+    a.stepped(1)
+    assert a.admit("c", 8, until_step=2) == (Admit.WAIT, None)
+    a.stepped(2)
     assert a.admit("c", 8, until_step=2) == (Admit.COMPLETE, None)
 
 
@@ -79,3 +83,21 @@ def test_a_step_never_admits_more_than_the_global_batch_plus_one_microbatch_shor
     for i in range(20):
         a.admit(f"mb{i}", 8)
     assert all(n < 30 + 8 for n in a.admitted.values()) and sorted(a.admitted) == [0, 1, 2]
+
+
+def test_a_step_left_short_by_a_dead_trainer_takes_microbatches_admitted_further():
+    """The floor of a stage's reservation: a later admission may fill a step whose admissions
+    expired (without this, microbatches admitted for later steps waited at a stage for a step
+    that nobody filled any more: a trainer killed under the async schedule stalled the swarm)."""
+    clock = Clock()
+    a = admission(global_batch=16, lookahead=2, lease_s=10.0, clock=clock)
+    a.admit("dead-0", 8)
+    a.admit("dead-1", 8)
+    assert [a.admit(f"live-{i}", 8)[1] for i in range(4)] == [1, 1, 2, 2]
+    assert a.floor(2) == 2  # every step before 2 is full: its own step
+    clock.now = 5.0
+    for i in range(4):
+        a.admit(f"live-{i}", 8)  # the live trainer's re-runs renew its admissions
+    clock.now = 12.0
+    assert a.floor(2) == 0 and a.expired == 2  # the dead trainer's step 0 has room again
+    assert a.floor(0) == 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.stage_server.averaging import flat_parameters, load_flat_parameters
-from services.stage_server.runtime import Accumulated, OptimizerConfig, StageRuntime, StaleForward
+from services.stage_server.runtime import NO_BUCKET, Accumulated, OptimizerConfig, StageRuntime, StaleForward
 from services.stage_server.state import load_stage_state, stage_state
 from shared.model import PRESETS
 
@@ -194,3 +194,20 @@ def test_a_step_of_no_sample_is_refused():
     with pytest.raises(AssertionError, match="at least one sample"):
         rt.apply_step(Accumulated(torch.zeros(sum(p.numel() for p in rt.params)), 0, frozenset()))
     assert rt.digest() == before and rt.step == 0
+
+
+def test_steady_training_alternates_between_two_sets_of_tensors_and_stays_exact():
+    """A forward in flight across every step: each step keeps the forward's tensors, and the
+    set a finished backward let go carries the next version (no allocation per step)."""
+    rt, in_place = runtime(), runtime()
+    ids, x = set(), hidden(1)
+    for i in range(4):
+        rt.forward(f"mb{i}", 0, x, None)
+        step(rt, 100 + 10 * i)
+        step(in_place, 100 + 10 * i)
+        result = rt.backward(f"mb{i}", 0, x, None, hidden(2), forward_step=i, bucket=NO_BUCKET)  # input gradient only
+        assert rt.versions_kept == 1 and result.grad_inputs is not None
+        ids.add(id(rt.params[0]))
+    assert rt.stats.versions_made == 4 and len(ids) == 2
+    assert torch.equal(flat_parameters(rt.params), flat_parameters(in_place.params))
+    assert rt.digest() == in_place.digest()

@@ -102,7 +102,7 @@ def run(ctx) -> BenchResult:
             "unlike tokens/s it does not depend on what else runs on the machine"
         ),
         "shares of the mesh's core-seconds (cores x window): compute (model math), recompute (forwards recomputed in "
-        "backward because the stage stepped while the microbatch was in flight), comm (codec, msgpack, HTTP, Python "
+        "backward, on their own weights version, because the graph was not cached), comm (codec, msgpack, HTTP, Python "
         "around them), idle (stages waiting for work), others (CPU taken by other processes on the machine)",
     ]
     summary = {f"ratio_d{r['d_model']}": r["mesh / 1 process"] for r in rows} | {

@@ -155,8 +155,8 @@ async def _pump_mesh(
         raise RuntimeError(f"{log.failed} microbatches failed on the mesh: {log.failures[-1]}")
     start, end, tokens = log.between_completions(warmup, warmup + measured)
     (srv0, trn0, idle0), (srv1, trn1, idle1) = marks[warmup], marks[warmup + measured]
-    backwards = sum(st["backwards"] for st in stats)
-    recomputed = 1.0 - sum(st["cache_hits"] for st in stats) / backwards if backwards else 0.0
+    backwards = sum(st["backwards_run"] for st in stats)  # every backward computed, accumulated or not
+    recomputed = sum(st["recomputes"] for st in stats) / backwards if backwards else 0.0
     return {
         "tokens_per_s": tokens / (end - start),
         "wall_s": end - start,

@@ -36,10 +36,11 @@ alternate, while the first one still computes. The coordinator holds the id of e
 microbatch reserved at a stage, while its reservation is out and then for ``WINDOW_STEPS``
 steps after the one it went into, and answers another reservation of it ``duplicate``
 (counted in ``duplicates_refused``): that backward returns its input gradient and
-accumulates nothing. A reservation given back (0 samples) or given up releases its id, so
-that the microbatch run again counts. The window is kept in the run's state file (the
-registry's SQLite), so a restarted coordinator still refuses the duplicates of its
-predecessor's reservations.
+accumulates nothing. A reservation given back (0 samples), or given up when its replica is
+gone, releases its id, so that the microbatch run again counts; one given up while its
+replica is still alive (slow) keeps it: that replica may have accumulated it already. The
+window is kept in the run's state file (the registry's SQLite), so a restarted coordinator
+still refuses the duplicates of its predecessor's reservations.
 
 A replica at an older step than its stage's is told to take a live replica's state
 (``resync``); a newer one (this coordinator restarted) moves the stage's count forward.
@@ -285,8 +286,7 @@ class StepCounter:
         lost = sum(n for url, n in st.outstanding(k).items() if alive is not None and url not in alive)
         complete = st.done.get(k, 0) >= st.reserved.get(k, 0) - lost or now - st.closed_at[k] >= self.timeout_s
         if complete and st.done.get(k, 0) == 0:  # everything reserved for it was lost: no empty step, fill it again
-            for mb in st.claims.pop(k, {}):
-                self._release(stage, mb)
+            self._give_up(stage, st.claims.pop(k, {}), alive)
             st.reserved[k] = 0
             st.closed_at.pop(k, None)
             return False
@@ -349,6 +349,15 @@ class StepCounter:
             self.stages[stage].held[microbatch_id] = (step, url)
             self.journal.append(("hold", stage, microbatch_id, step, url))
 
+    def _give_up(self, stage: int, claims: Mapping[str, Claim], alive: set[str] | None) -> None:
+        """Reservations given up: the ids of replicas gone are released (their buckets went
+        with them: the microbatches run again count); those of replicas still alive stay held,
+        as a slow replica may have accumulated its microbatch already (its step round would
+        apply it, and a run of it again elsewhere would too: applied twice)."""
+        for mb, claim in claims.items():
+            if alive is None or claim.url not in alive:
+                self._release(stage, mb)
+
     def _release(self, stage: int, microbatch_id: str) -> None:
         if self.stages[stage].held.pop(microbatch_id, None) is not None:
             self.journal.append(("release", stage, microbatch_id))
@@ -361,12 +370,13 @@ class StepCounter:
         return any(max(st.replica_steps.get(u, -1), reported.get(u, -1)) >= st.step for u in alive)
 
     def _advance(self, stage: int, step: int) -> None:
-        """The stage is at ``step``: reservations of earlier steps missed theirs (their ids are
-        released, so the microbatches run again count) and the window slides."""
+        """The stage is at ``step``: reservations of earlier steps missed theirs (given up, see
+        :meth:`_give_up`) and the window slides."""
         st = self.stages[stage]
+        now = self.clock()
+        alive = {url for url, at in st.last_seen.items() if now - at < self.lease_s}
         for k in [k for k in st.claims if k < step]:
-            for mb in st.claims.pop(k):
-                self._release(stage, mb)
+            self._give_up(stage, st.claims.pop(k), alive)
         for table in (st.reserved, st.done, st.unreserved, st.closed_at):
             for k in [k for k in table if k < step]:
                 table.pop(k)

@@ -117,7 +117,7 @@ class StageStats:
     last_effective_batch: int = 0  # samples that went into the last step's all-reduced gradient
     stale_gradients: int = 0  # backwards accumulated into a later step than that of the weights they ran on
     recomputes: int = 0  # backwards that recomputed their forward (on its version): the graph was not cached here
-    other_weights_backwards: int = 0  # backwards computed on other weights than their forward's: 0 by construction
+    other_weights_backwards: int = 0  # backwards whose forward's weights were gone (refused, not computed): 0
     versions_made: int = 0  # writes of the weights that kept the old tensors for forwards in flight (copies)
 
 
@@ -344,6 +344,7 @@ class StageRuntime:
             bucket = step
         if bucket > weights_step + self.max_staleness:
             self._forwards.pop(microbatch_id, None)
+            self._cache.pop(microbatch_id, None)
             self.stats.stale_backwards += 1
             raise StaleForward(
                 f"the gradient of {microbatch_id!r}, computed on the weights of step {weights_step}, would go into "
@@ -422,9 +423,7 @@ class StageRuntime:
         ):
             self.stats.cache_hits += 1
             return cached.leaf, cached.output
-        if cached is not None and cached.version != version:
-            self.stats.other_weights_backwards += 1  # never: a forward's record names the version it ran on
-        self.stats.recomputes += 1
+        self.stats.recomputes += 1  # (a cached graph of another run of this id, on other weights, is not used)
         return self._run(seed, inputs, targets, grad=True)
 
     def accumulated_in(self, microbatch_id: str) -> int | None:
@@ -635,6 +634,11 @@ class StageRuntime:
         return [q if p.requires_grad else p for q, p in zip(spare, params)]
 
     def _params_of(self, version: int) -> list[torch.Tensor]:
+        """The parameters of ``version``; a forward's record keeps its version, so one that is
+        gone means this runtime would compute on other weights: counted, and refused."""
+        if version != self.version and version not in self._kept:
+            self.stats.other_weights_backwards += 1
+            raise StaleForward(f"the weights of version {version} are gone: run the microbatch again")
         return self.params if version == self.version else self._kept[version]
 
     @contextlib.contextmanager

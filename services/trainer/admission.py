@@ -6,8 +6,8 @@ While the window is full the coordinator holds the ask and answers 503 with Retr
 its step timeout; the ask is repeated until ``wait_s`` has passed without an answer, then
 the microbatch starts unadmitted (its step is whatever the stages reserve for it), so that a
 stuck coordinator cannot stall training forever. A coordinator that does not answer at all
-(restarting), or does not know admission (an older one), likewise: training goes on, as
-without a coordinator.
+(killed, restarting: asked again after ``AWAY_S``), or does not know admission (an older
+one), at once: training goes on, as without a coordinator.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from shared.http import post_json
 
 ASK_TIMEOUT_MARGIN_S = 10.0  # beyond the coordinator's own hold of an ask
 MIN_RETRY_S = 0.05
+AWAY_S = 1.0  # after the coordinator did not answer, microbatches start unadmitted this long without asking
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class AdmissionClient:
         self.until_step, self.wait_s, self.log = until_step, wait_s, log
         self.supported = True  # False once the coordinator said it has no admission (404)
         self.unadmitted = 0  # microbatches started without an admission
+        self._away_until = 0.0  # the coordinator did not answer: until then, microbatches start unadmitted
 
     async def admit(self, microbatch_id: str, samples: int) -> Admitted:
         body = {
@@ -44,7 +46,7 @@ class AdmissionClient:
         }
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_s
-        while self.supported:
+        while self.supported and loop.time() >= self._away_until:
             try:
                 answer = await post_json(
                     self.session, self.url + "/step/admit", body, timeout_s=self.wait_s + ASK_TIMEOUT_MARGIN_S
@@ -53,7 +55,9 @@ class AdmissionClient:
                 if exc.status == 404:
                     self.supported = False
                     break
-                if exc.status not in (503, None) or loop.time() >= deadline:
+                if exc.status is None:  # unreachable: not asked again for a while
+                    self._away_until = loop.time() + AWAY_S
+                if exc.status != 503 or loop.time() >= deadline:
                     self._unadmitted(microbatch_id, exc)
                     return Admitted(None)
                 await asyncio.sleep(max(MIN_RETRY_S, min(exc.retry_after_s or 1.0, deadline - loop.time())))

@@ -93,15 +93,21 @@ def stop(swarm: ChaosSwarm, servers: list[Member]) -> None:
         swarm.servers.remove(s)
 
 
-def check_none_lost(trainer: Member, steps: int) -> dict:
-    """The trainer exited 0 with every scheduled microbatch completed; returns its summary."""
+def check_none_lost(trainer: Member, steps: int, *, fed_all: bool = True) -> dict:
+    """The trainer exited 0 with every scheduled microbatch completed; returns its summary.
+    ``fed_all=False``: another trainer's microbatches (killed, their samples accumulated)
+    filled part of these steps, and the coordinator's admission had this one feed the rest."""
     status = trainer.proc.wait(timeout=240)
     assert status == 0, f"{trainer.name} exited with {status}; log: {trainer.logs[-1]}"
     summary = summary_of(trainer)
     assert summary["microbatches_failed"] == 0 and not summary["failures"], summary["failures"][:3]
     # every step's samples fed; more if a step took more than the global batch (replicas
     # that stepped alone while the coordinator was away, then joined its count): topped up
-    assert summary["microbatches_completed"] == summary["microbatches_scheduled"] >= steps * MICROBATCHES_PER_STEP
+    assert (
+        summary["microbatches_completed"]
+        == summary["microbatches_scheduled"]
+        >= (steps * MICROBATCHES_PER_STEP if fed_all else 1)
+    )
     assert steps_done(trainer) == steps
     return summary
 
@@ -179,7 +185,7 @@ def test_servers_keep_serving_when_a_trainer_is_killed_mid_step(swarm):
     trainer = swarm.start_trainer(
         "trainer-after-kill", {**TRAINER, "SWARM_STEPS": str(steps), "SWARM_START_STEP": str(trained)}
     )
-    check_none_lost(trainer, steps - trained)
+    check_none_lost(trainer, steps - trained, fed_all=False)
     # (a 503 may come: the checkpointer's GET /state shares the queue of 4 with 4 microbatches in flight)
     assert {e["code"] for e in trainer.events("hop.failed") + trainer.events("chain.rerouted")} <= {"overloaded"}, (
         trainer.events("hop.failed")[:3]

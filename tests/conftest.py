@@ -45,6 +45,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one torch
     torch.set_num_threads(1)
 
 
+class VirtualClock:
+    """A clock that tests move by hand (``clock.now += dt``): pure logic takes it instead of ``time.monotonic``."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def balancer_for(urls: list[list[str]], seed: int = 0) -> ReplicaBalancer:
     """A trainer's balancer that knows exactly these replicas per stage."""
     balancer = ReplicaBalancer(len(urls), rng=random.Random(seed))

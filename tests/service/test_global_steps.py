@@ -224,28 +224,8 @@ async def test_replicas_of_a_stage_are_identical_after_every_step(swarm, http_se
 async def test_one_replica_one_microbatch_in_flight_is_one_process_training(swarm, http_session):
     """10 global steps through 4 stages over HTTP (fp32 wire) vs the whole model in one process."""
     steps, global_batch, num_stages = 10, 2 * MICROBATCH, 4
-    optim = OptimizerConfig(
-        lr=3e-3,
-        weight_decay=0.01,
-        global_batch=global_batch,
-        warmup_steps=3,
-        schedule="cosine",
-        total_steps=steps,
-        min_lr_ratio=0.1,
-        max_grad_norm=0.5,
-    )
-    s = await swarm(
-        [1] * num_stages,
-        global_batch=global_batch,
-        wire_codec="fp32",
-        lr=optim.lr,
-        weight_decay=optim.weight_decay,
-        warmup_steps=optim.warmup_steps,
-        lr_schedule=optim.schedule,
-        total_steps=optim.total_steps,
-        min_lr_ratio=optim.min_lr_ratio,
-        max_grad_norm=optim.max_grad_norm,
-    )
+    optim = reference_optimizer(global_batch, steps)
+    s = await reference_swarm(swarm, [1] * num_stages, optim)
     summary = await trainer(http_session, s.urls, steps=steps, global_batch=global_batch, in_flight=1).run()
     assert summary.microbatches_completed == steps * 2 and summary.microbatch_reruns == 0
 
@@ -269,29 +249,8 @@ async def test_the_sync_schedule_trains_two_replicas_and_two_trainers_as_one_pro
     coordinator admitted into it), and every gradient was computed on the weights of the step
     it went into."""
     steps, global_batch, num_stages = 10, 4 * MICROBATCH, 2
-    optim = OptimizerConfig(
-        lr=3e-3,
-        weight_decay=0.01,
-        global_batch=global_batch,
-        warmup_steps=3,
-        schedule="cosine",
-        total_steps=steps,
-        min_lr_ratio=0.1,
-        max_grad_norm=0.5,
-    )
-    s = await swarm(
-        [2] * num_stages,
-        global_batch=global_batch,
-        wire_codec="fp32",
-        lr=optim.lr,
-        weight_decay=optim.weight_decay,
-        warmup_steps=optim.warmup_steps,
-        lr_schedule=optim.schedule,
-        total_steps=optim.total_steps,
-        min_lr_ratio=optim.min_lr_ratio,
-        max_grad_norm=optim.max_grad_norm,
-        coordinator_overrides={"schedule": "sync"},
-    )
+    optim = reference_optimizer(global_batch, steps)
+    s = await reference_swarm(swarm, [2] * num_stages, optim, coordinator_overrides={"schedule": "sync"})
     runs = [
         trainer(
             http_session,
@@ -342,6 +301,37 @@ def comparable_parts(name: str, ours: torch.Tensor, ref: torch.Tensor):
     d = ours.numel() // 3
     assert float(ours[d : 2 * d].norm()) < 1e-3 and float(ref[d : 2 * d].norm()) < 1e-3, name
     return [("[q]", ours[:d], ref[:d]), ("[v]", ours[2 * d :], ref[2 * d :])]
+
+
+def reference_optimizer(global_batch: int, steps: int) -> OptimizerConfig:
+    """AdamW with warm-up, a cosine schedule and clipping: what the one-process references use."""
+    return OptimizerConfig(
+        lr=3e-3,
+        weight_decay=0.01,
+        global_batch=global_batch,
+        warmup_steps=3,
+        schedule="cosine",
+        total_steps=steps,
+        min_lr_ratio=0.1,
+        max_grad_norm=0.5,
+    )
+
+
+async def reference_swarm(swarm, replicas: list[int], optim: OptimizerConfig, **overrides) -> Swarm:
+    """A swarm whose servers train with ``optim`` over an fp32 wire."""
+    return await swarm(
+        replicas,
+        global_batch=optim.global_batch,
+        wire_codec="fp32",
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        warmup_steps=optim.warmup_steps,
+        lr_schedule=optim.schedule,
+        total_steps=optim.total_steps,
+        min_lr_ratio=optim.min_lr_ratio,
+        max_grad_norm=optim.max_grad_norm,
+        **overrides,
+    )
 
 
 def one_process_training(

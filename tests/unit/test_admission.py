@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 from services.coordinator.admission import Admission, Admit
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.conftest import VirtualClock as Clock
 
 
 def admission(*, global_batch=32, lookahead=0, lease_s=60.0, clock=None) -> Admission:

@@ -16,17 +16,10 @@ from services.stage_server.stepping import Reservation, StepClient
 from shared.errors import BadPayload
 from shared.log import get_logger
 from shared.step_protocol import DoneReport, ReserveAnswer, ReserveRequest, Verdict
+from tests.conftest import VirtualClock as Clock
 
 A, B = "http://a", "http://b"
 _ids = itertools.count()
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def counter(timeout_s: float = 5.0) -> tuple[StepCounter, Clock]:

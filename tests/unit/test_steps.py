@@ -14,18 +14,11 @@ from services.coordinator.steps import GlobalBatchMismatch, StepCounter, StepSch
 from shared.errors import Draining
 from shared.log import get_logger
 from shared.step_protocol import DoneReport, ReserveAnswer, ReserveRequest, Verdict
+from tests.conftest import VirtualClock as Clock
 
 A, B = "http://a", "http://b"
 G = 8  # global batch
 _ids = itertools.count()
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,36 @@
+"""``swarm status``'s table from a GET /swarm view."""
+
+from __future__ import annotations
+
+from services.status import render
+
+
+def view(duplicates: int) -> dict:
+    replica = {"url": "http://127.0.0.1:9001", "server_id": "s0-1", "throughput": 10.0, "queue_length": 0}
+    return {
+        "run_id": "r",
+        "heartbeat_s": 1.0,
+        "lease_s": 3.0,
+        "stages": [
+            {
+                "stage": 0,
+                "capacity": 10.0,
+                "replicas": [{**replica, "lease_age_s": 0.5}],
+                "step": {
+                    "step": 7,
+                    "accumulated": 8,
+                    "global_batch": 32,
+                    "samples_dropped": 4,
+                    "duplicates_refused": duplicates,
+                },
+            }
+        ],
+    }
+
+
+def test_each_stage_shows_its_step_next_batch_dropped_samples_and_refused_duplicates():
+    lines = render(view(3)).splitlines()
+    header, row = lines[2].split(), lines[3].split()
+    assert header[-2:] == ["dropped", "duplicates"]
+    assert row[3:] == ["7", "8/32", "4", "3"]
+    assert render(view(0)).splitlines()[3].split()[-1] == "0"

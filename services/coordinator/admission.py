@@ -129,15 +129,6 @@ class Admission:
         """Samples admitted for steps not taken yet."""
         return sum(self.admitted.values())
 
-    def view(self) -> dict:
-        return {
-            "swarm_step": self.swarm_step,
-            "lookahead": self.lookahead,
-            "admitted": {str(k): n for k, n in sorted(self.admitted.items())},
-            "expired": self.expired,
-            "released": self.released,
-        }
-
     def _expire(self, now: float) -> None:
         for mb, held in [(mb, h) for mb, h in self._held.items() if now - h.renewed_at > self.lease_s]:
             del self._held[mb]

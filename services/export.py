@@ -3,6 +3,7 @@ Hugging Face model directory.
 
     swarm export --checkpoint-dir DIR --out model.safetensors [--step N]
     swarm export --checkpoint-dir DIR --format hf --out HF_DIR [--tokenizer PATH] [--max-shard-mb N]
+    swarm export --checkpoint-dir DIR --format peft --out ADAPTER_DIR [--model HF_DIR] [--merge]
 
 Reads every stage file of the latest (or the given) checkpoint, keeps the parameters
 (not the optimizer state) and checks that together they are exactly the whole model's
@@ -14,8 +15,16 @@ generation_config.json, model.safetensors (sharded past ``--max-shard-mb``) and,
 ``--tokenizer`` (a tokenizer.json or a directory holding one, e.g. the model directory
 the run started from), the tokenizer: ``transformers.AutoModelForCausalLM.from_pretrained``
 and ``AutoTokenizer.from_pretrained`` load the directory. ``transformers`` itself is not
-needed to write it. Exit status: 0 written, 2 no such checkpoint, an incomplete one, or a
-model or tokenizer that cannot be exported so.
+needed to write it.
+
+A LoRA run's checkpoint (``SWARM_LORA_RANK``) holds the adapters alone: ``--format peft``
+writes ``adapter_config.json`` and ``adapter_model.safetensors`` that
+``peft.PeftModel.from_pretrained(base, ADAPTER_DIR)`` loads onto the base model, and with
+``--merge`` a Hugging Face model directory of base plus adapters (``W + B A alpha / r``)
+instead. The base is ``--model`` (default: the directory the stage servers loaded, if it is
+here); every stage's base tensors are read from it and must have the fingerprint the
+adapters were trained on, else the export is refused. Exit status: 0 written, 2 no such
+checkpoint, an incomplete one, or a model, base or tokenizer that cannot be exported so.
 """
 
 from __future__ import annotations
@@ -39,8 +48,9 @@ from shared.checkpoint import (
     step_dir,
 )
 from shared.errors import BadPayload
-from shared.hf import save_hf
-from shared.model import ModelConfig, config_from_dict, whole_model, whole_parameters
+from shared.hf import HFModelError, is_hf_dir, load_stage_from_hf, read_hf_config, save_hf
+from shared.lora import LoraConfig, base_fingerprint, is_adapter, merge_into, save_peft
+from shared.model import ModelConfig, config_from_dict, partition, whole_model, whole_parameters
 
 DEFAULT_MAX_SHARD_MB = 5000
 
@@ -58,26 +68,46 @@ def find_checkpoint(root: str | Path, step: int | None) -> Path:
     return path
 
 
-def collect_parameters(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
-    """Every stage's parameters of checkpoint ``ckpt``, checked against the whole model."""
+def _read_stages(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelConfig, list[dict]]:
+    """Every stage's parameters of checkpoint ``ckpt`` (our names) and each stage's metadata."""
     try:
         meta = read_meta(ckpt)
         cfg, num_stages = config_from_dict(meta["model_config"]), int(meta["num_stages"])
     except (ValueError, KeyError, TypeError, AssertionError) as exc:
         raise IncompleteCheckpoint(f"{ckpt}/{META} is unreadable: {exc!r}") from None
     params: dict[str, torch.Tensor] = {}
+    metas = []
     for stage in range(num_stages):
         try:
-            tensors, _ = state_from_bytes(read_stage_file(ckpt, stage))
+            tensors, stage_meta = state_from_bytes(read_stage_file(ckpt, stage))
         except FileNotFoundError:
             raise IncompleteCheckpoint(f"{ckpt} lacks the state of stage {stage}") from None
         except BadPayload as exc:
             raise IncompleteCheckpoint(f"{ckpt}: stage {stage}: {exc.message}") from None
+        metas.append(stage_meta)
         for name, t in tensors.items():
             if is_parameter(name):
                 if name in params:
                     raise IncompleteCheckpoint(f"{ckpt}: parameter {name!r} appears in two stages")
                 params[name] = t
+    return params, cfg, metas
+
+
+def _lora_of(metas: list[dict]) -> LoraConfig | None:
+    loras = [m.get("lora") for m in metas]
+    if any(lora != loras[0] for lora in loras):
+        raise IncompleteCheckpoint(f"the stages were trained with different LoRA settings: {loras}")
+    return LoraConfig.from_dict(loras[0]) if loras[0] else None
+
+
+def collect_parameters(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """Every stage's parameters of checkpoint ``ckpt``, checked against the whole model."""
+    params, cfg, metas = _read_stages(ckpt)
+    if _lora_of(metas) is not None:
+        raise ValueError(
+            f"{ckpt} is of a LoRA run: it holds adapters, not the model; export it with --format peft (the adapters) "
+            "or --format peft --merge (base plus adapters as a Hugging Face model)"
+        )
     params, cfg = whole_parameters(params, cfg)
     with torch.device("meta"):  # names and shapes only, no memory
         reference = dict(whole_model(cfg).named_parameters())
@@ -104,9 +134,15 @@ def export_hf(
     ckpt: Path, out_dir: str | Path, *, tokenizer: str = "", max_shard_mb: float = DEFAULT_MAX_SHARD_MB
 ) -> list[Path]:
     """A Hugging Face model directory of checkpoint ``ckpt`` (and the tokenizer ``tokenizer``, if given)."""
+    params, cfg = collect_parameters(ckpt)
+    return _save_hf_with_tokenizer(params, cfg, out_dir, tokenizer=tokenizer, max_shard_mb=max_shard_mb)
+
+
+def _save_hf_with_tokenizer(
+    params: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, *, tokenizer: str, max_shard_mb: float
+) -> list[Path]:
     from shared.tokenizer import save_tokenizer
 
-    params, cfg = collect_parameters(ckpt)
     tok = save_tokenizer(tokenizer, out_dir, model_max_length=cfg.block_size) if tokenizer else None
     if tok is not None and tok.vocab_size > cfg.vocab_size:
         raise ValueError(
@@ -119,6 +155,55 @@ def export_hf(
         else {}
     )
     return save_hf(out_dir, params, cfg, max_shard_bytes=int(max_shard_mb * 2**20), **ids)
+
+
+def export_peft(
+    ckpt: Path,
+    out_dir: str | Path,
+    *,
+    model_dir: str = "",
+    merge: bool = False,
+    tokenizer: str = "",
+    max_shard_mb: float = DEFAULT_MAX_SHARD_MB,
+) -> list[Path]:
+    """The adapters of LoRA checkpoint ``ckpt`` for peft, or (``merge``) base plus adapters as
+    a Hugging Face model directory; refused unless every stage of ``model_dir`` (default: the
+    servers' model directory) is the base the adapters were trained on."""
+    adapters, cfg, metas = _read_stages(ckpt)
+    lora = _lora_of(metas)
+    if lora is None:
+        raise ValueError(f"{ckpt} is not of a LoRA run (no adapters): export it with --format hf or safetensors")
+    not_adapters = sorted(n for n in adapters if not is_adapter(n))
+    if not_adapters:
+        raise IncompleteCheckpoint(f"{ckpt}: a LoRA checkpoint holds parameters besides adapters: {not_adapters[:5]}")
+    base = model_dir or next((m["base_model"] for m in metas if m.get("base_model")), "")
+    if not base or not is_hf_dir(base):
+        raise ValueError(
+            f"the base model directory {base!r} is not here: give --model, the Hugging Face model directory the run "
+            "was fine-tuned from"
+        )
+    try:
+        if read_hf_config(base) != cfg:
+            raise ValueError(f"{base} is another model than the one the adapters were trained on (its config differs)")
+        specs = partition(cfg, len(metas))
+        base_params: dict[str, torch.Tensor] = {}
+        for stage, meta in enumerate(metas):
+            model, _ = load_stage_from_hf(base, cfg, specs[stage])
+            if base_fingerprint(model) != meta.get("base_fingerprint"):
+                raise ValueError(
+                    f"{base}: stage {stage}'s weights are not those the adapters were trained on (fingerprint "
+                    f"{base_fingerprint(model)}, the checkpoint's {meta.get('base_fingerprint')}): give --model the "
+                    "directory the run was fine-tuned from"
+                )
+            if merge:
+                base_params.update({n: p.detach() for n, p in model.named_parameters()})
+    except HFModelError as exc:
+        raise ValueError(str(exc)) from None
+    if not merge:
+        return save_peft(out_dir, adapters, cfg, lora, base_model=str(Path(base).resolve()))
+    merge_into(base_params, adapters, lora)
+    params, cfg = whole_parameters(base_params, cfg)
+    return _save_hf_with_tokenizer(params, cfg, out_dir, tokenizer=tokenizer, max_shard_mb=max_shard_mb)
 
 
 def load_exported(path: str | Path) -> torch.nn.Module:
@@ -141,9 +226,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, default=None, help="export this step's checkpoint instead of the latest")
     p.add_argument(
         "--format",
-        choices=("safetensors", "hf"),
+        choices=("safetensors", "hf", "peft"),
         default="safetensors",
-        help="one safetensors file for this project's loader (default), or a Hugging Face model directory",
+        help=(
+            "one safetensors file for this project's loader (default), a Hugging Face model directory, or a LoRA "
+            "run's adapters for peft (adapter_config.json, adapter_model.safetensors)"
+        ),
+    )
+    p.add_argument(
+        "--model",
+        default="",
+        help=(
+            "--format peft: the base model directory the run was fine-tuned from (default: the stage servers' "
+            "SWARM_MODEL, if it is here); its fingerprint is checked"
+        ),
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="--format peft: write base plus adapters as one Hugging Face model directory instead of the adapters",
     )
     p.add_argument(
         "--tokenizer",
@@ -162,7 +263,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         ckpt = find_checkpoint(args.checkpoint_dir, args.step)
-        if args.format == "hf":
+        if args.merge and args.format != "peft":
+            raise ValueError("--merge merges a LoRA run's adapters into its base: use it with --format peft")
+        if args.format == "peft":
+            written = export_peft(
+                ckpt,
+                args.out,
+                model_dir=args.model,
+                merge=args.merge,
+                tokenizer=args.tokenizer,
+                max_shard_mb=args.max_shard_mb,
+            )
+            out = f"{args.out} ({', '.join(p.name for p in written)})"
+        elif args.format == "hf":
             written = export_hf(ckpt, args.out, tokenizer=args.tokenizer, max_shard_mb=args.max_shard_mb)
             no_tokenizer = "" if args.tokenizer else "; no tokenizer: give --tokenizer for AutoTokenizer"
             out = f"{args.out} ({len(written)} model files{no_tokenizer})"

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -115,6 +116,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ),
     )
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=int(os.environ.get("SWARM_LORA_RANK", "0")),
+        help=(
+            "fine-tune with LoRA adapters of this rank on the frozen --model (0: train every weight); more in "
+            "SWARM_LORA_ALPHA, SWARM_LORA_DROPOUT, SWARM_LORA_BASE_DTYPE (default: SWARM_LORA_RANK, else 0)"
+        ),
+    )
+    p.add_argument(
+        "--lora-target-modules",
+        default=os.environ.get("SWARM_LORA_TARGET_MODULES", "all-linear"),
+        help=(
+            "--lora-rank: Hugging Face module names the adapters go on, comma-separated (e.g. q_proj,v_proj), or "
+            "all-linear (default: SWARM_LORA_TARGET_MODULES, else all-linear)"
+        ),
+    )
     p.add_argument(
         "--corpus",
         default="",
@@ -213,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         common["SWARM_COORDINATOR"] = coordinator
         servers = start_servers(procs, args, common)
         for name, url in servers.items():
-            wait_healthy(url, procs.procs[name], args.ready_timeout_s)
+            try:
+                wait_healthy(url, procs.procs[name], args.ready_timeout_s)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{exc}{_last_error(run_dir / f'{name}.log')}") from None
         print(
             (
                 f"swarm up: coordinator {coordinator}, {args.stages} stages x {args.replicas} replicas healthy; logs "
@@ -276,6 +297,11 @@ def check_model_and_data(args: argparse.Namespace) -> None:
     )
     cfg = check_hf_dir(args.model) if args.model not in PRESETS else settings.gpt_config()
     partition(cfg, args.stages)
+    if args.lora_rank:
+        from shared.lora import LoraConfig, target_modules
+
+        targets = tuple(t.strip() for t in args.lora_target_modules.split(",") if t.strip())
+        target_modules(cfg, LoraConfig(args.lora_rank, target_modules=targets))  # LoraError (a ValueError) says why
     if args.seq_len > cfg.block_size:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's block_size {cfg.block_size}")
     make_batcher(settings, cfg)
@@ -354,6 +380,16 @@ def save_checkpoint(coordinator: str) -> None:
         print(f"swarm up: final checkpoint failed: {exc}", file=sys.stderr, flush=True)
 
 
+def _last_error(log: Path) -> str:
+    """``: <the exception that stopped a process> (log: PATH)``, from the end of its log, or ''."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()[-200:]
+    except OSError:
+        return ""
+    errors = [line.strip() for line in lines if re.match(r"^[\w.]+(Error|Exception|Stage): ", line.strip())]
+    return f": {errors[-1]} (log: {log})" if errors else f" (log: {log})"
+
+
 def start_servers(procs: LocalProcesses, args: argparse.Namespace, common: dict) -> dict[str, str]:
     """``stages x replicas`` stage servers; returns their URLs by process name."""
     servers = {}
@@ -369,6 +405,8 @@ def start_servers(procs: LocalProcesses, args: argparse.Namespace, common: dict)
                 "SWARM_GLOBAL_BATCH": str(args.global_batch),
                 "SWARM_SYNC": args.sync,
                 "SWARM_LOCAL_STEPS": str(args.local_steps),
+                "SWARM_LORA_RANK": str(args.lora_rank),
+                "SWARM_LORA_TARGET_MODULES": args.lora_target_modules,
             }
             name = f"stage{stage}-{replica}"
             procs.start(name, ["services.stage_server"], env)

@@ -90,6 +90,46 @@ class PlacementSettings(Section):
     )
 
 
+class LoraSettings(Section):
+    """LoRA fine-tuning (``shared.lora``): low-rank adapters on the frozen model; the same on
+    every server of a run, except ``base_dtype``."""
+
+    rank: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description=(
+            "LoRA rank: train low-rank adapters on the target modules of the frozen model (only the adapters' "
+            "gradients go into step rounds, only their optimizer state exists); 0: train every weight"
+        ),
+    )
+    alpha: float = Field(8.0, gt=0, description="LoRA alpha: the adapters' output is scaled by alpha / rank (peft's)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input (peft's lora_dropout)")
+    target_modules: str = Field(
+        "all-linear",
+        description=(
+            "comma-separated Hugging Face module names the adapters go on, matched as peft matches them (a module's "
+            "name or its last parts, e.g. q_proj,v_proj); 'all-linear': every linear layer of the blocks"
+        ),
+    )
+    base_dtype: Literal["fp32", "bf16", "int8"] = Field(
+        "fp32",
+        description=(
+            "how the frozen base weights are held: fp32, bf16, or int8 (bitsandbytes blockwise codes, dequantised at "
+            "each use): less memory, the adapters and their optimizer state stay fp32"
+        ),
+    )
+
+    def config(self):
+        """The adapters' ``shared.lora.LoraConfig``, or None when LoRA is off."""
+        from shared.lora import LoraConfig
+
+        if not self.rank:
+            return None
+        targets = tuple(t.strip() for t in self.target_modules.split(",") if t.strip())
+        return LoraConfig(self.rank, self.alpha, self.dropout, targets, self.base_dtype)
+
+
 class FaultInjection(Section):
     """TEST ONLY: faults a stage server injects into its own work, for the chaos and service
     tests (``SWARM_INJECT_*``); every field is marked test-only and left out of ``--help``."""
@@ -465,6 +505,9 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     inject: FaultInjection = Field(
         default_factory=FaultInjection, description="TEST ONLY: fault injection (SWARM_INJECT_*), see FaultInjection"
     )
+    lora: LoraSettings = Field(
+        default_factory=LoraSettings, description="LoRA fine-tuning of the frozen model (SWARM_LORA_*)"
+    )
     drain_timeout_s: float = Field(30.0, gt=0)
     checkpoint_dir: str = Field(
         "", description="resume from the latest checkpoint here when no live replica of the stage has state to give"
@@ -517,6 +560,10 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
             raise ValueError(
                 f"SWARM_PRECISION=bf16 needs SWARM_DEVICE=cuda (on {self.device} a stage computes in fp32)"
             )
+        if (lora := self.lora.config()) is not None:
+            from shared.lora import target_modules
+
+            target_modules(self.gpt_config(), lora)  # a target the model lacks, or a rank too large: said now
         return self
 
 

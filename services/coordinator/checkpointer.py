@@ -90,6 +90,9 @@ class Checkpointer:
             "model_config": metas[0].get("model_config"),
             "stage_steps": {str(s): m.get("optimizer_steps") for s, m in metas.items()},
         }
+        if metas[0].get("lora"):  # a LoRA run: the stages hold adapters of this base
+            meta["lora"] = metas[0]["lora"]
+            meta["base_fingerprints"] = {str(s): m.get("base_fingerprint") for s, m in metas.items()}
         path = checkpoint.commit_checkpoint(self.root, step, meta)
         self.registry.record_checkpoint(step, str(path))
         checkpoint.prune(self.root, self.keep)

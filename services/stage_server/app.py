@@ -48,8 +48,9 @@ def build_runtime(settings: StageServerSettings) -> StageRuntime:
         raise ValueError(f"SWARM_STAGE={settings.stage} but the model has SWARM_NUM_STAGES={settings.num_stages}")
     cfg = settings.gpt_config()
     spec = partition(cfg, settings.num_stages)[settings.stage]
+    lora = settings.lora.config()
     if settings.memory_check:
-        check_stage_memory(cfg, spec, settings.device, max_staleness=settings.max_staleness)
+        check_stage_memory(cfg, spec, settings.device, max_staleness=settings.max_staleness, lora=lora)
     model, report = (
         load_stage_from_hf(settings.model, cfg, spec, settings.device)
         if settings.model not in PRESETS
@@ -80,6 +81,7 @@ def build_runtime(settings: StageServerSettings) -> StageRuntime:
         model=model,
         precision=settings.precision,
         activation_checkpointing=settings.activation_checkpointing,
+        lora=lora,
     )
     runtime.load_report = report
     return runtime
@@ -121,6 +123,20 @@ def create_app(settings: StageServerSettings, runtime: StageRuntime | None = Non
             log.info(
                 "stage.weights_loaded", model_dir=report.model_dir, tensors=len(report.names), bytes=report.bytes_read
             )
+        if (lora := app[RUNTIME].lora_report) is not None:
+            log.info(
+                "stage.lora",
+                targets=len(lora.targets),
+                trainable=lora.trainable,
+                frozen=lora.frozen,
+                base_fingerprint=lora.base_fingerprint,
+            )
+            if not lora.targets:
+                log.warning(
+                    "stage.lora_no_target",
+                    reason="no SWARM_LORA_TARGET_MODULES module is in this stage: it trains nothing and passes "
+                    "gradients on to earlier stages",
+                )
         log.info("server.ready", layers=[spec.layers.start, spec.layers.stop], codec=settings.wire_codec)
         yield
         drained = await app[WORKER].drain(settings.drain_timeout_s)

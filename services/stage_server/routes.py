@@ -304,7 +304,16 @@ async def info(request: web.Request) -> web.Response:
             "layers": [runtime.spec.layers.start, runtime.spec.layers.stop],
             "model": settings.model,
             "model_config": runtime.cfg.to_dict(),
-            "parameters": sum(p.numel() for p in runtime.params),
+            "parameters": sum(p.numel() for p in runtime.params),  # trainable (with LoRA: the adapters')
+            "lora": None
+            if runtime.lora_report is None
+            else {
+                **runtime.lora.to_dict(),
+                "base_dtype": runtime.lora.base_dtype,
+                "targets": len(runtime.lora_report.targets),
+                "frozen_parameters": runtime.lora_report.frozen,
+                "base_fingerprint": runtime.lora_report.base_fingerprint,
+            },
             "wire_codec": settings.wire_codec,
             "int8_block": settings.int8_block,
             "wire_version": WIRE_VERSION,

@@ -50,6 +50,7 @@ import torch
 from services.stage_server.averaging import flat_parameters, load_flat_parameters
 from services.stage_server.local_sync import OuterConfig, OuterOptimizer
 from shared.errors import BadPayload, SwarmError
+from shared.lora import LoraConfig, apply_lora
 from shared.model import ModelConfig, build_stage
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -185,13 +186,16 @@ class StageRuntime:
         model: torch.nn.Module | None = None,
         precision: str = "fp32",
         activation_checkpointing: bool = False,
+        lora: LoraConfig | None = None,
     ):
         """``outer``: ``SWARM_SYNC=local`` (see ``local_sync.py``): each global step applies
         this replica's own gradient, every ``outer.every`` steps an outer step; None: the
         replicas all-reduce every step's gradient (``global``). ``model``: the stage's model
         with its weights (e.g. loaded from a Hugging Face directory); None: built from
         ``seed``. ``precision="bf16"``: forward and backward under bf16 autocast on CUDA,
-        the weights and AdamW state stay fp32."""
+        the weights and AdamW state stay fp32. ``lora``: train low-rank adapters on the
+        frozen model (``shared.lora``); the trainable parameters are then the adapters alone,
+        and everything that follows (gradients, steps, versions, digest, state) covers them only."""
         self.cfg, self.device, self.optim_cfg = cfg, torch.device(device), optim
         self.max_staleness, self.solo = max_staleness, solo
         self.model = (model if model is not None else build_stage(cfg, stage, num_stages, seed)).to(self.device)
@@ -200,8 +204,13 @@ class StageRuntime:
         self.autocast = precision == "bf16" and self.device.type == "cuda"
         self.load_report = None  # what a stage loaded from a Hugging Face directory read (shared.hf.LoadReport)
         self.spec = self.model.spec
-        self.params = [p for p in self.model.parameters()]
-        self.param_dtype = self.params[0].dtype
+        self.lora = lora
+        self.lora_report = apply_lora(self.model, cfg, lora, seed) if lora is not None else None
+        # the trainable parameters, in model order: what gradients, steps and states cover
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.param_dtype = next(self.model.parameters()).dtype
         # where each parameter sits in the model (a tied head: two places), to install a version
         self._slots = [
             [(m, n) for m in self.model.modules() for n, q in m._parameters.items() if q is p] for p in self.params
@@ -356,8 +365,12 @@ class StageRuntime:
         with self._installed(params):
             leaf, output = self._graph(microbatch_id, version, seed, inputs, targets)
             wrt = params + ([] if self.spec.is_first else [leaf])
-            grads = torch.autograd.grad(
-                output, wrt, grad_outputs=None if self.spec.is_last else grad_outputs, allow_unused=True
+            grads = (
+                torch.autograd.grad(
+                    output, wrt, grad_outputs=None if self.spec.is_last else grad_outputs, allow_unused=True
+                )
+                if wrt and output.requires_grad
+                else ()  # a first stage with nothing to train (LoRA without a target module here)
             )
         self._forwards.pop(microbatch_id, None)
         self._forget_unused_versions()
@@ -568,7 +581,7 @@ class StageRuntime:
             h.update(_tensor_bytes(self.outer.anchor))
             h.update(_tensor_bytes(self.outer.momentum))
             return h.hexdigest()
-        for name, p in self.model.named_parameters():
+        for name, p in self.named_params():
             h.update(name.encode())
             h.update(_tensor_bytes(p))
             for key, value in sorted(self.optimizer.state.get(p, {}).items()):
@@ -580,10 +593,12 @@ class StageRuntime:
         """Mean gradient per parameter over the samples accumulated for ``step`` (default: the current one)."""
         bucket = self._buckets.get(self.step if step is None else step)
         if bucket is None:
-            return {name: torch.zeros_like(p) for name, p in self.model.named_parameters()}
-        return {
-            name: acc / max(bucket.samples, 1) for (name, _), acc in zip(self.model.named_parameters(), bucket.grad_sum)
-        }
+            return {name: torch.zeros_like(p) for name, p in self.named_params()}
+        return {name: acc / max(bucket.samples, 1) for name, acc in zip(self.param_names, bucket.grad_sum)}
+
+    def named_params(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, parameter) of every trainable parameter of the current version, in model order."""
+        return list(zip(self.param_names, self.params))
 
     @contextlib.contextmanager
     def new_version(self):

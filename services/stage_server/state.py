@@ -12,6 +12,12 @@ starts a local-mode replica's anchor at its weights). Metadata::
 
     {stage, num_stages, layers: [start, stop], model_config, weights_version,
      optimizer_steps, samples, adam_step: {param name: AdamW step count}}
+
+With LoRA (``shared.lora``) the parameters are the stage's adapters alone (``...lora_A``,
+``...lora_B``) and their AdamW moments; the frozen base comes from the model directory. The
+metadata then adds ``lora`` ({rank, alpha, dropout, target_modules}), ``base_fingerprint``
+(of the base the adapters were trained on: it must equal this stage's) and ``base_model``
+(the model directory the base was read from, on that server's machine).
 """
 
 from __future__ import annotations
@@ -56,6 +62,11 @@ def stage_state(runtime: StageRuntime) -> tuple[dict[str, torch.Tensor], dict]:
         "samples": runtime.stats.samples,
         "adam_step": adam_step,
     }
+    if runtime.lora is not None:
+        metadata["lora"] = runtime.lora.to_dict()
+        metadata["base_fingerprint"] = runtime.lora_report.base_fingerprint
+        # where this server read the base (a path on its machine: swarm export's default --model)
+        metadata["base_model"] = runtime.load_report.model_dir if runtime.load_report else None
     return tensors, metadata
 
 
@@ -114,6 +125,15 @@ def _validate(runtime: StageRuntime, tensors: dict[str, torch.Tensor], metadata:
         raise BadPayload(f"state metadata 'model_config': {exc}") from None
     if theirs_cfg != runtime.cfg:
         raise WrongStage(f"state is of model {metadata['model_config']}, this server runs {runtime.cfg.to_dict()}")
+    ours_lora = runtime.lora.to_dict() if runtime.lora is not None else None
+    if metadata.get("lora") != ours_lora:
+        raise WrongStage(f"state is of LoRA settings {metadata.get('lora')}, this server trains with {ours_lora}")
+    if ours_lora is not None and metadata.get("base_fingerprint") != runtime.lora_report.base_fingerprint:
+        raise WrongStage(
+            f"state holds adapters trained on another base model (fingerprint {metadata.get('base_fingerprint')}, "
+            f"this server's SWARM_MODEL has {runtime.lora_report.base_fingerprint}): start it with the model "
+            "directory the run began with"
+        )
     theirs = (metadata["stage"], metadata["num_stages"], metadata["layers"])
     ours = (spec.index, spec.num_stages, [spec.layers.start, spec.layers.stop])
     if theirs != ours:
@@ -151,7 +171,7 @@ def _validate(runtime: StageRuntime, tensors: dict[str, torch.Tensor], metadata:
 
 
 def _named_params(runtime: StageRuntime) -> list[tuple[str, torch.nn.Parameter]]:
-    return list(runtime.model.named_parameters())
+    return runtime.named_params()
 
 
 def _snapshot(t: torch.Tensor) -> torch.Tensor:

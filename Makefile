@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || \
 	  $(BIN)/pip install --quiet --disable-pip-version-check $(FIND_LINKS) "torch==$(TORCH_VERSION)"
-	$(BIN)/pip install --quiet --disable-pip-version-check $(FIND_LINKS) -e ".[dev]"
+	$(BIN)/pip install --quiet --disable-pip-version-check $(FIND_LINKS) -e ".[dev,eval]"
 	touch $(STAMP)
 
 setup: $(STAMP)

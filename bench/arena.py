@@ -49,6 +49,10 @@ import torch
 from bench.arena_net import Arena, PeerSpec, measure_link, unavailable
 from bench.report import BenchResult
 from bench.workload import Workload
+from services.trainer.utilisation import run_utilisation
+from shared.flops import stage_flops
+from shared.model import partition
+from shared.peak_flops import resolve_peak
 
 COORD_PORT, SERVER_PORT, GLOO_PORT = 7000, 7100, 29500
 START_TIMEOUT_S = 240.0  # many processes import torch at once on 2 cores, some capped
@@ -70,6 +74,7 @@ COLUMNS = [
     "bytes/token",
     "mesh / pipelining time",
     "mesh / pipelining tok/s",
+    "MFU per stage",
 ]
 
 
@@ -534,6 +539,7 @@ class MeshSide(SideRun):
             )[0]
         )
         rng, started_at, killed = random.Random(0), None, {}  # the churn's victims: the same in every run
+        meters = None  # the servers' MFU meters when the training clock started, and when
         next_kill = sc.churn[0] if sc.churn else None
         deadline = time.monotonic() + START_TIMEOUT_S + sc.budget_s + 60
         t0 = None  # when the trainer's clock started: its first evaluation's end
@@ -545,6 +551,7 @@ class MeshSide(SideRun):
                     out.steps, out.elapsed_s = ev["step"], ev["elapsed_s"]
                 elif ev.get("event") == "train.eval" and ev.get("when") == "before":
                     t0 = _timestamp(ev)
+                    meters = (self.utilisation(), time.monotonic())
                 elif ev.get("event") == "train.eval" and ev.get("when") == "during" and t0 is not None:
                     # credited when the evaluation ended, not when its step was seen done: it ran
                     # beside the training, and later stages may have stepped again meanwhile
@@ -574,7 +581,25 @@ class MeshSide(SideRun):
         failures = [ev for ev in watch.events if ev.get("event") == "microbatch.failed"]
         reruns = [ev for ev in watch.events if ev.get("event") == "train.step"]
         out.extra = {"microbatches_failed": len(failures), "log": str(watch.path), "steps_logged": len(reruns)}
+        if meters is not None:  # each stage's MFU over the training (services/trainer/utilisation.py)
+            before, since = meters
+            out.extra["stages"] = run_utilisation(before, self.utilisation(), time.monotonic() - since, sc.stages)
         return out
+
+    def utilisation(self) -> dict[str, dict]:
+        """Each live server's MFU meter (its ``GET /health``, read from the first trainer's
+        namespace) with its stage, by URL; a server that does not answer is left out."""
+        found = {}
+        for peer in list(self.servers):
+            url = self.url(peer, SERVER_PORT)
+            probe = [sys.executable, "-m", "bench.arena_probe", "wait-http", "--url", f"{url}/health", "--timeout", "5"]
+            try:
+                health = json.loads(self.arena.run("t0", probe, timeout_s=10))
+            except (RuntimeError, ValueError):
+                continue  # killed by the churn, or draining
+            if isinstance(health.get("utilisation"), dict):
+                found[url] = {**health["utilisation"], "stage": health["stage"]}
+        return found
 
     def _follow(self, watch: Watch, until, timeout_s: float) -> list[dict]:
         deadline = time.monotonic() + timeout_s
@@ -712,7 +737,23 @@ def _row(sc: Scenario, side: str, setting: str, out: Outcome, plan: Plan) -> dic
         "steps to target": out.reached_step,
         "tokens/s": round(tokens / out.elapsed_s, 1) if out.elapsed_s else 0.0,
         "bytes/token": round(out.bytes_sent / tokens) if tokens else None,
+        "MFU per stage": _stage_mfu(side, out, plan, sc.stages, tokens),
     }
+
+
+def _stage_mfu(side: str, out: Outcome, plan: Plan, stages: int, tokens: int) -> list[float | None]:
+    """Each stage's wall MFU over the training: the mesh's stage servers measure theirs (model
+    FLOPs of what they trained and evaluated, over the peak of their thread, ``out.extra``);
+    pipelining's, one rank and thread per stage, from its tokens/s and each stage's FLOPs per token."""
+    if side != "pipelining":
+        return [s["mfu_wall"] for s in out.extra.get("stages", [])]
+    if not out.elapsed_s:
+        return [None] * stages
+    cfg, peak = plan.work.gpt_config(), resolve_peak("cpu", "fp32", threads=1).flops  # the servers' (one cache)
+    return [
+        round(tokens / out.elapsed_s * stage_flops(cfg, spec).per_token(plan.work.seq_len) / peak, 6)
+        for spec in partition(cfg, stages)
+    ]
 
 
 def _ratios(rows: list[dict]) -> None:
@@ -835,6 +876,12 @@ def run(ctx) -> BenchResult:
         (
             "mesh / pipelining time: pipelining's time to the target over the mesh's (above 1: the mesh got there "
             "sooner); tok/s likewise"
+        ),
+        (
+            "MFU per stage: model FLOPs per second of training over the peak of the threads in use (one thread's "
+            "measured fp32 matmul rate per stage server or rank; shared.flops, shared.peak_flops): the mesh's servers "
+            "count what they trained and evaluated between the training's start and end (their busy MFU is in the "
+            "JSON, scenarios' mesh_*.extra.stages); pipelining's from its tokens/s. A stage peer's CPU cap bounds it"
         ),
     ]
     for d in details:

@@ -16,7 +16,9 @@ from __future__ import annotations
 from bench.processes import BenchProcesses, run_id
 from bench.report import BenchResult
 from bench.workload import Workload, cores, measure_mesh, measure_one_process, time_shares
-from shared.model import GPT
+from shared.flops import model_flops, stage_flops
+from shared.model import GPT, partition
+from shared.peak_flops import resolve_peak
 
 STAGES, CODEC, IN_FLIGHT = 4, "int8", 8
 # d_model -> (warm-up, measured) microbatches of 8 x 128 tokens: about 10-50 s a side at 2 cores
@@ -35,6 +37,9 @@ COLUMNS = [
     "comm share",
     "idle share",
     "others share",
+    "stage MFU",
+    "mesh MFU",
+    "1 process MFU",
 ]
 
 
@@ -54,6 +59,25 @@ def mesh_figures(ctx, work: Workload, warmup: int, measured: int, stages: int, i
                 work, procs, stages=stages, codec=CODEC, in_flight=in_flight, warmup=warmup, measured=measured
             )
     return ctx.cache[key]
+
+
+def mfu(work: Workload, mesh: dict, single: dict, stages: int) -> dict:
+    """MFU of the mesh per stage and together, and of one process, at the tokens/s measured."""
+    cfg = work.gpt_config()
+    stage_mfu = [
+        mesh["tokens_per_s"] * stage_flops(cfg, spec).per_token(work.seq_len) / u["peak_flops"]
+        for spec, u in zip(partition(cfg, stages), mesh["utilisation"])
+    ]
+    whole = model_flops(cfg).per_token(work.seq_len)
+    per_thread = resolve_peak("cpu", "fp32", threads=1).flops  # the servers' figure (the same cache)
+    return {
+        "stage MFU": f"{min(stage_mfu):.3f}-{max(stage_mfu):.3f}",
+        "mesh MFU": mesh["tokens_per_s"] * whole / sum(u["peak_flops"] for u in mesh["utilisation"]),
+        "1 process MFU": single["tokens_per_s"] * whole / (per_thread * single["threads"]),
+        "stage MFUs": stage_mfu,
+        "stage busy MFUs": [u["mfu_busy"] for u in mesh["utilisation"]],
+        "peak per thread FLOP/s": per_thread,
+    }
 
 
 def run(ctx) -> BenchResult:
@@ -83,6 +107,7 @@ def run(ctx) -> BenchResult:
                 "mesh / 1 process": mesh["tokens_per_s"] / single["tokens_per_s"],
                 "CPU efficiency": shares["compute share"] / used if used else None,
                 **shares,
+                **mfu(work, mesh, single, stages),
                 "1 process 1 thread tok/s": one_thread["tokens_per_s"],
                 f"1 process {n_cores} threads tok/s": all_threads["tokens_per_s"],
                 "mesh": mesh,
@@ -104,6 +129,13 @@ def run(ctx) -> BenchResult:
         "shares of the mesh's core-seconds (cores x window): compute (model math), recompute (forwards recomputed in "
         "backward, on their own weights version, because the graph was not cached), comm (codec, msgpack, HTTP, Python "
         "around them), idle (stages waiting for work), others (CPU taken by other processes on the machine)",
+        "MFU: model FLOPs (shared.flops: matmuls, attention's full square, backward = 2 forwards) per second over the "
+        "peak of the threads in use (one thread's measured fp32 matmul rate, shared.peak_flops, times the threads): "
+        "stage MFU (lowest-highest of the stages) = the mesh's tokens/s x the stage's FLOPs per token over its server's"
+        " one thread; mesh MFU = the whole model's over the stages' threads together; 1 process MFU over its own "
+        f"threads. The mesh's {stages} one-thread servers share {n_cores} cores with the trainer: its MFU cannot pass "
+        f"{min(1.0, n_cores / stages):.2f} here; each stage's busy MFU (its model FLOPs over its compute seconds) is "
+        "in the JSON rows",
     ]
     summary = {f"ratio_d{r['d_model']}": r["mesh / 1 process"] for r in rows} | {
         f"cpu_efficiency_d{r['d_model']}": r["CPU efficiency"] for r in rows

@@ -148,9 +148,8 @@ async def _pump_mesh(
             stop_after=warmup + measured,
             on_complete=on_complete,
         )
-        stats = [
-            await _stats(mesh.session, servers[n]) for n in names[:-1]
-        ]  # the last stage never caches: its backward is its forward
+        health = [await _health(mesh.session, servers[n]) for n in names]
+    stats = [h["stats"] for h in health[:-1]]  # the last stage never caches: its backward is its forward
     if log.failed:
         raise RuntimeError(f"{log.failed} microbatches failed on the mesh: {log.failures[-1]}")
     start, end, tokens = log.between_completions(warmup, warmup + measured)
@@ -166,12 +165,13 @@ async def _pump_mesh(
         "machine_idle_s": idle1 - idle0,
         "stages": stages,
         "recomputed_fraction": recomputed,
+        "utilisation": [h["utilisation"] for h in health],  # each stage server's MFU meter, since its start
     }
 
 
-async def _stats(session, url: str) -> dict:
+async def _health(session, url: str) -> dict:
     async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as resp:
-        return (await resp.json())["stats"]
+        return await resp.json()
 
 
 def time_shares(mesh: dict, compute_cpu_s_per_token: float, n_cores: int) -> dict:

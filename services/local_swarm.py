@@ -459,6 +459,17 @@ def watch_trainers(trainers: list[subprocess.Popen], follower: MetricsFollower, 
     return max(t.returncode for t in trainers)
 
 
+def stage_mfu(stages: list[dict]) -> str:
+    """Each stage's MFU over the run, busy / wall, from a trainer's summary, and the peaks' sources."""
+
+    def percent(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.3g}%"
+
+    shown = "; ".join(f"{s['stage']}: {percent(s['mfu_busy'])} / {percent(s['mfu_wall'])}" for s in stages)
+    peaks = sorted({p for s in stages for p in s["peaks"]})
+    return f"MFU per stage (busy / wall) {shown} (peak: {'; '.join(peaks)})"
+
+
 def report_trainers(trainers: list[subprocess.Popen], run_dir: Path) -> None:
     """One line per trainer from its summary file: with the bar on, their own output went to their logs."""
     for suffix, proc in zip(trainer_suffixes(len(trainers)), trainers):
@@ -471,6 +482,8 @@ def report_trainers(trainers: list[subprocess.Popen], run_dir: Path) -> None:
                 f"tokens/s, held-out loss {s['eval_loss_before']:.3f} -> {s['eval_loss_after']:.3f} ({summary_file})",
                 flush=True,
             )
+            if s.get("stages"):
+                print(f"swarm up: trainer{suffix}: {stage_mfu(s['stages'])}", flush=True)
         if proc.returncode:
             print(
                 (

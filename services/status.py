@@ -21,7 +21,7 @@ def render(view: dict) -> str:
     """A readable table of GET /swarm: stages with their global step (and the samples
     accumulated of the next global batch), the samples dropped and the duplicate backwards
     refused at each (a microbatch counts once per stage), their replicas, throughput and
-    lease age."""
+    lease age; then, once servers report it, each stage's model FLOPs utilisation."""
     stages = view["stages"]
     weakest_index = weakest([s["capacity"] for s in stages], [len(s["replicas"]) for s in stages])
     weakest_stage = -1 if weakest_index is None else stages[weakest_index]["stage"]
@@ -45,7 +45,43 @@ def render(view: dict) -> str:
                 f"{'':>7}{r['url']:<32} {r['server_id']:<20} {r['throughput']:>8.1f} samples/s  "
                 f"queue {r['queue_length']:>3}  lease age {r['lease_age_s']:>5.1f} s"
             )
-    return "\n".join(lines)
+    return "\n".join(lines + utilisation_lines(stages))
+
+
+def utilisation_lines(stages: list[dict]) -> list[str]:
+    """The MFU table: per stage (its replicas together) busy and wall MFU, achieved and peak
+    FLOP/s, where the peaks came from; nothing when no server reported its utilisation."""
+    if not any(s.get("utilisation") for s in stages):
+        return []
+    lines = [
+        "",
+        "MFU: model FLOPs / peak FLOP/s; busy: over the forward and backward compute seconds, wall: over the last "
+        "minute",
+        f"{'stage':>5}  {'replicas':>8}  {'MFU busy':>8}  {'MFU wall':>8}  {'wall FLOP/s':>13}  {'peak':>13}"
+        "  peak from",
+    ]
+    for s in stages:
+        u = s.get("utilisation")
+        if not u:
+            lines.append(f"{s['stage']:>5}  {'-':>8}")
+            continue
+        lines.append(
+            f"{s['stage']:>5}  {u['replicas']:>8}  {_percent(u['mfu_busy']):>8}  {_percent(u['mfu_wall']):>8}  "
+            f"{_flops(u['flops_per_s_wall']):>13}  {_flops(u['peak_flops']):>13}  {'; '.join(u['peaks'])}"
+        )
+    return lines
+
+
+def _percent(x: float) -> str:
+    return f"{100 * x:.3g}%"
+
+
+def _flops(x: float) -> str:
+    """FLOP/s with a unit prefix: 1.23 TFLOP/s."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            return f"{x / scale:.3g} {prefix}FLOP/s"
+    return f"{x:.3g} FLOP/s"
 
 
 def fetch(coordinator: str, timeout_s: float = 5.0) -> dict:

@@ -406,7 +406,9 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=0, le=65535)
     advertise_url: str = Field("", description="URL others reach this server at; default http://HOST:PORT")
-    stage: int | Literal["auto"] = Field(0, description="stage to serve, or 'auto': the coordinator picks the weakest")
+    stage: int | Literal["auto"] = Field(
+        0, description="stage to serve, or 'auto': the coordinator picks where a loss would hurt most"
+    )
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.01, ge=0)
     global_batch: int = Field(
@@ -541,6 +543,16 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
             "about 1/3 more compute)"
         ),
     )
+    peak_tflops: float = Field(
+        0.0,
+        ge=0,
+        le=1e6,
+        description=(
+            "the device's peak TFLOP/s for this server's precision and threads, what its MFU divides by; 0: a known "
+            "GPU's dense datasheet figure, else measured by a short matmul (on CPU: one thread's, times "
+            "SWARM_NUM_THREADS; cached per machine)"
+        ),
+    )
     memory_check: bool = Field(
         True,
         description=(
@@ -586,7 +598,9 @@ class CoordinatorSettings(DiscoverySettings):
     averaging_codec: Codec = Field(
         "fp32",
         description=(
-            "wire codec of the parts exchanged in averaging and step rounds (the all-reduce of a stage's gradients)"
+            "step rounds with a lossy SWARM_AVERAGING_CODEC: each replica adds what the codec lost of its last step's "
+            "gradient parts (and of the part it reduced) to the next step's before compressing; kept per replica, "
+            "outside the digest, dropped on a resync, join or state load"
         ),
     )
     averaging_timeout_s: float = Field(20.0, gt=0, description="an averaging round never waits longer than this")

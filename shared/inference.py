@@ -6,7 +6,9 @@ banned). Each server keeps the attention cache of its layers (see
 ``services/stage_server/sessions.py``); a step sends the new tokens through the chain and
 gets the last position's logits. The client relays the hidden states between stages: a
 step's tensors are one position's (a few kilobytes), so the relay costs a round trip per
-stage, not bandwidth.
+stage, not bandwidth. :meth:`SwarmSession.score` is a prefill of a batch of sequences
+that gets every position's log-probabilities instead (:class:`Scores`): scoring, as
+lm-evaluation-harness asks of ``/v1/completions``.
 
 Fault tolerance (Petals' approach): the client keeps every input it sent to every stage.
 When a server fails (unreachable, timed out, 5xx, or it lost the session: restarted or
@@ -135,6 +137,18 @@ class LocalSession:
         return logits[0, -1].float().cpu()
 
 
+@dataclass(frozen=True)
+class Scores:
+    """A scored batch: ``logits`` (B, vocab) at the positions asked for; ``target_logprobs`` (B, T)
+    of each position's target (0 where none); ``top_ids``, ``top_logprobs`` (B, T, N): each
+    position's N most likely next tokens, most likely first (N = 0: empty)."""
+
+    logits: torch.Tensor
+    target_logprobs: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
 class SessionFailed(RuntimeError):
     """A stage had no replica that could serve the session's step within the tries allowed."""
 
@@ -160,10 +174,10 @@ class SessionStats:
 
 
 class SwarmSession:
-    """One generation through the swarm (batch 1). ``balancer`` holds the stages' replicas
-    (the caller keeps it filled, e.g. from the coordinator's ``GET /swarm``); ``refresh``,
-    if given, is awaited when a stage has no usable replica left. Use as an async context
-    manager, or call :meth:`close`."""
+    """One generation through the swarm (batch 1), or one scoring pass (``batch`` sequences).
+    ``balancer`` holds the stages' replicas (the caller keeps it filled, e.g. from the
+    coordinator's ``GET /swarm``); ``refresh``, if given, is awaited when a stage has no usable
+    replica left. Use as an async context manager, or call :meth:`close`."""
 
     def __init__(
         self,
@@ -172,6 +186,7 @@ class SwarmSession:
         *,
         run_id: str,
         max_length: int,
+        batch: int = 1,
         codec: str = "fp32",
         timeout_s: float = 30.0,
         max_failovers: int = 8,
@@ -179,7 +194,7 @@ class SwarmSession:
         log=None,
     ):
         self.http, self.balancer, self.run_id = http, balancer, run_id
-        self.max_length, self.codec, self.timeout_s = max_length, codec, timeout_s
+        self.max_length, self.batch, self.codec, self.timeout_s = max_length, batch, codec, timeout_s
         self.max_failovers, self.refresh, self.log = max_failovers, refresh, log
         self.session_id = uuid.uuid4().hex
         self.num_stages = balancer.num_stages
@@ -196,18 +211,46 @@ class SwarmSession:
 
     async def step(self, ids: list[int]) -> torch.Tensor:
         """Feed ``ids`` (the next tokens) through every stage; the last position's logits (vocab,)."""
-        if not ids:
-            raise ValueError("a step needs at least one token")
-        if self.position + len(ids) > self.max_length:
-            raise ValueError(f"{self.position} + {len(ids)} tokens exceed the session's max_length {self.max_length}")
-        x = torch.tensor([ids], dtype=torch.long)
-        for stage in range(self.num_stages):
-            x = await self._stage_step(stage, x)
-        self.position += len(ids)
-        self.stats.steps += 1
-        return x[0]
+        reply = await self._forward(torch.tensor([ids], dtype=torch.long), {})
+        return decode_tensor(reply["logits"], name="logits").float()[0]
 
-    async def _stage_step(self, stage: int, x: torch.Tensor) -> torch.Tensor:
+    async def score(
+        self, ids: torch.Tensor, targets: torch.Tensor, *, top_logprobs: int, logits_at: list[int]
+    ) -> Scores:
+        """Feed ``ids`` (B, T) through every stage in one pass and score each position against
+        ``targets`` (B, T; -1: none) on the last stage, with its ``top_logprobs`` most likely
+        tokens; ``logits_at``: the position of each row whose logits come back."""
+        last = {"targets": encode_tensor(targets, "raw"), "top_logprobs": top_logprobs, "logits_at": logits_at}
+        reply = await self._forward(ids, last)
+        if top_logprobs:
+            top_ids = decode_tensor(reply["top_ids"], name="top_ids").long()
+            top_values = decode_tensor(reply["top_logprobs"], name="top_logprobs").float()
+        else:
+            top_ids, top_values = torch.zeros(*targets.shape, 0, dtype=torch.long), torch.zeros(*targets.shape, 0)
+        return Scores(
+            logits=decode_tensor(reply["logits"], name="logits").float(),
+            target_logprobs=decode_tensor(reply["target_logprobs"], name="target_logprobs").float(),
+            top_ids=top_ids,
+            top_logprobs=top_values,
+        )
+
+    async def _forward(self, ids: torch.Tensor, last: dict) -> dict:
+        """``ids`` (batch, T) through every stage; the last stage's reply (``last``: its extra fields)."""
+        T = ids.shape[1]
+        if T < 1 or ids.shape[0] != self.batch:
+            raise ValueError(f"a step needs (batch {self.batch}, at least one token), got {list(ids.shape)}")
+        if self.position + T > self.max_length:
+            raise ValueError(f"{self.position} + {T} tokens exceed the session's max_length {self.max_length}")
+        x = ids
+        for stage in range(self.num_stages):
+            reply = await self._stage_step(stage, x, last if stage == self.num_stages - 1 else {})
+            if stage < self.num_stages - 1:
+                x = decode_tensor(reply["outputs"], name="outputs").float()
+        self.position += T
+        self.stats.steps += 1
+        return reply
+
+    async def _stage_step(self, stage: int, x: torch.Tensor, fields: dict) -> dict:
         tries = 0
         while True:
             url = self.route[stage]
@@ -223,13 +266,11 @@ class SwarmSession:
                         position=0,
                         inputs=inputs,
                         chunks=[h.shape[1] for h in history] + [x.shape[1]],
+                        **fields,
                     )
                     self.stats.replayed_positions += sum(h.shape[1] for h in history)
                 else:
-                    reply = await self._post(url, "/session/step", stage, position=self.position, inputs=x)
-                out = decode_tensor(
-                    reply["logits" if stage == self.num_stages - 1 else "outputs"], name="outputs"
-                ).float()
+                    reply = await self._post(url, "/session/step", stage, position=self.position, inputs=x, **fields)
             except RemoteError as exc:
                 if (
                     exc.status is not None
@@ -247,15 +288,15 @@ class SwarmSession:
                 continue
             self._history[stage].append(x)
             self.stats.weights_steps.add(int(reply.get("step", 0)))
-            return out
+            return reply
 
     async def _open(self, stage: int) -> str:
         try:
-            url = self.balancer.choose(stage, kind="forward", batch_size=1)
+            url = self.balancer.choose(stage, kind="forward", batch_size=self.batch)
         except NoReplica:
             raise RemoteError(f"stage {stage}", None, "no_replica", "the stage has no known replica") from None
         self.route[stage] = url
-        msg = {"session_id": self.session_id, "batch": 1, "max_length": self.max_length}
+        msg = {"session_id": self.session_id, "batch": self.batch, "max_length": self.max_length}
         await self._post(url, "/session/open", stage, **msg)
         return url
 
@@ -268,7 +309,7 @@ class SwarmSession:
         started = loop.time()
         reply = await post_message(self.http, url + path, msg, timeout_s=self.timeout_s)
         if path == "/session/step":
-            self.balancer.report_success(stage, url, loop.time() - started, 1, "forward")
+            self.balancer.report_success(stage, url, loop.time() - started, self.batch, "forward")
         return reply
 
     def _failed(self, stage: int, url: str | None, exc: RemoteError) -> None:

@@ -7,6 +7,9 @@
 - :func:`train_bpe`: a byte-level BPE trained on documents, written as ``tokenizer.json``
   plus ``tokenizer_config.json``, so that ``transformers.AutoTokenizer`` loads the
   directory too.
+- :func:`save_byte_tokenizer`: :class:`ByteTokenizer` as such a directory (``swarm tokenizer
+  bytes``), for tools that want a Hugging Face tokenizer of a byte-level model
+  (lm-evaluation-harness, ``swarm export --format hf --tokenizer``).
 
 :func:`load_tokenizer` picks the run's tokenizer from SWARM_MODEL and SWARM_TOKENIZER and
 refuses one with more tokens than the model's vocabulary, naming the file and the settings.
@@ -193,6 +196,30 @@ def write_tokenizer_config(
     path = Path(out_dir) / TOKENIZER_CONFIG
     path.write_text(json.dumps(config, indent=2) + "\n")
     return path
+
+
+BYTE_TOKEN = "<0x{:02X}>"  # byte b's token, as SentencePiece's byte fallback names it
+
+
+def save_byte_tokenizer(out_dir: str | Path, *, model_max_length: int = 0) -> HFTokenizer:
+    """:class:`ByteTokenizer` as a Hugging Face tokenizer in ``out_dir`` (tokenizer.json,
+    tokenizer_config.json): token b is byte b (``<0x62>``), every text falls back to its
+    UTF-8 bytes, and the end of text is ``<0x00>`` (id 0, the NUL byte). Its ids equal
+    ByteTokenizer's for every text but one holding the literal ``<0x00>``, which a special
+    token matches as the end of text, as ``transformers`` does with every special token."""
+    from tokenizers import AddedToken, decoders, models
+    from tokenizers import Tokenizer as _Tokenizer
+
+    vocab = {BYTE_TOKEN.format(b): b for b in range(ByteTokenizer.vocab_size)}
+    tok = _Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    eos = BYTE_TOKEN.format(ByteTokenizer.eos_id)
+    tok.add_special_tokens([AddedToken(eos, special=True, normalized=False)])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / TOKENIZER_FILE))
+    write_tokenizer_config(out, eos_token=eos, model_max_length=model_max_length)
+    return HFTokenizer(out)
 
 
 TOKENIZER_FILES = (

@@ -205,11 +205,16 @@ def _rebalancing(settings: CoordinatorSettings, log):
     on consecutive checks), if any, are ordered: each server drains, switches stage, loads
     that stage's state, rejoins.
 
-    With topology placement (see ``placement.py``) the network cost model replans, moving
-    a few servers at most; else the single move that raises the weakest stage's capacity."""
+    A stage short of replicas (none, or one while the swarm has two servers a stage) gets
+    one first; else, with topology placement (see ``placement.py``), the network cost model
+    replans, moving a few servers at most; else the single move that raises the weakest
+    stage's capacity. Each move is logged with the policy's reason, and so is a move the
+    policy holds back (``rebalance.held``, when its reason changes); a moving server's new
+    stage counts as handed out until it registers there."""
 
     async def loop(registry: Registry, session: aiohttp.ClientSession) -> None:
         policy = rebalancing_policy(settings)
+        held = None
         while True:
             await asyncio.sleep(settings.rebalance_every_s)
             live = registry.live()
@@ -220,6 +225,9 @@ def _rebalancing(settings: CoordinatorSettings, log):
             except (ValueError, KeyError) as exc:  # inputs the planner cannot work with: say so, keep the loop
                 log.error("rebalance.failed", error=repr(exc), servers=len(view.replicas))
                 continue
+            if policy.held != held and policy.held is not None:
+                log.info("rebalance.held", reason=policy.held, servers=len(view.replicas))
+            held = policy.held
             if policy.replan is not None:
                 log.info(
                     "rebalance.replan",
@@ -230,21 +238,20 @@ def _rebalancing(settings: CoordinatorSettings, log):
                     servers=len(view.replicas),
                 )
             for move in moves:
-                figures = {"placement": "topology"}
+                figures = {"placement": "throughput" if view.topology is None else "topology"}
                 if move.capacity_before is not None:
-                    figures = {
-                        "capacity_before": round(move.capacity_before, 1),
-                        "capacity_after": round(move.capacity_after, 1),
-                        "placement": "throughput",
-                    }
+                    figures["capacity_before"] = round(move.capacity_before, 1)
+                    figures["capacity_after"] = round(move.capacity_after, 1)
                 log.info(
                     "rebalance.move",
                     server_id=move.server_id,
                     replica=url_of[move.server_id],
                     from_stage=move.from_stage,
                     to_stage=move.to_stage,
+                    reason=move.reason,
                     **figures,
                 )
+                registry.hand_out(move.to_stage)
             await asyncio.gather(
                 *(
                     _order_move(session, settings, url_of[m.server_id], m.server_id, m.from_stage, m.to_stage, log)

@@ -1,10 +1,10 @@
 """The coordinator's side of rebalancing: its registry seen as the policy's view, and the
 policy built from its settings.
 
-The decisions themselves live in :mod:`shared.policy` (the weakest stage, the best
-single move, topology replans, confirmation on consecutive checks); the rebalancing loop
-in ``app.py`` calls :func:`swarm_view` and :meth:`RebalancingPolicy.check` each period
-and orders what comes back. Pure logic, no I/O.
+The decisions themselves live in :mod:`shared.policy` (where a loss would hurt most, the
+weakest stage, the best single move, topology replans, confirmation on consecutive
+checks); the rebalancing loop in ``app.py`` calls :func:`swarm_view` and
+:meth:`RebalancingPolicy.check` each period and orders what comes back. Pure logic, no I/O.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from shared.policy.view import SwarmView
 def rebalancing_policy(settings: CoordinatorSettings) -> RebalancingPolicy:
     """The policy with the coordinator's settings: ``rebalance_min_gain`` for the throughput
     rule, ``placement.min_gain``, ``placement.max_moves`` and ``placement.budget_s`` for the
-    topology rule; both confirm a move on two consecutive checks."""
+    topology rule; every rule (the resilience rule's repairs too) confirms a move on two
+    consecutive checks."""
     return RebalancingPolicy(
         throughput=ThroughputRebalancer(min_gain=settings.rebalance_min_gain),
         topology=TopologyRebalancer(
@@ -35,9 +36,10 @@ def rebalancing_policy(settings: CoordinatorSettings) -> RebalancingPolicy:
 
 
 def swarm_view(registry: Registry, settings: CoordinatorSettings, live: Sequence[RegisteredServer]) -> SwarmView:
-    """The ``live`` servers (``registry.live()``) as the policy's view, with the topology
-    planner's inputs when placement plans with the network (``settings.placement.mode``, see
-    ``uses_topology``)."""
+    """The ``live`` servers (``registry.live()``) as the policy's view, with the stages handed
+    to servers that have not registered yet (joiners, and servers moving there) as pending
+    joins, and the topology planner's inputs when placement plans with the network
+    (``settings.placement.mode``, see ``uses_topology``)."""
     topology = None
     if uses_topology(settings.placement.mode, registry.rtt_ms, registry.reports):
         topology = placement_inputs(
@@ -49,4 +51,5 @@ def swarm_view(registry: Registry, settings: CoordinatorSettings, live: Sequence
             averaging_codec=settings.averaging_codec,
             bandwidth_gbps=settings.placement.bandwidth_gbps,
         )
-    return SwarmView.of(live, registry.num_stages, topology=topology)
+    pending = [p.stage for p in registry.pending_joins()]
+    return SwarmView.of(live, registry.num_stages, pending=pending, topology=topology)

@@ -6,7 +6,8 @@ GET  /                 the live dashboard: one self-contained HTML page (no CDN)
 GET  /dashboard.json   (both open without a signature, like /health and /metrics)
                        {run_id, now, num_stages, heartbeat_s, lease_s, weakest_stage,
                         stages: [{stage, capacity, queue_length, replicas: [{server_id,
-                        url, throughput, queue_length, lease_age_s, health, ...}]}],
+                        url, throughput, queue_length, lease_age_s, health, ...}],
+                        utilisation: {mfu_busy, mfu_wall, ...} | null}],
                         trainers: {id: [{t, step, loss, tokens_per_s, elapsed_s}]},
                         events: [{t, event, level, ...}] (newest first), event_counts}
 POST /progress         {run_id, trainer_id, records: [{step, loss, tokens_per_s, elapsed_s?}]}

@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Union
 
 from shared.inference import SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
 MAX_STOP = 4
+MAX_PROMPTS = 256  # prompts in one /v1/completions request (a batch of lm-evaluation-harness)
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's legacy completions allow 5)
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 CHAT_END = "\nuser:"  # the chat template's next turn: the assistant's answer ends before it
 # Fields whose other values this server cannot honour: refused rather than ignored.
 UNSUPPORTED = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
-    "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
@@ -53,12 +54,17 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+Prompt = Union[str, tuple[int, ...]]  # text, or token ids
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A checked request: the prompt's text and how to sample (``max_tokens`` None: the default)."""
+    """A checked request: its prompts (texts or token ids) and how to sample (``max_tokens``
+    None: the default). ``echo`` or ``logprobs`` (N alternatives per token) make it a scoring
+    request: every prompt's tokens scored in one pass, then at most one token sampled."""
 
     chat: bool
-    prompt: str
+    prompts: tuple[Prompt, ...]
     max_tokens: int | None
     max_tokens_param: str  # the field that gave it, named in errors
     temperature: float
@@ -67,24 +73,37 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    echo: bool = False
+    logprobs: int | None = None
 
     @property
     def prompt_param(self) -> str:
         return "messages" if self.chat else "prompt"
 
+    @property
+    def scoring(self) -> bool:
+        return self.echo or self.logprobs is not None
+
 
 def parse_request(body: dict, *, chat: bool) -> GenerationRequest:
     """Check a /v1/completions or /v1/chat/completions body (the model aside); OpenAIError 400."""
-    for name, allowed in UNSUPPORTED.items():
+    unsupported = {**UNSUPPORTED, "echo": (None, False), "logprobs": (None, False)} if chat else UNSUPPORTED
+    for name, allowed in unsupported.items():
         if body.get(name) not in allowed:
             raise OpenAIError(
                 400, f"{name}={body[name]!r} is not supported by this server (only {allowed[-1]!r})", param=name
             )
-    prompt = render_chat(body.get("messages")) if chat else _prompt(body.get("prompt"))
+    prompts = (render_chat(body.get("messages")),) if chat else _prompts(body.get("prompt"))
+    echo, logprobs = (False, None) if chat else _scoring_fields(body)
     limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(limit)
-    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
-        raise OpenAIError(400, f"{limit} must be an integer >= 1, got {max_tokens!r}", param=limit)
+    least = 0 if echo else 1  # echo with max_tokens 0: the prompt scored, nothing generated
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < least):
+        raise OpenAIError(
+            400,
+            f"{limit} must be an integer >= {least}{' (0 with echo)' * (not echo)}, got {max_tokens!r}",
+            param=limit,
+        )
     seed = body.get("seed")
     if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
         raise OpenAIError(400, f"seed must be an integer in [0, 2**63), got {seed!r}", param="seed")
@@ -93,9 +112,24 @@ def parse_request(body: dict, *, chat: bool) -> GenerationRequest:
         raise OpenAIError(400, f"stream must be a boolean, got {stream!r}", param="stream")
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise OpenAIError(400, "stream_options must be {include_usage: boolean}", param="stream_options")
+    if echo or logprobs is not None:
+        name = "echo" if echo else "logprobs"
+        if stream:
+            raise OpenAIError(400, f"{name} is not supported with stream: true", param="stream")
+        if (COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens) > 1:
+            raise OpenAIError(
+                400,
+                (
+                    f"{name} scores the prompt here: max_tokens must be 0 or 1 with it, got "
+                    f"{max_tokens if max_tokens is not None else f'{COMPLETION_MAX_TOKENS} (the default)'}"
+                ),
+                param=name,
+            )
+    elif stream and len(prompts) > 1:
+        raise OpenAIError(400, f"stream: true takes one prompt, got {len(prompts)}", param="prompt")
     return GenerationRequest(
         chat=chat,
-        prompt=prompt,
+        prompts=prompts,
         max_tokens=max_tokens,
         max_tokens_param=limit,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -104,7 +138,20 @@ def parse_request(body: dict, *, chat: bool) -> GenerationRequest:
         stop=((CHAT_END,) if chat else ()) + _stop(body.get("stop")),
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
+        echo=echo,
+        logprobs=logprobs,
     )
+
+
+def _scoring_fields(body: dict) -> tuple[bool, int | None]:
+    echo, logprobs = body.get("echo") or False, body.get("logprobs")
+    if not isinstance(echo, bool):
+        raise OpenAIError(400, f"echo must be a boolean, got {echo!r}", param="echo")
+    if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise OpenAIError(
+            400, f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}", param="logprobs"
+        )
+    return echo, logprobs
 
 
 def render_chat(messages) -> str:
@@ -138,16 +185,29 @@ def _content(content, role: str, i: int) -> str:
     )
 
 
-def _prompt(prompt) -> str:
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise OpenAIError(
-            400,
-            "prompt must be a string (or a list of one string; token ids and batches are not supported)",
-            param="prompt",
-        )
-    return prompt
+def _prompts(prompt) -> tuple[Prompt, ...]:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids (OpenAI's four forms)."""
+    if isinstance(prompt, str):
+        return (prompt,)
+    if isinstance(prompt, list) and 0 < len(prompt) <= MAX_PROMPTS:
+        if all(_is_token(t) for t in prompt):
+            return (tuple(prompt),)
+        if all(isinstance(p, str) for p in prompt):
+            return tuple(prompt)
+        if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
+            return tuple(tuple(p) for p in prompt)
+    raise OpenAIError(
+        400,
+        (
+            "prompt must be a string, a list of strings, a list of token ids (ints >= 0) or a list of non-empty lists "
+            f"of token ids; at most {MAX_PROMPTS} prompts"
+        ),
+        param="prompt",
+    )
+
+
+def _is_token(t) -> bool:
+    return type(t) is int and t >= 0
 
 
 def _stop(stop) -> tuple[str, ...]:
@@ -202,6 +262,22 @@ def sampling_params(req: GenerationRequest, prompt_tokens: int, block_size: int)
     )
 
 
+def scoring_params(req: GenerationRequest, prompt_tokens: list[int], block_size: int) -> SamplingParams | None:
+    """How to draw the one token of a scoring request (None: ``max_tokens`` 0, none); every
+    prompt must fit the model's context (its last position's logits give that token)."""
+    for i, n in enumerate(prompt_tokens):
+        if n > block_size:
+            raise OpenAIError(
+                400,
+                f"prompt {i} is {n} tokens; the model's context is {block_size}",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+    if not req.max_tokens:
+        return None
+    return SamplingParams(max_tokens=1, temperature=req.temperature, top_p=req.top_p, stop=req.stop, seed=req.seed)
+
+
 @dataclass(frozen=True)
 class ReplyFormat:
     """OpenAI's reply objects of one request."""
@@ -212,10 +288,23 @@ class ReplyFormat:
     created: int
 
     def whole(self, text: str, finish: str, usage: dict) -> dict:
-        choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}} if self.chat else {"index": 0, "text": text}
-        )
-        return {**self._head(False), "choices": [{**choice, "logprobs": None, "finish_reason": finish}], "usage": usage}
+        return self.whole_choices([(text, finish, None)], usage)
+
+    def whole_choices(self, choices: list[tuple[str, str, dict | None]], usage: dict) -> dict:
+        """A whole reply of (text, finish_reason, logprobs) choices, indexed in order (one per prompt)."""
+        return {
+            **self._head(False),
+            "choices": [
+                {
+                    "index": i,
+                    **({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}),
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }
+                for i, (text, finish, logprobs) in enumerate(choices)
+            ],
+            "usage": usage,
+        }
 
     def chunk(self, text: str | None, finish: str | None = None, *, first: bool = False) -> bytes:
         """A stream event: ``text`` (None: the last chunk, with ``finish``)."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from shared.errors import BadPayload, Overloaded, SwarmError
+from shared.policy.resilience import JoinChoice
 from shared.policy.view import SwarmView
 
 SERVER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -135,9 +136,10 @@ class Registry:
         self.lease_s = lease_heartbeats * heartbeat_s
         self.max_servers = max_servers
         self._clock = clock
-        # Stages handed out by assign_stage whose server has not registered yet, with the
-        # time each hand-out lapses: servers started together (a Deployment scaled up,
-        # `swarm up`) spread over the stages instead of all joining the same one.
+        # Stages handed out (to joiners by /assign, to servers ordered to move) whose server
+        # has not registered there yet, with the time each hand-out lapses: servers started
+        # together (a Deployment scaled up, `swarm up`) spread over the stages instead of all
+        # joining the same one, and a moving server is not replaced while it moves.
         self._pending: list[PendingJoin] = []
         # Round-trip times each live server measured to its peers (peer URL -> ms), from its
         # heartbeats: soft state, kept in memory only (a restarted coordinator relearns it).
@@ -340,12 +342,16 @@ class Registry:
         self._pending.append(PendingJoin(stage, self._clock() + self.lease_s, region, dict(rtt_ms or {})))
         return stage
 
+    def join_choice(self) -> JoinChoice:
+        """Where a joining server should go, and why: the policy's stage where a loss would hurt
+        most (:func:`shared.policy.resilience.join_stage`: an empty stage, then one with a single
+        replica, ...), the stages handed out in the last lease period to servers that have not
+        registered yet counted as pending joins."""
+        return self.swarm([p.stage for p in self.pending_joins()]).join_stage()
+
     def assign_stage(self) -> int:
-        """The stage most in need of a replica: the policy's weakest stage (least capacity,
-        then fewest replicas, then lowest index) with the stages handed out in the last lease
-        period to servers that have not registered yet as pending joins."""
-        pending = [p.stage for p in self.pending_joins()]
-        return self.hand_out(self.swarm(pending).weakest_stage())
+        """Hand out :meth:`join_choice`'s stage; returns it."""
+        return self.hand_out(self.join_choice().stage)
 
     def swarm(self, pending: Iterable[int] = ()) -> SwarmView:
         """The live servers as the placement policy's view, with these ``pending`` joins."""

@@ -10,13 +10,16 @@ unknown fields are ignored, so old and new servers interoperate::
     POST /assign     {run_id, region?, rtt_ms?: {peer URL: ms}} -> {stage, placement}
                      the stage a joining server should serve (see placement.py)
     POST /heartbeat  {server_id, throughput, queue_length, rtt_ms?: {peer URL: ms},
-                      region?, workload?: {parameters, samples_per_step, activation_bytes_per_sample}}
-                     -> {lease_s}   (/register takes region and workload too)
+                      region?, workload?: {parameters, samples_per_step, activation_bytes_per_sample},
+                      utilisation?: {model_flops, compute_s, peak_flops, peak_source, mfu_busy, mfu_wall, ...}}
+                     -> {lease_s}   (/register takes region, workload and utilisation too)
                      404 unknown_server: the lease is gone, register again
     POST /deregister {server_id} -> {removed}
     GET  /swarm      -> {run_id, num_stages, heartbeat_s, lease_s, stages: [{stage, capacity, replicas,
                          step: {step, reserved, accumulated, global_batch, round, samples_dropped,
-                                duplicates_refused, last_effective_batch, steps_lost}}]}
+                                duplicates_refused, last_effective_batch, steps_lost},
+                         utilisation: {mfu_busy, mfu_wall, flops_per_s_wall, peak_flops, ...} | null}]}
+                     (each replica with its own ``utilisation`` report, see utilisation.py)
     POST /step/reserve {run_id, stage, url, step, samples, global_batch, microbatch_id, until_step?}
                      -> {verdict, bucket, step, replicas}
     POST /step/done  {run_id, stage, url, step, bucket, reserved, samples, global_batch, microbatch_id,
@@ -28,7 +31,8 @@ unknown fields are ignored, so old and new servers interoperate::
     GET  /health     -> {status: "ok", servers}
     GET  /metrics, GET /, GET /dashboard.json, POST /progress: metrics.py, dashboard_routes.py
     GET  /v1/models, POST /v1/completions, POST /v1/chat/completions: the OpenAI-compatible
-                     API, generation through the swarm (completions.py)
+                     API, generation and scoring through the swarm (completions.py), with
+                     vLLM's GET /tokenizer_info, POST /tokenize, POST /detokenize
     POST /average    -> {checks, rounds: [{stage, round_id, members, accepted, ended}]}
                      an averaging pass of every stage with 2+ replicas, answered when it ended
     POST /checkpoint -> {path, step}   (with SWARM_CHECKPOINT_DIR) save the run now
@@ -52,10 +56,12 @@ from services.coordinator.checkpointer import Checkpointer
 from services.coordinator.placement import Joiner, placement_inputs, stage_for_joiner, uses_topology
 from services.coordinator.registry import Registry, check_region, check_report, check_rtt
 from services.coordinator.steps import StepScheduler
+from services.coordinator.utilisation import UtilisationBoard, check_utilisation
 from shared import checkpoint
 from shared.config import CoordinatorSettings
 from shared.errors import BadPayload, Overloaded, SwarmError
 from shared.http import read_body
+from shared.policy.view import PlacementInputs
 from shared.step_protocol import DoneReport, ReserveRequest
 
 SETTINGS = web.AppKey("settings", CoordinatorSettings)
@@ -67,6 +73,7 @@ CHECKPOINTER = web.AppKey("checkpointer", Checkpointer)
 LOG = web.AppKey("log", structlog.typing.FilteringBoundLogger)
 ASSIGN_LOCK = web.AppKey("assign_lock", asyncio.Lock)
 ADMISSION = web.AppKey("admission", Admission)
+UTILISATION = web.AppKey("utilisation", UtilisationBoard)  # the servers' MFU reports (utilisation.py)
 JOINER_ID, PENDING_PREFIX = "<joiner>", "<pending>"  # peer ids no server can have (server ids are [A-Za-z0-9._-])
 
 JSON = "application/json"
@@ -105,8 +112,10 @@ async def register(request: web.Request) -> web.Response:
     _check_run(request, msg)
     registry = request.app[REGISTRY]
     fields = ("server_id", "stage", "url", "version", "throughput", "queue_length")
-    report = check_report(msg)
+    report, utilisation = check_report(msg), _utilisation(msg)
     server = registry.register(*(msg.get(f) for f in fields), report=report)
+    if utilisation is not None:
+        request.app[UTILISATION].record(server.server_id, utilisation)
     if STEPS in request.app:  # a new incarnation at this URL: what its predecessor said of its step is void
         request.app[STEPS].counter.registered(server.stage, server.url, report.step if report else None)
     request.app[LOG].info(
@@ -128,47 +137,65 @@ async def register(request: web.Request) -> web.Response:
 
 
 async def assign(request: web.Request) -> web.Response:
-    """The stage a joining server should serve: by the network cost model (topology
-    placement: the joiner's region and measured RTTs in the body), else the stage with the
-    least capacity. Joins are placed one at a time, each counting the stages handed out
-    before it."""
+    """The stage a joining server should serve: where a loss would hurt most (the policy's
+    rule: an empty stage first, then one with a single replica, ...); once every stage has
+    two replicas, by the network cost model when placement plans with it (the joiner's
+    region and measured RTTs in the body). Joins are placed one at a time, each counting the
+    stages handed out before it. A plan the network planner cannot make falls back to the
+    policy's stage (logged), never to an error."""
     msg = await read_json(request)
     _check_run(request, msg)
     joiner = Joiner(JOINER_ID, check_region(msg.get("region", "")), check_rtt(msg.get("rtt_ms", {})))
-    registry, settings = request.app[REGISTRY], request.app[SETTINGS]
+    registry, settings, log = request.app[REGISTRY], request.app[SETTINGS], request.app[LOG]
     async with request.app[ASSIGN_LOCK]:
-        if not uses_topology(settings.placement.mode, registry.rtt_ms, registry.reports, joiner):
-            return web.json_response({"stage": registry.assign_stage(), "placement": "throughput"})
-        pending = [
-            Joiner(f"{PENDING_PREFIX}{i}", p.region, p.rtt_ms, p.stage) for i, p in enumerate(registry.pending_joins())
-        ]
-        inputs = placement_inputs(
-            registry.live(),
-            registry.rtt_ms,
-            registry.reports,
-            num_stages=registry.num_stages,
-            average_every_s=settings.average_every_s,
-            averaging_codec=settings.averaging_codec,
-            bandwidth_gbps=settings.placement.bandwidth_gbps,
-            joiners=[*pending, joiner],
-        )
-        stage = await asyncio.to_thread(
-            stage_for_joiner, inputs, JOINER_ID, registry.num_stages, time_budget_s=settings.placement.budget_s / 5
-        )
+        choice = registry.join_choice()
+        stage, placement, reason = choice.stage, "throughput", choice.reason
+        if choice.free and uses_topology(settings.placement.mode, registry.rtt_ms, registry.reports, joiner):
+            try:
+                inputs = _network_inputs(registry, settings, joiner)
+                stage = await asyncio.to_thread(
+                    stage_for_joiner,
+                    inputs,
+                    JOINER_ID,
+                    registry.num_stages,
+                    time_budget_s=settings.placement.budget_s / 5,
+                )
+                placement, reason = "topology", "the cheapest stage by the network cost model"
+            except (ValueError, KeyError) as exc:  # inputs the planner cannot work with: the policy's stage
+                log.warning("placement.joiner.fallback", error=repr(exc), stage=stage, reason=reason)
         registry.hand_out(stage, joiner.region, dict(joiner.rtt_ms))
-    request.app[LOG].info(
+    log.info(
         "placement.joiner",
         stage=stage,
+        placement=placement,
+        reason=reason,
         region=joiner.region or None,
         peers_timed=len(joiner.rtt_ms),
-        pending=len(pending),
     )
-    return web.json_response({"stage": stage, "placement": "topology"})
+    return web.json_response({"stage": stage, "placement": placement})
+
+
+def _network_inputs(registry: Registry, settings: CoordinatorSettings, joiner: Joiner) -> PlacementInputs:
+    """The network planner's inputs for placing ``joiner``: the live servers, and the pending
+    hand-outs with their stages."""
+    pending = [
+        Joiner(f"{PENDING_PREFIX}{i}", p.region, p.rtt_ms, p.stage) for i, p in enumerate(registry.pending_joins())
+    ]
+    return placement_inputs(
+        registry.live(),
+        registry.rtt_ms,
+        registry.reports,
+        num_stages=registry.num_stages,
+        average_every_s=settings.average_every_s,
+        averaging_codec=settings.averaging_codec,
+        bandwidth_gbps=settings.placement.bandwidth_gbps,
+        joiners=[*pending, joiner],
+    )
 
 
 async def heartbeat(request: web.Request) -> web.Response:
     msg = await read_json(request)
-    registry = request.app[REGISTRY]
+    registry, utilisation = request.app[REGISTRY], _utilisation(msg)
     registry.heartbeat(
         msg.get("server_id"),
         msg.get("throughput"),
@@ -176,7 +203,14 @@ async def heartbeat(request: web.Request) -> web.Response:
         rtt_ms=msg.get("rtt_ms"),
         report=check_report(msg),
     )
+    if utilisation is not None:
+        request.app[UTILISATION].record(msg["server_id"], utilisation)
     return web.json_response({"lease_s": registry.lease_s})
+
+
+def _utilisation(msg: dict) -> dict | None:
+    """The server's MFU report in a registration or heartbeat (validated), or None."""
+    return None if msg.get("utilisation") is None else check_utilisation(msg["utilisation"])
 
 
 async def deregister(request: web.Request) -> web.Response:
@@ -187,8 +221,9 @@ async def deregister(request: web.Request) -> web.Response:
 
 
 def swarm_view(app: web.Application) -> dict:
-    """The registry's view, each stage with its global step (``steps.py``)."""
+    """The registry's view, each stage with its global step (``steps.py``) and utilisation."""
     view = app[REGISTRY].view()
+    app[UTILISATION].annotate(view)
     if STEPS in app:
         for stage, steps in zip(view["stages"], app[STEPS].counter.view()):
             stage["step"] = {k: v for k, v in steps.items() if k != "stage"}
@@ -255,6 +290,7 @@ async def checkpoint_now(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     app[ASSIGN_LOCK] = asyncio.Lock()
+    app[UTILISATION] = UtilisationBoard()
     app.router.add_post("/register", register)
     app.router.add_post("/assign", assign)
     app.router.add_post("/heartbeat", heartbeat)

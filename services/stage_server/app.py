@@ -20,6 +20,7 @@ from services.stage_server.sessions import add_session_routes
 from services.stage_server.state import load_stage_state
 from services.stage_server.state_routes import add_state_routes, download_state
 from services.stage_server.stepping import StepClient
+from services.stage_server.utilisation import StageUtilisation
 from services.stage_server.worker import ComputeWorker
 from shared import checkpoint, package_version
 from shared.config import StageServerSettings, advertised_url
@@ -115,7 +116,13 @@ def create_app(settings: StageServerSettings, runtime: StageRuntime | None = Non
     add_averaging_routes(app)
     add_state_routes(app)
     add_metrics_route(app, metrics)
-    app[STAGE_METRICS] = StageMetrics(metrics, app[RUNTIME], app[WORKER], app[AVERAGER])
+    app[STAGE_METRICS] = StageMetrics(
+        metrics,
+        app[RUNTIME],
+        app[WORKER],
+        app[AVERAGER],
+        StageUtilisation.for_runtime(app[RUNTIME], settings.peak_tflops),
+    )
 
     async def lifecycle(app: web.Application):
         spec = app[RUNTIME].spec
@@ -177,6 +184,7 @@ def _report(settings: StageServerSettings, app: web.Application):
         return {
             "workload": workload,
             "step": app[RUNTIME].step,
+            "utilisation": stage_metrics.utilisation.report(),  # MFU, shown by swarm status and the dashboard
             **({"region": settings.region} if settings.region else {}),
         }
 

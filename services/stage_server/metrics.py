@@ -2,7 +2,8 @@
 
 Read at scrape time from the objects that hold them: the runtime's counters (forwards,
 backwards, samples, optimizer steps), the compute worker's queue and busy time, the
-averager's rounds. Counted as they pass: tensor payload bytes by direction and codec.
+averager's rounds, the stage's model FLOPs utilisation (``utilisation.py``). Counted as
+they pass: tensor payload bytes by direction and codec.
 """
 
 from __future__ import annotations
@@ -11,14 +12,17 @@ from collections.abc import Iterable, Mapping
 
 from aiohttp import web
 
+from services.stage_server.utilisation import StageUtilisation
 from shared.metrics import Metrics, counter, gauge, tensor_bytes
 
 
 class StageMetrics:
     """Registers the stage's state collector on ``metrics``; counts tensor bytes as they pass."""
 
-    def __init__(self, metrics: Metrics, runtime, worker, averager):
+    def __init__(self, metrics: Metrics, runtime, worker, averager, utilisation: StageUtilisation | None = None):
+        """``utilisation``: the stage's MFU meter (None: one with the peak found for the runtime's device)."""
         self.runtime, self.worker, self.averager = runtime, worker, averager
+        self.utilisation = utilisation or StageUtilisation.for_runtime(runtime)
         self.tensor_bytes = metrics.counter(
             "swarm_stage_tensor_bytes",
             "tensor payload bytes of /forward and /backward, by direction and wire codec",
@@ -117,6 +121,7 @@ class StageMetrics:
             "wire bytes per sample of the activation crossing this stage's boundary (last training forward)",
             self.activation_bytes_per_sample,
         )
+        yield from self.collect_utilisation()
         yield gauge("swarm_stage_weights_version", "bumped by every change of the weights", self.runtime.version)
         yield gauge("swarm_stage_draining", "1 while the server drains before it stops", float(worker.draining))
         failed = max(0, averager.rounds_started - averager.rounds_completed - int(averager.running))
@@ -130,6 +135,42 @@ class StageMetrics:
             "averaging rounds this server took part in, by outcome",
             {("completed",): averager.rounds_completed, ("failed",): failed},
             ["outcome"],
+        )
+
+    def collect_utilisation(self) -> Iterable:
+        """Model FLOPs, the peak (labelled with its source), achieved FLOP/s and MFU (busy, wall)."""
+        u = self.utilisation.report()
+        yield counter(
+            "swarm_stage_tokens",
+            "tokens whose work counts as model FLOPs: trained (gradient accumulated here) or evaluated",
+            {("trained",): u["tokens_trained"], ("evaluated",): u["tokens_evaluated"]},
+            ["kind"],
+        )
+        yield counter(
+            "swarm_stage_model_flops",
+            "model FLOPs of the stage's layers for those tokens (forward + backward trained, forward evaluated; "
+            "re-runs and recomputes not counted); rate() / swarm_stage_peak_flops = MFU over any window",
+            u["model_flops"],
+        )
+        yield gauge(
+            "swarm_stage_peak_flops",
+            "peak FLOP/s of the device for the stage's precision and threads, and where it came from: setting "
+            "(SWARM_PEAK_TFLOPS), table (a known GPU's dense datasheet figure) or probe (a measured matmul)",
+            {(u["peak_source"], u["peak_device"]): u["peak_flops"]},
+            ["source", "device"],
+        )
+        yield gauge(
+            "swarm_stage_achieved_flops",
+            "model FLOP/s achieved: over the forward and backward compute seconds (busy, since the start) or over the "
+            "wall clock of the last minute (wall)",
+            {("busy",): u["flops_per_s_busy"], ("wall",): u["flops_per_s_wall"]},
+            ["basis"],
+        )
+        yield gauge(
+            "swarm_stage_mfu",
+            "model FLOPs utilisation: swarm_stage_achieved_flops over swarm_stage_peak_flops (busy, wall)",
+            {("busy",): u["mfu_busy"], ("wall",): u["mfu_wall"]},
+            ["basis"],
         )
 
 

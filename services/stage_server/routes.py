@@ -288,6 +288,7 @@ async def health(request: web.Request) -> web.Response:
             "weights_version": runtime.version,
             "step": runtime.step,
             "stats": asdict(runtime.stats),
+            "utilisation": request.app[STAGE_METRICS].utilisation.report(),  # MFU and its peak's source
             "sessions": request.app[SESSIONS].summary() if SESSIONS in request.app else None,
         },
         status=503 if worker.draining else 200,

@@ -120,6 +120,10 @@ class StageStats:
     recomputes: int = 0  # backwards that recomputed their forward (on its version): the graph was not cached here
     other_weights_backwards: int = 0  # backwards whose forward's weights were gone (refused, not computed): 0
     versions_made: int = 0  # writes of the weights that kept the old tensors for forwards in flight (copies)
+    tokens_trained: int = 0  # tokens (batch x seq) of the backwards accumulated here: model FLOPs (shared.flops)
+    token_pairs_trained: int = 0  # their (query, key) pairs, batch x seq^2: attention's model FLOPs
+    tokens_evaluated: int = 0  # tokens of the evaluation forwards (keep_graph=False)
+    token_pairs_evaluated: int = 0  # their (query, key) pairs, batch x seq^2
 
 
 @dataclass
@@ -321,6 +325,8 @@ class StageRuntime:
         else:
             _, output = self._run(seed, inputs, targets, grad=False)
         self.stats.forwards += 1
+        self.stats.tokens_evaluated += 0 if keep_graph else inputs.shape[0] * inputs.shape[1]
+        self.stats.token_pairs_evaluated += 0 if keep_graph else inputs.shape[0] * inputs.shape[1] ** 2
         self.stats.compute_s += time.perf_counter() - started
         return output
 
@@ -396,6 +402,8 @@ class StageRuntime:
             target.ids.add(microbatch_id)
             self.stats.backwards += 1
             self.stats.samples += batch
+            self.stats.tokens_trained += batch * inputs.shape[1]
+            self.stats.token_pairs_trained += batch * inputs.shape[1] ** 2
             if self.solo and target.samples >= self.optim_cfg.global_batch and bucket == self.step:
                 self.apply_step(self.take_gradients())
         self.stats.compute_s += time.perf_counter() - started

@@ -17,8 +17,10 @@ Requests (msgpack)::
 
     /session/open   {v, run_id, stage, session_id, batch, max_length}
                     -> {stage, session_id, step, weights_version, bytes}
-    /session/step   {v, run_id, stage, session_id, position, inputs, chunks?, codec?}
-                    -> {stage, session_id, position, step, weights_version, outputs | logits}
+    /session/step   {v, run_id, stage, session_id, position, inputs, chunks?, codec?,
+                     targets?, top_logprobs?, logits_at?}     (the last three: last stage only)
+                    -> {stage, session_id, position, step, weights_version, outputs | logits,
+                        target_logprobs?, top_ids?, top_logprobs?}
     /session/close  {v, run_id, stage, session_id} -> {stage, session_id, closed}
 
 ``position`` is the number of positions the client believes the session holds; another
@@ -30,6 +32,16 @@ the answer is the last chunk's. ``logits``: (batch, vocab) of the last position,
 fp32. ``outputs``: (batch, T_last_chunk, d_model) in ``codec`` (default fp32: a
 session's tensors are small, and greedy decoding through the swarm then equals one
 process's).
+
+Scoring (the last stage; a prefill of prompts to score, as the coordinator's
+``/v1/completions`` with ``echo`` and ``logprobs`` sends them): ``targets`` (batch,
+T_last_chunk) ints, the token each position is scored against (the next one of the
+sequence; -1: none), asks for ``target_logprobs`` (batch, T) fp32, the log-probability of
+each target (0 where none), and, with ``top_logprobs`` N in [1, 20], ``top_ids`` (batch, T,
+N) and ``top_logprobs`` (batch, T, N) fp32: each position's N most likely next tokens, most
+likely first. ``logits_at`` (one position per row of the last chunk) moves ``logits`` to
+those positions: rows of different lengths padded to one. Every position of the request
+is computed in one pass, on one weights version of the stage.
 
 Memory: a session's cache is sized at open (``max_length`` positions, ``kv_cache_bytes``)
 and counted against ``SWARM_SESSION_MEMORY_MB`` (all sessions of the server) and
@@ -59,6 +71,8 @@ from shared.http import msgpack_response, read_message
 from shared.kv_cache import KVCache, kv_cache_bytes
 
 MAX_SESSION_ID_LEN = 128
+MAX_TOP_LOGPROBS = 20
+SCORE_POSITIONS = 256  # positions per log-softmax while scoring: bounds its (positions, vocab) buffer
 
 
 class SessionNotFound(SwarmError):
@@ -73,6 +87,75 @@ class SessionOutOfSync(SwarmError):
 
     status = 409
     code = "session_out_of_sync"
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What the last stage answers of a step: the logits at ``logits_at`` (batch,), and with
+    ``targets`` (batch, T) the log-probabilities of each position's target and its ``top`` alternatives."""
+
+    logits_at: torch.Tensor
+    targets: torch.Tensor | None = None
+    top: int = 0
+
+    def answer(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The reply's tensors from the last chunk's ``logits`` (batch, T, vocab)."""
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        out = {"logits": logits[rows, self.logits_at].float()}
+        if self.targets is None:
+            return out
+        B, T = self.targets.shape
+        target_logprobs = torch.zeros(B, T, device=logits.device)
+        top_ids = torch.zeros(B, T, self.top, dtype=torch.long, device=logits.device)
+        top_logprobs = torch.zeros(B, T, self.top, device=logits.device)
+        for b in range(B):
+            for start in range(0, T, SCORE_POSITIONS):
+                block = torch.log_softmax(logits[b, start : start + SCORE_POSITIONS].float(), dim=-1)  # (t, vocab)
+                targets = self.targets[b, start : start + SCORE_POSITIONS]
+                picked = block.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+                target_logprobs[b, start : start + SCORE_POSITIONS] = torch.where(targets >= 0, picked, 0.0)
+                if self.top:
+                    values, ids = block.topk(self.top, dim=-1)
+                    top_logprobs[b, start : start + SCORE_POSITIONS] = values
+                    top_ids[b, start : start + SCORE_POSITIONS] = ids
+        out["target_logprobs"] = target_logprobs
+        if self.top:
+            out.update(top_ids=top_ids, top_logprobs=top_logprobs)
+        return out
+
+
+def _scoring(runtime: StageRuntime, msg: dict, inputs: torch.Tensor, chunks: list[int]) -> Scoring | None:
+    """The scoring fields of a step (None on a stage before the last); BadPayload if malformed."""
+    asked = [name for name in ("targets", "top_logprobs", "logits_at") if msg.get(name) is not None]
+    if not runtime.spec.is_last:
+        if asked:
+            raise BadPayload(f"{asked} are for the last stage, not stage {runtime.spec.index}")
+        return None
+    B, T = int(inputs.shape[0]), chunks[-1]
+    logits_at = msg.get("logits_at")
+    if logits_at is None:
+        logits_at = [T - 1] * B
+    if (
+        not isinstance(logits_at, list)
+        or len(logits_at) != B
+        or any(type(i) is not int or not 0 <= i < T for i in logits_at)
+    ):
+        raise BadPayload(f"'logits_at' must be a list of {B} positions in [0, {T}) of the last chunk")
+    at = torch.tensor(logits_at, dtype=torch.long, device=inputs.device)
+    if msg.get("targets") is None:
+        if msg.get("top_logprobs") is not None:
+            raise BadPayload("'top_logprobs' needs 'targets'")
+        return Scoring(at)
+    targets = decode_tensor(msg["targets"], name="targets", device=inputs.device)
+    if targets.is_floating_point() or targets.dtype == torch.bool or list(targets.shape) != [B, T]:
+        raise BadPayload(f"'targets' must be integer token ids of shape [{B}, {T}], got {list(targets.shape)}")
+    vocab = runtime.cfg.vocab_size
+    if targets.numel() and not (int(targets.min()) >= -1 and int(targets.max()) < vocab):
+        raise BadPayload(f"'targets' must lie in [0, {vocab}), or be -1 (none)")
+    top = msg.get("top_logprobs") or 0
+    if type(top) is not int or not 0 <= top <= min(MAX_TOP_LOGPROBS, vocab):
+        raise BadPayload(f"'top_logprobs' must be an int in [0, {min(MAX_TOP_LOGPROBS, vocab)}], got {top!r}")
+    return Scoring(at, targets.long(), top)
 
 
 @dataclass
@@ -220,6 +303,7 @@ async def step_session(request: web.Request) -> web.Response:
     inputs = decode_tensor(msg["inputs"], name="inputs", device=runtime.device)
     chunks = _chunks(msg.get("chunks"), inputs)
     _validate(runtime, session, inputs, position)
+    scoring = _scoring(runtime, msg, inputs, chunks)
     async with session.lock:  # one step of a session at a time, in order
         if position != session.cache.length:
             raise SessionOutOfSync(
@@ -227,7 +311,7 @@ async def step_session(request: web.Request) -> web.Response:
                 f"positions, the step starts at {position}: replay it"
             )
         output, step, version = await request.app[WORKER].run(
-            _step, runtime, session.cache, inputs, chunks, work=inputs.shape[1] / 64
+            _step, runtime, session.cache, inputs, chunks, scoring, work=inputs.shape[0] * inputs.shape[1] / 64
         )
         session.steps += 1
         session.last_used = store.clock()
@@ -238,8 +322,8 @@ async def step_session(request: web.Request) -> web.Response:
         "step": step,
         "weights_version": version,
     }
-    if runtime.spec.is_last:
-        reply["logits"] = encode_tensor(output[:, -1].float().contiguous(), "fp32")
+    if scoring is not None:
+        reply.update({name: encode_tensor(t.contiguous(), "fp32") for name, t in output.items()})
     else:
         reply["outputs"] = encode_tensor(output.contiguous(), codec, int8_block=settings.int8_block)
     return msgpack_response(reply)
@@ -269,8 +353,9 @@ def _validate(runtime: StageRuntime, session: Session, inputs: torch.Tensor, pos
         )
 
 
-def _step(runtime: StageRuntime, cache: KVCache, inputs: torch.Tensor, chunks: list[int]):
-    """On the compute thread: the stage's forward of each chunk after the cached positions."""
+def _step(runtime: StageRuntime, cache: KVCache, inputs: torch.Tensor, chunks: list[int], scoring: Scoring | None):
+    """On the compute thread: the stage's forward of each chunk after the cached positions;
+    on the last stage, what ``scoring`` asks of the last chunk's logits."""
     model = runtime.model
     inputs = inputs.long() if runtime.spec.is_first else inputs.to(runtime.param_dtype)
     was_training = model.training
@@ -281,6 +366,8 @@ def _step(runtime: StageRuntime, cache: KVCache, inputs: torch.Tensor, chunks: l
             for n in chunks:
                 output = model(inputs[:, start : start + n], None, cache)
                 start += n
+            if scoring is not None:
+                output = scoring.answer(output)
     finally:
         model.train(was_training)
     return output, runtime.step, runtime.version

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from services.trainer.progress import ProgressDisplay, choose_display
 from services.trainer.registry_mirror import RegistryMirror
 from services.trainer.telemetry import TrainerTelemetry
 from services.trainer.trainer import Trainer, summary_json
+from services.trainer.utilisation import read_utilisation, run_utilisation
 from shared.config import TrainerSettings, parse_settings
 from shared.discovery import find_coordinator
 from shared.http import swarm_session
@@ -211,6 +213,7 @@ async def train(settings: TrainerSettings) -> int:
             port=settings.metrics_port,
         )
         refresher = asyncio.create_task(view.run()) if view else None
+        utilisation_before, read_at = await read_utilisation(session, _replicas(balancer), log), time.perf_counter()
         try:
             with display:  # meanwhile log lines go above the bar
                 summary = await trainer.run()
@@ -219,6 +222,15 @@ async def train(settings: TrainerSettings) -> int:
             if refresher:
                 refresher.cancel()
                 await asyncio.gather(refresher, return_exceptions=True)
+        utilisation_after = await read_utilisation(session, _replicas(balancer), log)
+        summary.stages = run_utilisation(
+            utilisation_before, utilisation_after, time.perf_counter() - read_at, settings.num_stages
+        )
+    log.info(
+        "train.utilisation",
+        mfu_busy=[s["mfu_busy"] for s in summary.stages],
+        mfu_wall=[s["mfu_wall"] for s in summary.stages],
+    )
     log.info(
         "train.done",
         steps=summary.steps,
@@ -232,6 +244,11 @@ async def train(settings: TrainerSettings) -> int:
         Path(settings.summary_file).write_text(summary_json(summary) + "\n")
     print(summary_json(summary, per_step=False), flush=True)
     return 1 if summary.microbatches_failed else 0
+
+
+def _replicas(balancer: ReplicaBalancer) -> list[list[str]]:
+    """Each stage's replica URLs as the balancer knows them now."""
+    return [list(balancer.estimates(s)) for s in range(balancer.num_stages)]
 
 
 def main(argv: list[str] | None = None, *, settings_class: type[TrainerSettings] = TrainerSettings) -> int:

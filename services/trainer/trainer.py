@@ -48,6 +48,7 @@ class TrainSummary:
         default_factory=list
     )  # held-out loss every eval_every steps: {step, samples, elapsed_s, loss}
     failures: list[str] = field(default_factory=list)
+    stages: list[dict] = field(default_factory=list)  # each stage's MFU over the run (utilisation.py)
 
 
 MAX_TOP_UPS = 3  # rounds of extra microbatches when the trainer's share did not get the swarm to its steps

@@ -8,6 +8,9 @@ metrics, ``swarm status``, the simulator):
   topology planner emits moves too);
 - :mod:`.view`: :class:`~.view.SwarmView`, what the rules decide on (stages, replicas
   with throughput and queue length, pending joins, topology inputs);
+- :mod:`.resilience`: where a loss would hurt most: the stage a joiner takes
+  (:func:`~.resilience.join_stage`), the replica floor no move goes below, and the move
+  that repairs a stage under it (:func:`~.resilience.repair_move`);
 - :mod:`.throughput`: the weakest-stage rule (:func:`~.throughput.weakest`) and the
   best single move between stages (:func:`~.throughput.plan_move`);
 - :mod:`.hysteresis`: :class:`~.hysteresis.Confirmation`, a decision confirmed on

@@ -7,7 +7,7 @@ emits these moves too, so it must not import anything that imports the planner.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -15,8 +15,9 @@ class Move:
     """Server ``server_id`` leaves ``from_stage`` for ``to_stage`` (and downloads that stage's state).
 
     ``capacity_before`` and ``capacity_after`` are the swarm's minimum stage capacity
-    before and after the move when the throughput rule planned it; ``None`` for a move of a
-    topology replan, whose figures are the replan's predicted step times.
+    before and after the move when the throughput or resilience rule planned it; ``None`` for
+    a move of a topology replan, whose figures are the replan's predicted step times.
+    ``reason`` says why, in words, for the log and the dashboard (not part of equality).
     """
 
     server_id: str
@@ -24,6 +25,7 @@ class Move:
     to_stage: int
     capacity_before: float | None = None
     capacity_after: float | None = None
+    reason: str = field(default="", compare=False)
 
     @property
     def gain(self) -> float:

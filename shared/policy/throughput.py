@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from shared.policy.hysteresis import Confirmation
 from shared.policy.move import Move
+from shared.policy.resilience import replica_floor
 
 Replicas = Mapping[str, tuple[int, float]]
 DEFAULT_MIN_GAIN = 1 / 0.75  # moving costs a state download: only a clear gain is worth it
@@ -21,7 +22,8 @@ DEFAULT_MIN_GAIN = 1 / 0.75  # moving costs a state download: only a clear gain 
 def weakest(capacities: Sequence[float], replicas: Sequence[int]) -> int | None:
     """THE weakest-stage rule: the stage with the least capacity, then the fewest replicas,
     then the lowest index (``capacities[i]`` and ``replicas[i]`` are stage ``i``'s); ``None``
-    without stages. The swarm waits on this stage, and a new server joins it."""
+    without stages. The swarm waits on this stage (a new server joins where a loss would
+    hurt most: :func:`shared.policy.resilience.join_stage`)."""
     if len(capacities) != len(replicas):
         raise ValueError(f"{len(capacities)} capacities for {len(replicas)} replica counts: one of each per stage")
     if not capacities:
@@ -57,14 +59,15 @@ def weakest_stage(replicas: Replicas, num_stages: int) -> int:
     return stage
 
 
-def plan_move(replicas: Replicas, num_stages: int) -> Move | None:
+def plan_move(replicas: Replicas, num_stages: int, floor: int | None = None) -> Move | None:
     """The single move of one replica to another stage that raises the minimum capacity most.
 
     Only a move into the weakest stage can raise the minimum, and only when that stage is
     the unique weakest one (if two stages tie for weakest, one move leaves the other at
-    the minimum): so there is no move when the weakest stage is tied. A stage's last
-    replica never moves, so no stage is emptied. Returns ``None`` when no move raises the
-    minimum strictly.
+    the minimum): so there is no move when the weakest stage is tied. No move leaves its
+    stage with fewer than ``floor`` replicas (default :func:`~shared.policy.resilience.replica_floor`:
+    2 while the swarm has two servers a stage, else 1, so no stage is emptied). Returns
+    ``None`` when no move raises the minimum strictly.
 
     Among the moves that raise it, the choice is deterministic: the largest minimum
     capacity after the move; then the leximin-best capacities after it (the sorted
@@ -75,6 +78,7 @@ def plan_move(replicas: Replicas, num_stages: int) -> Move | None:
     """
     capacity = stage_capacities(replicas, num_stages)
     counts = replica_counts(replicas, num_stages)
+    floor = replica_floor(len(replicas), num_stages) if floor is None else floor
     before = min(capacity, default=0.0)
     lowest = [stage for stage in range(num_stages) if capacity[stage] == before]
     if len(lowest) != 1:
@@ -82,7 +86,7 @@ def plan_move(replicas: Replicas, num_stages: int) -> Move | None:
     (target,) = lowest
     best: tuple[tuple[float, ...], float, str] | None = None  # the sort key of the best move so far
     for server_id, (stage, throughput) in replicas.items():
-        if stage == target or counts[stage] < 2:
+        if stage == target or counts[stage] <= floor:
             continue
         after = _capacities_after(capacity, stage, target, throughput)
         key = (tuple(-c for c in after), throughput, server_id)
@@ -90,8 +94,9 @@ def plan_move(replicas: Replicas, num_stages: int) -> Move | None:
             best = key
     if best is None:
         return None
-    server_id = best[2]
-    return Move(server_id, replicas[server_id][0], target, before, -best[0][0])
+    server_id, after = best[2], -best[0][0]
+    reason = f"raises the weakest stage's capacity (stage {target}) from {before:.3g} to {after:.3g} samples/s"
+    return Move(server_id, replicas[server_id][0], target, before, after, reason=reason)
 
 
 def _capacities_after(capacity: list[float], from_stage: int, to_stage: int, throughput: float) -> list[float]:
@@ -109,7 +114,9 @@ class ThroughputRebalancer:
     ``confirmations`` consecutive calls of :meth:`check` and is the same move (same
     replica, from and to stage) each time. A check without such a move, or with a
     different best move, starts the count again (a different qualifying move counts as its
-    own first confirmation); returning a move also resets it.
+    own first confirmation); returning a move also resets it. ``held``: after a check, the
+    move that would have qualified but for :func:`~shared.policy.resilience.replica_floor`
+    (it would leave its stage with one replica), else ``None``.
     """
 
     def __init__(self, min_gain: float = DEFAULT_MIN_GAIN, confirmations: int = 2):
@@ -117,6 +124,7 @@ class ThroughputRebalancer:
             raise ValueError(f"min_gain must be >= 1 (a ratio of minimum capacities), got {min_gain}")
         self.min_gain = min_gain
         self._confirmation: Confirmation[Move] = Confirmation(confirmations, same=Move.same_as)
+        self.held: Move | None = None
 
     @property
     def confirmations(self) -> int:
@@ -127,6 +135,11 @@ class ThroughputRebalancer:
         move = plan_move(replicas, num_stages)
         if move is not None and move.gain < self.min_gain:
             move = None
+        self.held = None
+        if move is None and replica_floor(len(replicas), num_stages) > 1:
+            unguarded = plan_move(replicas, num_stages, floor=1)
+            if unguarded is not None and unguarded.gain >= self.min_gain:
+                self.held = unguarded
         confirmed = self._confirmation.observe(move)
         return None if confirmed is None else confirmed[-1]
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shared.policy.resilience import JoinChoice, join_stage
 from shared.policy.throughput import weakest
 
 if TYPE_CHECKING:  # annotations only: shared.topology's planner imports shared.policy.move
@@ -86,16 +87,19 @@ class SwarmView:
         """``{server_id: (stage, throughput)}``: the throughput rule's input."""
         return {r.server_id: (r.stage, r.throughput) for r in self.replicas}
 
+    def members(self) -> list[list[float]]:
+        """Per stage, the throughputs of its replicas, then one per pending join at the replicas' mean."""
+        members: list[list[float]] = [[] for _ in range(self.num_stages)]
+        for r in self.replicas:
+            members[r.stage].append(r.throughput)
+        mean = sum(r.throughput for r in self.replicas) / len(self.replicas) if self.replicas else 0.0
+        for stage in self.pending:
+            members[stage].append(mean)
+        return members
+
     def capacities(self) -> list[float]:
         """Per stage, the sum of its replicas' throughputs, pending joins counted at the replicas' mean."""
-        capacity = [0.0] * self.num_stages
-        for r in self.replicas:
-            capacity[r.stage] += r.throughput
-        if self.pending:
-            mean = sum(capacity) / len(self.replicas) if self.replicas else 0.0
-            for stage in self.pending:
-                capacity[stage] += mean
-        return capacity
+        return [sum(m) for m in self.members()]
 
     def replica_counts(self) -> list[int]:
         """Per stage, its replicas, pending joins included."""
@@ -112,7 +116,11 @@ class SwarmView:
         return queued
 
     def weakest_stage(self) -> int:
-        """The stage the swarm waits on and a new server joins (:func:`~shared.policy.throughput.weakest`)."""
+        """The stage the swarm waits on (:func:`~shared.policy.throughput.weakest`)."""
         stage = weakest(self.capacities(), self.replica_counts())
         assert stage is not None, "a view has at least one stage"
         return stage
+
+    def join_stage(self) -> JoinChoice:
+        """Where a new server goes: where a loss would hurt most (:func:`~shared.policy.resilience.join_stage`)."""
+        return join_stage(self.members())

@@ -82,6 +82,12 @@ def test_quick_arena_trains_every_side_on_shaped_links_and_leaves_nothing(tmp_pa
     # the codec each mesh side names is the one its links carried (fp32 is 4x int8's payload)
     assert rows["mesh fp32"]["bytes/token"] > 2 * rows["mesh int8"]["bytes/token"], rows
 
+    # each side's MFU per stage: the mesh's measured by its servers (busy MFU too), pipelining's from its tokens/s
+    for side, row in rows.items():
+        assert len(row["MFU per stage"]) == 2 and all(0 < m <= 1 for m in row["MFU per stage"]), (side, row)
+    for side in ("mesh_int8", "mesh_fp32"):
+        assert all(0 < s["mfu_wall"] <= s["mfu_busy"] for s in detail[side]["extra"]["stages"]), detail[side]["extra"]
+
     # torn down: the namespaces it named are gone, with their veths and qdiscs; no cgroup, no process
     assert detail["torn_down"]["namespaces"] and not set(detail["torn_down"]["namespaces"]) & set(namespaces())
     assert set(namespaces()) == before_ns

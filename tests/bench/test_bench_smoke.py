@@ -107,6 +107,7 @@ def test_square_cube(results):
         assert all(s >= 0 for s in shares) and (
             0.99 < sum(shares) < 1.01 or r["idle share"] == r["others share"] == 0
         ), r  # all of the cores, or more (CPU clock ticks in a tiny window)
+        assert positive(r["mesh MFU"]) and positive(r["1 process MFU"]) and all(map(positive, r["stage busy MFUs"]))
 
 
 def test_pipelining(results):

@@ -305,7 +305,8 @@ async def test_bad_requests_get_openai_errors(start_swarm, http_session):
         "invalid_json",
     )
     await expect_error(await post({"model": RUN_ID}), 400, "prompt")
-    await expect_error(await post({**ok, "prompt": [1, 2, 3]}), 400, "prompt")
+    await expect_error(await post({**ok, "prompt": [1, "a"]}), 400, "prompt")
+    await expect_error(await post({**ok, "prompt": [[1, 2], [256]]}), 400, "prompt")  # past the vocabulary
     await expect_error(await post({"model": RUN_ID}, "/v1/chat/completions"), 400, "messages")
     await expect_error(
         await post({"model": RUN_ID, "messages": [{"role": "robot", "content": "hi"}]}, "/v1/chat/completions"),
@@ -318,7 +319,7 @@ async def test_bad_requests_get_openai_errors(start_swarm, http_session):
     await expect_error(await post({**ok, "stop": ["a", "b", "c", "d", "e"]}), 400, "stop")
     await expect_error(await post({**ok, "stream": "yes"}), 400, "stream")
     await expect_error(await http_session.get(swarm.url + "/v1/engines"), 404)
-    await expect_error(await post({**ok, "prompt": "x" * 70_000}), 413, None, "request_too_large")
+    await expect_error(await post({**ok, "prompt": "x" * (8 * 2**20)}), 413, None, "request_too_large")
     async with http_session.get(swarm.url + f"/v1/models/{RUN_ID}") as resp:
         assert resp.status == 200 and (await resp.json())["id"] == RUN_ID
     assert swarm.app[COMPLETIONS].active == 0 and swarm.open_sessions() == 0

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import web
+from structlog.testing import capture_logs
 
+from services.coordinator import routes
 from services.coordinator.app import create_app
 from shared.config import CoordinatorSettings, PlacementSettings
 from shared.http import msgpack_response, read_message
@@ -115,3 +117,93 @@ async def test_rebalancing_moves_servers_into_their_clusters(aiohttp_server, aio
     assert len(moved) == 2, moved
     after = {**crossed, **moved}
     assert after["a"] == after["b"] != after["c"] == after["d"], after
+
+
+async def join(client, name: str, urls: dict[str, str], rtt_ms: dict[str, float]) -> int:
+    """A server started with ``--stage auto``: it times the registered servers, asks ``/assign``
+    and registers at the stage it got; returns that stage."""
+    resp = await client.post("/assign", json={"run_id": RUN_ID, **({"rtt_ms": rtt_ms} if rtt_ms else {})})
+    assert resp.status == 200, await resp.text()
+    stage = (await resp.json())["stage"]
+    body = {
+        "run_id": RUN_ID,
+        "server_id": name,
+        "stage": stage,
+        "url": urls[name],
+        "version": "t",
+        "throughput": 0.0,
+        "queue_length": 0,
+        "workload": WORKLOAD,
+    }
+    assert (await client.post("/register", json=body)).status == 200
+    return stage
+
+
+async def test_stage_auto_servers_form_a_swarm_one_by_one_and_all_at_once(aiohttp_client):
+    """Issue 28: with 4 stages, the joiners after the first measured their RTTs to the servers
+    before them, which made ``/assign`` ask the network planner, and it cannot place 3 peers on 4
+    stages: ``500 ValueError('3 peers cannot fill 4 stages')``. Every joiner gets a stage; the
+    first four fill the four stages and the next four give each stage a second replica, whether
+    each registers before the next asks (one by one) or all ask before any registers."""
+    urls = {f"s{i}": f"http://127.0.0.{i + 10}:8100" for i in range(8)}
+    for together in (False, True):
+        client = await aiohttp_client(create_app(settings(num_stages=4)))
+        stages: list[int] = []
+        if together:  # all ask first (none measured anyone), then all register
+            for _ in urls:
+                resp = await client.post("/assign", json={"run_id": RUN_ID})
+                assert resp.status == 200, await resp.text()
+                stages.append((await resp.json())["stage"])
+        else:
+            for name in urls:
+                timed = {urls[other]: 1.0 for other in list(urls)[: len(stages)]}
+                stages.append(await join(client, name, urls, timed))
+        assert sorted(stages[:4]) == [0, 1, 2, 3] and sorted(stages[4:]) == [0, 1, 2, 3], (together, stages)
+
+
+async def test_a_plan_the_network_planner_cannot_make_falls_back_to_the_policys_stage(aiohttp_client, monkeypatch):
+    """Every stage has two replicas, so the planner is asked; when it fails, the joiner gets
+    the policy's stage and the coordinator says why (never a 500)."""
+    client = await aiohttp_client(create_app(settings()))
+    urls = {name: f"http://127.0.0.{i + 10}:8100" for i, name in enumerate(CLUSTER)}
+    await register_all(client, CLUSTER, urls)
+
+    def planner_fails(*args, **kwargs):
+        raise ValueError("the planner cannot place this")
+
+    monkeypatch.setattr(routes, "stage_for_joiner", planner_fails)
+    with capture_logs() as logs:
+        resp = await client.post("/assign", json={"run_id": RUN_ID, "rtt_ms": rtts("a", urls)})
+    assert resp.status == 200 and await resp.json() == {"stage": 0, "placement": "throughput"}
+    (fallback,) = [e for e in logs if e["event"] == "placement.joiner.fallback"]
+    assert "cannot place this" in fallback["error"]
+    (placed,) = [e for e in logs if e["event"] == "placement.joiner"]
+    assert placed["stage"] == 0 and "after losing its strongest replica" in placed["reason"]
+
+
+async def test_rebalancing_gives_a_lone_replica_a_partner_once_and_says_why(aiohttp_server, aiohttp_client):
+    """Four servers on two stages, three on stage 0: stage 1's only replica is fast, so no
+    throughput move would help it, but losing it would stop the swarm. The coordinator moves
+    one replica of stage 0 there, logs why, and counts the moving server as stage 1's until
+    it registers there (no second move meanwhile)."""
+    placed = {"a": 0, "b": 0, "c": 0, "d": 1}
+    fakes = {name: FakeServer(name, stage) for name, stage in placed.items()}
+    urls = {name: str((await aiohttp_server(fake.app)).make_url("")).rstrip("/") for name, fake in fakes.items()}
+    app = create_app(settings(rebalance_every_s=0.05, placement=PlacementSettings(mode="throughput")))
+    with capture_logs() as logs:
+        client = await aiohttp_client(app)
+        await register_all(client, {"a": 0, "b": 0, "c": 0}, urls, throughput=50.0)
+        await register_all(client, {"d": 1}, urls, throughput=500.0)
+        done, _ = await asyncio.wait(
+            [f.moved_to for f in fakes.values()], timeout=20, return_when=asyncio.FIRST_COMPLETED
+        )
+        assert done, "no server was told to move within 20 s"
+        await asyncio.sleep(0.5)  # ten more checks
+    moved = {name: f.moved_to.result() for name, f in fakes.items() if f.moved_to.done()}
+    assert moved == {"a": 1}, moved
+    (move,) = [e for e in logs if e["event"] == "rebalance.move"]
+    assert move["reason"] == "stage 1 has one replica: losing it would stop the swarm, while stage 0 has 3 replicas"
+    assert move["placement"] == "throughput"
+    board = await (await client.get("/dashboard.json")).json()  # the dashboard shows the reasons
+    (shown,) = [e for e in board["events"] if e["event"] == "rebalance.move"]
+    assert shown["reason"] == move["reason"] and shown["to_stage"] == 1

@@ -221,3 +221,85 @@ async def test_sessions_run_beside_training_and_never_change_the_weights(start_s
     await session.step([11])  # the session goes on, on the new weights
     assert session.stats.weights_steps == {0, 1}
     await session.close()
+
+
+async def test_a_scoring_prefill_gives_every_positions_log_probabilities_of_one_process(start_stages, http_session):
+    _, urls = await start_stages([[stage_settings(s)] for s in range(4)])
+    prompts = [PROMPT, PROMPT[:5]]
+    ids = torch.zeros(2, len(PROMPT), dtype=torch.long)  # right-padded with 0
+    targets = torch.full((2, len(PROMPT)), -1, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, : len(p)] = torch.tensor(p)
+        targets[row, : len(p) - 1] = torch.tensor(p[1:])
+    session = SwarmSession(http_session, balancer_for(urls), run_id="test", max_length=len(PROMPT), batch=2)
+    async with session:
+        scores = await session.score(ids, targets, top_logprobs=3, logits_at=[len(p) - 1 for p in prompts])
+    assert session.stats.steps == 1 and session.stats.weights_steps == {0}  # one pass, one weights version
+
+    model = build_model(config_from_preset("tiny"), seed=0).eval()
+    for row, p in enumerate(prompts):
+        with torch.no_grad():
+            logits = model(torch.tensor([p]))[0]  # (T, vocab): the prompt alone, unpadded
+        expected = torch.log_softmax(logits, dim=-1)
+        n = len(p)
+        got = scores.target_logprobs[row, : n - 1]
+        assert torch.allclose(got, expected[torch.arange(n - 1), torch.tensor(p[1:])], atol=1e-5)
+        assert (scores.target_logprobs[row, n - 1 :] == 0).all()  # no target past the prompt
+        assert (scores.top_ids[row, :n] == expected.topk(3, dim=-1).indices).all()
+        assert torch.allclose(scores.top_logprobs[row, :n], expected.topk(3, dim=-1).values, atol=1e-5)
+        assert torch.allclose(scores.logits[row], logits[-1], atol=1e-5)  # the row's last position, not the padding's
+
+
+async def test_scoring_fields_are_checked_and_only_the_last_stage_takes_them(start_stages, http_session):
+    _, urls = await start_stages([[stage_settings(0, num_stages=2)], [stage_settings(1, num_stages=2)]])
+    ids = torch.tensor([PROMPT[:4]], dtype=torch.long)
+    hidden = torch.zeros(1, 4, config_from_preset("tiny").d_model)
+    targets = encode_tensor(torch.tensor([[1, 2, 3, -1]]), "raw")
+    for s, url in enumerate(u for (u,) in urls):
+        await post(http_session, url, "/session/open", stage=s, session_id="a", batch=1, max_length=8)
+    with pytest.raises(RemoteError) as err:
+        await post(
+            http_session,
+            urls[0][0],
+            "/session/step",
+            stage=0,
+            session_id="a",
+            position=0,
+            inputs=encode_tensor(ids, "raw"),
+            targets=targets,
+        )
+    assert err.value.status == 400 and "last stage" in str(err.value)
+    for bad, match in [
+        (dict(targets=encode_tensor(torch.tensor([[1, 2, 3]]), "raw")), "shape"),
+        (dict(targets=encode_tensor(torch.tensor([[1, 2, 3, 256]]), "raw")), "must lie in"),
+        (dict(targets=encode_tensor(torch.zeros(1, 4), "fp32")), "integer"),
+        (dict(targets=targets, top_logprobs=21), "top_logprobs"),
+        (dict(top_logprobs=2), "needs 'targets'"),
+        (dict(logits_at=[4]), "logits_at"),
+        (dict(logits_at=[0, 1]), "logits_at"),
+    ]:
+        with pytest.raises(RemoteError) as err:
+            await post(
+                http_session,
+                urls[1][0],
+                "/session/step",
+                stage=1,
+                session_id="a",
+                position=0,
+                inputs=encode_tensor(hidden, "fp32"),
+                **bad,
+            )
+        assert err.value.status == 400 and match in str(err.value), (match, err.value)
+    reply = await post(
+        http_session,
+        urls[1][0],
+        "/session/step",
+        stage=1,
+        session_id="a",
+        position=0,
+        inputs=encode_tensor(hidden, "fp32"),
+        targets=targets,
+        logits_at=[1],
+    )
+    assert reply["target_logprobs"]["shape"] == [1, 4] and reply["logits"]["shape"] == [1, 256]
+    assert "top_ids" not in reply

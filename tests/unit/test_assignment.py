@@ -10,6 +10,7 @@ import pytest
 
 from services.coordinator.registry import Registry
 from shared.policy.move import Move
+from shared.policy.resilience import neediest_stage
 from shared.policy.throughput import (
     ThroughputRebalancer,
     best_assignment,
@@ -49,16 +50,16 @@ def test_weakest_stage_breaks_ties_by_fewest_replicas_then_lowest_index():
     assert weakest_stage({"a": (0, 2.0), "b": (1, 2.0)}, 2) == 0
 
 
-def test_weakest_stage_matches_the_registry_rule():
+def test_the_registry_hands_out_the_stage_where_a_loss_would_hurt_most():
     rng = random.Random(7)
     for trial in range(20):
         registry = Registry(":memory:", num_stages=3, heartbeat_s=1.0, clock=lambda: 0.0)
-        replicas = {}
+        members: list[list[float]] = [[], [], []]
         for i in range(rng.randrange(0, 6)):
             stage, speed = rng.randrange(3), float(rng.choice([0, 1, 2, 4]))
             registry.register(f"s{i}", stage, f"http://h{i}:80", "v", speed, 0)
-            replicas[f"s{i}"] = (stage, speed)
-        assert weakest_stage(replicas, 3) == registry.assign_stage(), f"trial {trial}: {replicas}"
+            members[stage].append(speed)
+        assert neediest_stage(members) == registry.assign_stage(), f"trial {trial}: {members}"
         registry.close()
 
 

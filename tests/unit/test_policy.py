@@ -99,16 +99,17 @@ def test_check_orders_a_move_on_the_second_consecutive_check_only():
 
 
 def test_check_never_empties_a_stage():
-    policy = RebalancingPolicy(ThroughputRebalancer(confirmations=1))
+    policy = RebalancingPolicy(ThroughputRebalancer(confirmations=1), repair_confirmations=1)
     lone = view_of(("a", 0, 1.0), ("b", 1, 100.0), num_stages=3)  # stage 2 is empty, the others have one each
     assert policy.check(lone) == [] and policy.check(lone) == []
-    # stage 2 is empty and the weakest; stage 1's only replica stays, one of stage 0's moves
+    # stage 2 is empty (the resilience rule fills it); stage 1's only replica stays, one of stage 0's moves
     moves = policy.check(view_of(("a", 0, 1.0), ("b", 0, 1.0), ("c", 1, 0.5), num_stages=3))
     assert moves == [Move("a", 0, 2, capacity_before=0.0, capacity_after=0.5)]
 
 
 def test_check_orders_no_move_below_the_gain_threshold():
-    near = view_of(("a", 0, 5.0), ("b", 0, 1.0), ("c", 0, 1.0), ("d", 1, 5.0))  # moving b: [7, 5] -> [6, 6], x1.2
+    # moving b: [7, 5, 7] -> [6, 6, 7], x1.2 (fewer than two servers a stage: stage 1 may keep one replica)
+    near = view_of(("a", 0, 5.0), ("b", 0, 1.0), ("c", 0, 1.0), ("d", 1, 5.0), ("e", 2, 7.0), num_stages=3)
     strict = RebalancingPolicy()
     assert all(strict.check(near) == [] for _ in range(5))
     lenient = RebalancingPolicy(ThroughputRebalancer(min_gain=1.1))

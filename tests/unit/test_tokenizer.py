@@ -8,7 +8,15 @@ import pytest
 
 from services.trainer.data import BUNDLED_CORPUS
 from shared.model import PRESETS
-from shared.tokenizer import EOS_TOKEN, ByteTokenizer, HFTokenizer, load_tokenizer, save_tokenizer, train_bpe
+from shared.tokenizer import (
+    EOS_TOKEN,
+    ByteTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+    save_byte_tokenizer,
+    save_tokenizer,
+    train_bpe,
+)
 
 SAMPLE = gzip.decompress(BUNDLED_CORPUS.read_bytes())[:200_000].decode()
 TEXT = "Now is the winter of our discontent\nMade glorious summer by this sun of York; ünïcödé ✓\n\n  spaces  "
@@ -53,6 +61,19 @@ def test_save_tokenizer_copies_a_file_so_that_autotokenizer_loads_it(bpe, tmp_pa
 def test_bytes_round_trip():
     tok = ByteTokenizer()
     assert tok.decode(tok.encode_batch([TEXT])[0]) == TEXT and tok.eos_id == 0 and tok.vocab_size == 256
+
+
+def test_the_byte_tokenizer_as_a_hugging_face_directory_gives_the_same_ids(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    saved = save_byte_tokenizer(tmp_path, model_max_length=128)
+    text = TEXT + "\x00after the end of a document"
+    expected = ByteTokenizer().encode_batch([text])[0]
+    assert saved.vocab_size == 256 and saved.eos_id == 0 and saved.encode(text) == expected
+    assert saved.decode(expected) == text
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)  # as lm-eval's tokenizer= and --model hf load it
+    assert auto(text, add_special_tokens=False)["input_ids"] == expected and auto.decode(expected) == text
+    assert (auto.eos_token_id, auto.model_max_length, len(auto)) == (0, 128, 256)
+    assert isinstance(load_tokenizer("", str(tmp_path), PRESETS["tiny"]), HFTokenizer)  # fits a byte preset
 
 
 def test_the_run_tokenizer_bytes_for_byte_presets_and_a_clear_error_for_llama_without_one(bpe):

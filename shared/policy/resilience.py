@@ -1,0 +1,133 @@
+"""The resilience rule: every stage keeps a replica to lose.
+
+A stage without a replica stops the swarm; a stage with one stops it at that server's
+first failure. So servers go where a loss would hurt most, and no move leaves a stage
+weaker than that:
+
+- :func:`neediest_stage` ranks the stages by what the loss of one replica would leave:
+  an empty stage first, then a stage with one replica (the weakest of them), then the
+  stage whose capacity would fall lowest if its strongest replica left (then the least
+  capacity, the fewest replicas, the lowest index). A joining server takes that stage
+  (:func:`join_stage`), and so does a replica moved by :func:`repair_move`.
+- :func:`replica_floor`: the fewest replicas a move may leave on its stage: 2 while the
+  swarm has at least two servers a stage (no stage is left with one replica to strengthen
+  another), else 1 (no stage is ever emptied).
+- :func:`repair_move`: the move that gives a stage short of what the swarm can give every
+  stage (one replica, two once there are two servers a stage) a replica from a stage with
+  spare (a loss or an unlucky join left it short).
+- :func:`thinned_stage`: the stage a set of moves (a topology replan) would leave below the floor.
+
+A stage's members are the throughputs of its replicas (samples per second, 0: not
+measured yet), servers handed the stage but not registered yet counted at the replicas'
+mean (:meth:`shared.policy.view.SwarmView.members`). Pure logic, standard library only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from shared.policy.move import Move
+
+SAFE_REPLICAS = 2  # a stage with this many replicas survives the loss of one
+
+Members = Sequence[Sequence[float]]  # per stage, the throughputs of its replicas (pending joins included)
+
+
+def replica_floor(servers: int, num_stages: int) -> int:
+    """The fewest replicas a stage should keep, and a move may leave on its stage: 2 while
+    ``servers >= 2 * num_stages``, else 1 (a stage is never emptied)."""
+    return max(1, min(SAFE_REPLICAS, servers // num_stages))
+
+
+def loss_key(members: Sequence[float], stage: int) -> tuple:
+    """Sort key of a stage by how badly the loss of one replica would leave it (smallest: worst)."""
+    capacity = sum(members)
+    left = capacity - max(members) if len(members) >= SAFE_REPLICAS else 0.0
+    return (min(len(members), SAFE_REPLICAS), left, capacity, len(members), stage)
+
+
+def neediest_stage(members: Members, stages: Sequence[int] | None = None) -> int:
+    """Of ``stages`` (default: all), the stage where the loss of a replica would hurt most:
+    see the module's docstring. Raises ``ValueError`` without stages."""
+    candidates = range(len(members)) if stages is None else stages
+    if not candidates:
+        raise ValueError("no stage to choose from (num_stages must be >= 1)")
+    return min(candidates, key=lambda s: loss_key(members[s], s))
+
+
+def why_needed(members: Members, stage: int) -> str:
+    """Why :func:`neediest_stage` chose ``stage``, in words (for the log and the dashboard)."""
+    count = len(members[stage])
+    if count == 0:
+        return f"stage {stage} has no replica"
+    if count == 1:
+        return f"stage {stage} has one replica: losing it would stop the swarm"
+    left = sum(members[stage]) - max(members[stage])
+    return f"stage {stage} would keep the least capacity after losing its strongest replica ({left:.3g} samples/s)"
+
+
+@dataclass(frozen=True)
+class JoinChoice:
+    """Where a joining server goes and why. ``free``: every stage already has
+    ``SAFE_REPLICAS`` replicas, so any stage keeps the swarm alive and another rule (the
+    network cost model) may place the server instead."""
+
+    stage: int
+    reason: str
+    free: bool
+
+
+def join_stage(members: Members) -> JoinChoice:
+    """The stage a joining server takes: :func:`neediest_stage`."""
+    stage = neediest_stage(members)
+    return JoinChoice(stage, why_needed(members, stage), all(len(m) >= SAFE_REPLICAS for m in members))
+
+
+def repair_move(members: Members, replicas: Mapping[str, tuple[int, float]]) -> Move | None:
+    """The move of a replica into a stage short of replicas from a stage with spare, or None.
+
+    A stage is short with fewer than ``min(2, servers // stages)`` replicas (counting every
+    replica and pending join in ``members``): no repair while there are fewer servers than
+    stages. ``replicas`` (``server_id -> (stage, throughput)``) are the servers that can
+    move. The stage to strengthen is the neediest short one; the replica to move is on a
+    stage with more than that many and leaves the stage capacities best (the largest
+    minimum, then leximin), then its stage has the most replicas, then it is the slowest,
+    then the smallest id. The move's capacities are the swarm's minimum stage capacity
+    before and after it."""
+    counts = [len(m) for m in members]
+    floor = min(SAFE_REPLICAS, sum(counts) // len(members))  # what every stage can have
+    short = [s for s, count in enumerate(counts) if count < floor]
+    if not short:
+        return None
+    target = neediest_stage(members, short)
+    capacity = [sum(m) for m in members]
+    best: tuple | None = None
+    for server_id, (stage, throughput) in replicas.items():
+        if counts[stage] <= floor:
+            continue
+        moved = list(capacity)
+        moved[stage] -= throughput
+        moved[target] += throughput
+        key = (tuple(-c for c in sorted(moved)), -counts[stage], throughput, server_id)
+        if best is None or key < best:
+            best = key
+    if best is None:
+        return None  # the only spare members are pending joins, which cannot move
+    server_id = best[-1]
+    source = replicas[server_id][0]
+    reason = f"{why_needed(members, target)}, while stage {source} has {counts[source]} replicas"
+    return Move(server_id, source, target, min(capacity), -best[0][0], reason=reason)
+
+
+def thinned_stage(current: Mapping[str, int], moves: Sequence[Move], num_stages: int) -> int | None:
+    """The first stage that ``moves`` (from the assignment ``current``, ``server_id -> stage``)
+    leave below :func:`replica_floor` while it was not, or with fewer replicas when it was; None if none."""
+    before = Counter(current.values())
+    after = Counter({**current, **{m.server_id: m.to_stage for m in moves}}.values())
+    floor = replica_floor(len(current), num_stages)
+    for stage in range(num_stages):
+        if after[stage] < min(floor, before[stage]):
+            return stage
+    return None

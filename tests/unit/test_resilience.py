@@ -1,0 +1,186 @@
+"""The resilience rule (shared/policy/resilience.py) and how the policy applies it: a joiner
+goes where a loss would hurt most, a stage short of replicas gets one from a stage with
+spare, and while the swarm has two servers a stage no move leaves a stage with one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.policy.move import Move
+from shared.policy.rebalancing import RebalancingPolicy
+from shared.policy.resilience import (
+    join_stage,
+    neediest_stage,
+    repair_move,
+    replica_floor,
+    thinned_stage,
+)
+from shared.policy.throughput import ThroughputRebalancer, plan_move
+from shared.policy.view import PlacementInputs, Replica, SwarmView
+from shared.topology import Peer, Replan, Workload, world_network
+
+
+def view_of(*replicas: tuple[str, int, float], num_stages: int, pending: tuple[int, ...] = ()) -> SwarmView:
+    return SwarmView(num_stages, tuple(Replica(sid, stage, speed) for sid, stage, speed in replicas), pending)
+
+
+# --- where a loss would hurt most --------------------------------------------------------------
+
+
+def test_the_floor_is_two_replicas_once_the_swarm_has_two_servers_a_stage():
+    assert [replica_floor(n, 4) for n in (0, 3, 4, 7, 8, 20)] == [1, 1, 1, 1, 2, 2]
+
+
+def test_an_empty_stage_first_then_one_replica_then_the_least_left_after_a_loss():
+    assert neediest_stage([[5.0], [], [0.1]]) == 1  # empty
+    assert neediest_stage([[5.0, 5.0], [4.0], [0.1, 0.1, 0.1]]) == 1  # one replica, although the strongest
+    assert neediest_stage([[3.0], [1.0], [0.5, 0.5]]) == 1  # the weaker of the one-replica stages
+    # two each: the weakest stage (least capacity) is 0, but losing a replica leaves stage 1 weaker
+    assert neediest_stage([[3.0, 3.0], [6.0, 1.0]]) == 1
+    # unmeasured servers (0 samples/s): the fewest replicas, then the lowest index
+    assert neediest_stage([[0.0, 0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]) == 1
+    assert neediest_stage([[1.0], [], []], stages=[0, 2]) == 2
+    with pytest.raises(ValueError, match="no stage"):
+        neediest_stage([])
+
+
+def test_a_join_says_why_and_whether_the_network_may_choose():
+    choice = join_stage([[1.0], [], [1.0]])
+    assert (choice.stage, choice.reason, choice.free) == (1, "stage 1 has no replica", False)
+    assert "one replica" in join_stage([[1.0, 1.0], [2.0]]).reason
+    choice = join_stage([[3.0, 3.0], [6.0, 1.0]])
+    assert choice.stage == 1 and choice.free and "after losing its strongest replica (1 samples/s)" in choice.reason
+
+
+@pytest.mark.parametrize("num_stages, servers", [(4, 8), (3, 7), (1, 3), (5, 4)])
+def test_joiners_fill_every_stage_before_any_gets_a_second_replica(num_stages, servers):
+    """One by one (each registers before the next asks) or all at once (each asks before any
+    registers: the hand-outs count as pending joins), the same stages, round-robin."""
+    one_by_one: list[tuple[str, int, float]] = []
+    for i in range(servers):
+        one_by_one.append((f"s{i}", view_of(*one_by_one, num_stages=num_stages).join_stage().stage, 0.0))
+    together: tuple[int, ...] = ()
+    for _ in range(servers):
+        together += (view_of(num_stages=num_stages, pending=together).join_stage().stage,)
+    expected = [i % num_stages for i in range(servers)]
+    assert [stage for _, stage, _ in one_by_one] == list(together) == expected
+
+
+# --- repairs ------------------------------------------------------------------------------------
+
+
+def test_a_lone_replica_gets_a_partner_from_a_stage_with_three():
+    members = [[1.0, 1.0, 4.0], [2.0], [1.0, 1.0], [1.0, 1.0]]  # eight servers, stage 1 has one
+    replicas = {"a": (0, 1.0), "b": (0, 1.0), "c": (0, 4.0), "d": (1, 2.0)}
+    replicas |= {"e": (2, 1.0), "f": (2, 1.0), "g": (3, 1.0), "h": (3, 1.0)}
+    move = repair_move(members, replicas)
+    assert move == Move("a", 0, 1, capacity_before=2.0, capacity_after=2.0)  # the slowest of stage 0's: c stays
+    assert "stage 1 has one replica" in move.reason and "stage 0 has 3 replicas" in move.reason
+
+
+def test_an_empty_stage_gets_a_replica_and_a_pending_join_counts():
+    replicas = {"a": (0, 0.0), "b": (0, 0.0), "c": (1, 0.0)}
+    assert repair_move([[0.0, 0.0], [0.0], []], replicas) == Move("a", 0, 2, 0.0, 0.0)
+    assert repair_move([[0.0, 0.0], [0.0], [0.0]], replicas) is None  # a server was handed stage 2
+    # fewer servers than two a stage: a single replica is all a stage can have
+    assert repair_move([[1.0, 1.0], [1.0], [1.0]], {"a": (0, 1.0), "b": (0, 1.0), "c": (1, 1.0), "d": (2, 1.0)}) is None
+    # fewer servers than stages: nothing to repair
+    assert repair_move([[1.0], [], []], {"a": (0, 1.0)}) is None
+
+
+def test_thinned_stage_flags_a_plan_that_leaves_a_stage_below_the_floor():
+    current = {"a": 0, "b": 0, "c": 1, "d": 1}  # two servers a stage: the floor is 2
+    assert thinned_stage(current, [Move("a", 0, 1)], 2) == 0
+    assert thinned_stage(current, [Move("a", 0, 1), Move("c", 1, 0)], 2) is None  # a swap keeps two each
+    assert thinned_stage({"a": 0, "b": 0, "c": 1}, [Move("a", 0, 1)], 2) is None  # three servers: one may stay
+    assert thinned_stage({"a": 0, "b": 1}, [Move("a", 0, 1)], 2) == 0  # never empty a stage
+
+
+# --- the policy ---------------------------------------------------------------------------------
+
+
+def test_no_throughput_move_leaves_a_stage_with_one_replica_and_the_policy_says_why():
+    fast_and_slow = {"a": (0, 10.0), "b": (0, 10.0), "c": (1, 1.0), "d": (1, 1.0)}
+    assert plan_move(fast_and_slow, 2) is None
+    assert plan_move(fast_and_slow, 2, floor=1) == Move("a", 0, 1, 2.0, 10.0)  # what it would do without the floor
+    policy = RebalancingPolicy(ThroughputRebalancer(confirmations=1))
+    view = view_of(("a", 0, 10.0), ("b", 0, 10.0), ("c", 1, 1.0), ("d", 1, 1.0), num_stages=2)
+    assert policy.check(view) == []
+    assert policy.held == (
+        "not moving a to stage 1: stage 0 would keep fewer than 2 replicas, and the swarm has that many a stage"
+    )
+    # with a third replica on stage 0, one may move, and the move says why
+    (move,) = policy.check(dataclasses.replace(view, replicas=view.replicas + (Replica("e", 0, 10.0),)))
+    assert move == Move("a", 0, 1, 2.0, 12.0) and policy.held is None
+    assert move.reason == "raises the weakest stage's capacity (stage 1) from 2 to 12 samples/s"
+
+
+def test_a_repair_is_confirmed_on_two_checks_and_comes_before_the_throughput_rule():
+    lopsided = view_of(("a", 0, 1.0), ("b", 0, 1.0), ("c", 0, 1.0), ("d", 1, 9.0), num_stages=2)
+    policy = RebalancingPolicy(ThroughputRebalancer(confirmations=1))
+    assert policy.check(lopsided) == []  # the throughput rule waits while a stage is short
+    (move,) = policy.check(lopsided)
+    assert move == Move("a", 0, 1, 3.0, 2.0)  # the minimum capacity falls: staying alive comes first
+    assert policy.check(dataclasses.replace(lopsided, pending=(1,))) == []  # a server is on its way to stage 1
+
+
+class ScriptedTopology:
+    def __init__(self, replan: Replan):
+        self.replan = replan
+
+    def check(self, inputs: PlacementInputs, num_stages: int) -> Replan:
+        return self.replan
+
+
+def test_a_topology_replan_that_leaves_a_stage_with_one_replica_is_not_ordered():
+    current = {"a": 0, "b": 0, "c": 1, "d": 1}
+    peers = [Peer(sid, "Ohio", 1.0) for sid in current]
+    inputs = PlacementInputs(peers, world_network(), Workload(32, 1e-6, 1e-3, 10.0), current)
+    view = dataclasses.replace(
+        view_of(*((sid, stage, 1.0) for sid, stage in current.items()), num_stages=2), topology=inputs
+    )
+    thinning = Replan({**current, "a": 1}, [Move("a", 0, 1)], {}, 2.0, 1.0)
+    policy = RebalancingPolicy(topology=ScriptedTopology(thinning))
+    assert policy.check(view) == [] and policy.replan is None
+    assert (
+        policy.held == "not replanning: stage 0 would keep fewer than 2 replicas, and the swarm has that many a stage"
+    )
+    swap = Replan({**current, "a": 1, "c": 0}, [Move("a", 0, 1), Move("c", 1, 0)], {}, 2.0, 1.0)
+    moves = RebalancingPolicy(topology=ScriptedTopology(swap)).check(view)
+    assert moves == [Move("a", 0, 1), Move("c", 1, 0)]
+    assert moves[0].reason == "the network cost model predicts 2 -> 1 s per step"
+
+
+swarms = st.integers(1, 4).flatmap(
+    lambda num_stages: st.tuples(
+        st.just(num_stages),
+        st.lists(st.tuples(st.integers(0, num_stages - 1), st.sampled_from([0.0, 0.5, 1.0, 3.0])), max_size=12),
+    )
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(swarms)
+def test_no_check_leaves_a_stage_below_the_floor_and_repairs_reach_it(swarm):
+    """Whatever the swarm, no move the policy orders leaves its stage below the floor, and
+    ordering its moves until none comes reaches a placement where every stage has the floor."""
+    num_stages, placed = swarm
+    replicas = {f"s{i}": (stage, speed) for i, (stage, speed) in enumerate(placed)}
+    floor = replica_floor(len(replicas), num_stages)
+    policy = RebalancingPolicy(ThroughputRebalancer(confirmations=1), repair_confirmations=1)
+    for _ in range(4 * len(replicas) + 1):
+        view = view_of(*((sid, stage, speed) for sid, (stage, speed) in replicas.items()), num_stages=num_stages)
+        moves = policy.check(view)
+        if not moves:
+            break
+        for move in moves:
+            counts = view.replica_counts()
+            assert counts[move.from_stage] > floor, (move, counts)
+            replicas[move.server_id] = (move.to_stage, replicas[move.server_id][1])
+    counts = [sum(stage == s for stage, _ in replicas.values()) for s in range(num_stages)]
+    if len(replicas) >= num_stages:
+        assert min(counts) >= floor, counts

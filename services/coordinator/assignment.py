@@ -9,15 +9,15 @@ checks); the rebalancing loop in ``app.py`` calls :func:`swarm_view` and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from services.coordinator.placement import placement_inputs, uses_topology
+from services.coordinator.placement import Joiner, placement_inputs, uses_topology
 from services.coordinator.registry import RegisteredServer, Registry
 from shared.config import CoordinatorSettings
 from shared.policy.rebalancing import RebalancingPolicy
 from shared.policy.throughput import ThroughputRebalancer
 from shared.policy.topology import TopologyRebalancer
-from shared.policy.view import SwarmView
+from shared.policy.view import PlacementInputs, SwarmView
 
 
 def rebalancing_policy(settings: CoordinatorSettings) -> RebalancingPolicy:
@@ -42,14 +42,26 @@ def swarm_view(registry: Registry, settings: CoordinatorSettings, live: Sequence
     (``settings.placement.mode``, see ``uses_topology``)."""
     topology = None
     if uses_topology(settings.placement.mode, registry.rtt_ms, registry.reports):
-        topology = placement_inputs(
-            live,
-            registry.rtt_ms,
-            registry.reports,
-            num_stages=registry.num_stages,
-            average_every_s=settings.average_every_s,
-            averaging_codec=settings.averaging_codec,
-            bandwidth_gbps=settings.placement.bandwidth_gbps,
-        )
+        topology = network_inputs(registry, settings, live)
     pending = [p.stage for p in registry.pending_joins()]
     return SwarmView.of(live, registry.num_stages, pending=pending, topology=topology)
+
+
+def network_inputs(
+    registry: Registry,
+    settings: CoordinatorSettings,
+    live: Sequence[RegisteredServer],
+    joiners: Iterable[Joiner] = (),
+) -> PlacementInputs:
+    """The network planner's inputs: the ``live`` servers with the registry's measured RTTs
+    and reports, the coordinator's averaging and bandwidth settings, and ``joiners``."""
+    return placement_inputs(
+        live,
+        registry.rtt_ms,
+        registry.reports,
+        num_stages=registry.num_stages,
+        average_every_s=settings.average_every_s,
+        averaging_codec=settings.averaging_codec,
+        bandwidth_gbps=settings.placement.bandwidth_gbps,
+        joiners=joiners,
+    )

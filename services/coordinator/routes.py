@@ -51,9 +51,10 @@ import structlog
 from aiohttp import web
 
 from services.coordinator.admission import Admission
+from services.coordinator.assignment import network_inputs
 from services.coordinator.averaging import AveragingScheduler
 from services.coordinator.checkpointer import Checkpointer
-from services.coordinator.placement import Joiner, placement_inputs, stage_for_joiner, uses_topology
+from services.coordinator.placement import Joiner, stage_for_joiner, uses_topology
 from services.coordinator.registry import Registry, check_region, check_report, check_rtt
 from services.coordinator.steps import StepScheduler
 from services.coordinator.utilisation import UtilisationBoard, check_utilisation
@@ -181,16 +182,7 @@ def _network_inputs(registry: Registry, settings: CoordinatorSettings, joiner: J
     pending = [
         Joiner(f"{PENDING_PREFIX}{i}", p.region, p.rtt_ms, p.stage) for i, p in enumerate(registry.pending_joins())
     ]
-    return placement_inputs(
-        registry.live(),
-        registry.rtt_ms,
-        registry.reports,
-        num_stages=registry.num_stages,
-        average_every_s=settings.average_every_s,
-        averaging_codec=settings.averaging_codec,
-        bandwidth_gbps=settings.placement.bandwidth_gbps,
-        joiners=[*pending, joiner],
-    )
+    return network_inputs(registry, settings, registry.live(), [*pending, joiner])
 
 
 async def heartbeat(request: web.Request) -> web.Response:

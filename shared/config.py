@@ -596,7 +596,15 @@ class CoordinatorSettings(DiscoverySettings):
         ),
     )
     averaging_codec: Codec = Field(
-        "fp32",
+        "int4",
+        description=(
+            "wire codec of the parts exchanged in averaging and step rounds (the all-reduce of a stage's gradients); "
+            "every replica loads the decoded values, so replicas stay bit-identical with any codec; a stage of one "
+            "replica sends nothing and compresses nothing (docs/benchmarks.md, 'Step-round codecs')"
+        ),
+    )
+    error_feedback: bool = Field(
+        False,
         description=(
             "step rounds with a lossy SWARM_AVERAGING_CODEC: each replica adds what the codec lost of its last step's "
             "gradient parts (and of the part it reduced) to the next step's before compressing; kept per replica, "

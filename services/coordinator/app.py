@@ -140,6 +140,7 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
         lease_s=app[REGISTRY].lease_s,
         reported_step=lambda server: app[REGISTRY].reports.get(server.server_id, ServerReport()).step,
         store=app[REGISTRY],  # the duplicate window survives a restart in the run's state file
+        error_feedback=settings.error_feedback,
     )
     app.cleanup_ctx.append(_steps())
     app.on_shutdown.append(_stop_waiting_for_steps)

@@ -38,9 +38,11 @@ async def start_round(
     aggregator: str = "mean",
     kind: str = "params",
     step: int = 0,
+    error_feedback: bool = False,
 ):
     """Start one averaging round of ``stage`` among ``member_urls`` (index = position); return its
-    id (``with_accepted``: the id and how many members accepted).
+    id (``with_accepted``: the id and how many members accepted). ``error_feedback``: a step
+    round's members compensate what the codec lost last step (stage server's ``error_feedback.py``).
 
     Posts ``/average/start`` to every member at once; members that refuse (e.g. 409: busy
     with a round, or another stage now) or cannot be reached are logged
@@ -67,6 +69,7 @@ async def start_round(
             "aggregator": aggregator,
             "kind": kind,
             "step": step,
+            **({"error_feedback": True} if error_feedback else {}),
         }
         try:
             await post_message(session, url + "/average/start", msg, timeout_s=min(START_TIMEOUT_S, timeout_s))

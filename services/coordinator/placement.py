@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from shared.policy.view import PlacementInputs
 from shared.topology import INTRA_REGION, Link, Network, Peer, Workload, place_joiners, world_network
 
-BYTES_PER_VALUE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+# wire bytes per value of a step round's parts by codec (int4 with its scales: 0.53, measured by bench.step_codecs)
+BYTES_PER_VALUE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "int4": 0.53}
 GB = 2**30
 DEFAULT_SAMPLES_PER_STEP = 32
 NEVER_AVERAGED_STEPS = 1e12  # averaging off: its traffic weighs nothing per step

@@ -430,6 +430,7 @@ class StepScheduler:
         lease_s: float = 0.0,
         reported_step: Callable[[object], int | None] = lambda server: None,
         store: WindowStore | None = None,
+        error_feedback: bool = False,
     ):
         """``reported_step(server)``: the step a live server said in its registration or last
         heartbeat. ``store``: where the duplicate window persists; the window it holds is
@@ -442,6 +443,7 @@ class StepScheduler:
             log,
         )
         self.reported_step = reported_step
+        self.error_feedback = error_feedback  # the rounds' members compensate what the codec lost
         self.counter = StepCounter(num_stages, timeout_s=timeout_s, lease_s=lease_s)
         self.store = store
         for row in store.step_window() if store is not None else ():
@@ -600,6 +602,7 @@ class StepScheduler:
                 aggregator=self.aggregator,
                 kind="step",
                 step=step,
+                error_feedback=self.error_feedback,
             )
         except BaseException:
             st.round_id = None

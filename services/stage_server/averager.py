@@ -37,6 +37,7 @@ from services.stage_server.averaging import (
     apply_average,
     backup_reducer,
     byzantine_values,
+    decode_values,
     parse_reduced,
     retry_round_id,
     sample_weight,
@@ -44,9 +45,10 @@ from services.stage_server.averaging import (
     snapshot,
     step_verdict,
 )
+from services.stage_server.error_feedback import ErrorFeedback, Tag
 from services.stage_server.runtime import Accumulated
 from services.stage_server.state import load_stage_state
-from shared.codec import encode_tensor, pack_message
+from shared.codec import encode_tensor, pack_message, unpack_message
 from shared.errors import BadPayload, RemoteError, SwarmError
 
 
@@ -74,6 +76,7 @@ class Averager:
         self.rounds_started = 0  # started - completed - running = failed (metrics)
         self.samples_at_last_round = 0
         self.bytes_sent = 0  # by the rounds that ended here, all kinds: parts posted and reductions served
+        self.feedback = ErrorFeedback(self.num_params)  # this replica's residuals of compressed step rounds
         self._task: asyncio.Task | None = None
         self._close_handle: asyncio.TimerHandle | None = None
         self._early: tuple[str, dict[int, tuple[PartMessage, torch.Tensor]]] = (
@@ -97,6 +100,7 @@ class Averager:
             "step": self.runtime.step,
             "rounds_completed": self.rounds_completed,
             "bytes_sent": self.bytes_sent,
+            "error_feedback_resets": self.feedback.resets,
             "running": self.round.spec.round_id if self.running else None,
             "last_round": self.last_round.summary() if self.last_round else None,
         }
@@ -338,20 +342,30 @@ class Averager:
         given back (see ``_settle``)."""
         if self.runtime.outer is not None:
             return await self._local_step(rnd, log)
-        step = rnd.spec.step
-        taken = await self._take(step, log)
+        spec = rnd.spec
+        taken, at = await self._take(spec.step, log)
         rnd.samples = taken.samples
-        gradient = None
+        gradient, feedback = None, self._feedback(rnd)
         try:
             weight = float(taken.samples) or (
                 1.0 if self.byzantine else 0.0
             )  # an attacker claims a weight even when it served nothing
-            mean = await self._reduce(rnd, self._as_sent(taken.mean, log), weight, log)
+            contribution = taken.mean
+            if feedback is not None:  # what the codec lost last step goes in again (error_feedback.py)
+                contribution = await _off_loop(self.num_params, feedback.contribution, taken.mean, weight, at)
+                rnd.sent_lost = torch.zeros(self.num_params)
+                rnd.main.feedback = feedback.for_part(*rnd.bounds[spec.index], at)
+            mean = await self._reduce(rnd, self._as_sent(contribution, log), weight, log)
             rnd.verdict = step_verdict(rnd.parts, rnd.backups)
             if rnd.verdict is StepVerdict.APPLY:
                 gradient = Accumulated(mean, int(min(p.weight for p in rnd.parts)), taken.microbatch_ids)
         finally:  # also on a failure or a cancel: the taken gradient is applied or goes back
-            stepped = await self._settle(taken, step, gradient, log)
+            after = await self._settle(taken, spec.step, gradient, log)
+        stepped = after is not None
+        if stepped and feedback is not None:
+            own = rnd.parts[spec.index]
+            reduced = (rnd.bounds[spec.index][0], own.lost) if own is not None and own.lost is not None else None
+            feedback.commit(rnd.sent_lost if weight > 0 else None, reduced, after)
         if stepped:
             self.rounds_completed += 1
             self._stepped.set()
@@ -362,7 +376,7 @@ class Averager:
         else:
             log.warning(
                 "step.missed",
-                step=step,
+                step=spec.step,
                 verdict=rnd.verdict.value,
                 samples_here=taken.samples,
                 parts_failed=[j for j, p in enumerate(rnd.parts) if p is None],
@@ -374,27 +388,36 @@ class Averager:
         drain, and carried out even if the round is cancelled meanwhile."""
         return await asyncio.shield(asyncio.ensure_future(self.run_compute(fn, *args, bounded=False)))
 
-    async def _take(self, step: int, log) -> Accumulated:
-        """The gradient accumulated for ``step``; if the round is cancelled while it is being
-        taken, it goes back to the bucket before the cancel goes on."""
-        job = asyncio.ensure_future(self.run_compute(self.runtime.take_gradients, step, bounded=False))
+    def _feedback(self, rnd: AveragingRound) -> ErrorFeedback | None:
+        """This replica's error feedback in a step round that asks for it with a lossy codec
+        (never for a fault-injected attacker, whose values are not its gradient)."""
+        lossy = rnd.codec != "fp32"
+        return self.feedback if rnd.spec.error_feedback and lossy and self.byzantine is None else None
+
+    async def _take(self, step: int, log) -> tuple[Accumulated, Tag]:
+        """The gradient accumulated for ``step`` and the runtime's (weights version, step) as it
+        was taken; if the round is cancelled while it is being taken, it goes back to the
+        bucket before the cancel goes on."""
+        job = asyncio.ensure_future(self.run_compute(_take_tagged, self.runtime, step, bounded=False))
         try:
             return await asyncio.shield(job)
         except asyncio.CancelledError:
             if not job.cancelled():
                 with contextlib.suppress(Exception):
-                    await self._settle(await job, step, None, log)
+                    await self._settle((await job)[0], step, None, log)
             raise
 
-    async def _settle(self, taken: Accumulated, step: int, gradient: Accumulated | None, log) -> bool:
+    async def _settle(self, taken: Accumulated, step: int, gradient: Accumulated | None, log) -> Tag | None:
         """Apply ``gradient`` as step ``step``, or give ``taken`` back (one job, see
-        :func:`settle_step`); True if this replica stepped. A job that cannot be queued at all
-        (the compute worker is shut down) leaves the gradient counted as dropped."""
+        :func:`settle_step`); the runtime's (weights version, step) after it if this replica
+        stepped, else None. A job that cannot be queued at all (the compute worker is shut
+        down) leaves the gradient counted as dropped."""
         ran: list[bool] = []
 
-        def settle() -> bool:
+        def settle() -> Tag | None:
             ran.append(True)
-            return settle_step(self.runtime, taken, gradient, step)
+            stepped = settle_step(self.runtime, taken, gradient, step)
+            return (self.runtime.version, self.runtime.step) if stepped else None
 
         try:
             return await self._unrefused(settle)
@@ -403,7 +426,7 @@ class Averager:
                 raise
             self.runtime.drop(taken)
             log.warning("step.gradient.dropped", step=step, samples=taken.samples, reason=repr(exc))
-            return False
+            return None
 
     async def _obtain(self, rnd: AveragingRound, flat: torch.Tensor, j: int, log) -> ReducedPart | None:
         """Reduced part ``j``: reduced here, fetched from member ``j``, or from a backup reducer; None: keep ours."""
@@ -422,7 +445,9 @@ class Averager:
             rnd.backups.add(j)
             backup = backup_reducer(j, spec.k, rnd.dead)
             log.info("averaging.part.retry", part=j, backup=backup)
-            if backup == spec.index:
+            if backup == spec.index:  # our part j goes into its reduction as it is: nothing of it lost
+                if rnd.sent_lost is not None:
+                    rnd.sent_lost[slice(*rnd.bounds[j])] = 0.0
                 reducer, reduce_at = rnd.reducer(retry_round_id(spec.round_id, j), j)
                 return await reducer.reduced(reduce_at)
             if backup is not None:
@@ -453,7 +478,8 @@ class Averager:
         its reduction; None on any failure. Bytes of posts that reached the peer are counted."""
         spec, (start, stop) = rnd.spec, rnd.bounds[part]
         msg = {"round_id": round_id, "from": spec.index, "part": part, "weight": rnd.weight}
-        body = await _off_loop(stop - start, _pack_part, msg, flat[start:stop], spec.codec, self.int8_block)
+        lost = rnd.sent_lost[start:stop] if rnd.sent_lost is not None else None
+        body = await _off_loop(stop - start, _pack_part, msg, flat[start:stop], rnd.codec, self.int8_block, lost)
         try:
             try:
                 await self.transport.post(url + "/average/part", body, timeout_s=_left(send_by))
@@ -502,6 +528,11 @@ def load_copied_state(runtime, tensors: dict[str, torch.Tensor], metadata: dict)
     return runtime.step, runtime.digest()
 
 
+def _take_tagged(runtime, step: int) -> tuple[Accumulated, Tag]:
+    """On the compute worker: the gradient of ``step`` and the (weights version, step) it goes onto."""
+    return runtime.take_gradients(step), (runtime.version, runtime.step)
+
+
 def _take_and_inner_step(runtime, step: int) -> Accumulated:
     """``local`` mode, on the compute worker: take the step's gradient and apply it alone, in one job."""
     taken = runtime.take_gradients(step)
@@ -513,8 +544,12 @@ def _of_round(round_id: str, base: str) -> bool:
     return round_id == base or round_id.startswith(base + RETRY_SEP)
 
 
-def _pack_part(msg: dict, values: torch.Tensor, codec: str, int8_block: int) -> bytes:
-    return pack_message({**msg, "data": encode_tensor(values, codec, int8_block=int8_block)})
+def _pack_part(msg: dict, values: torch.Tensor, codec: str, int8_block: int, lost: torch.Tensor | None) -> bytes:
+    """The ``/average/part`` body of ``values``; ``lost`` (error feedback): set to what the codec lost of them."""
+    body = pack_message({**msg, "data": encode_tensor(values, codec, int8_block=int8_block)})
+    if lost is not None:
+        lost.copy_(values - decode_values(unpack_message(body)["data"], values.numel()))
+    return body
 
 
 def _left(until: float) -> float:

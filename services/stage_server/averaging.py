@@ -38,8 +38,16 @@ from the moment this member accepted ``/average/start``):
    and steps not (see "Step rounds" below).
 
 Every member, the reducer included, loads a reduced part as it comes out of the round's
-codec, so the members of a round end with identical values. Nothing waits past ``T``: at
-the deadline the round closes here and later messages for it are refused.
+codec, so the members of a round end with identical values (a round of one member, a
+stage of one replica, sends nothing and loses nothing: its codec is ``fp32``, whatever the
+run's). Nothing waits past ``T``: at the deadline the round closes here and later messages
+for it are refused.
+
+A step round with ``error_feedback`` and a lossy codec compensates what the codec lost
+(``error_feedback.py``): a member adds to its gradient what the codec lost of the parts it
+sent last step (step 2), a reducer adds to its reduction what the codec lost of its part
+last step (step 3). The residuals are each member's own: they change what it sends, never
+what the members load, so the members still end with identical values.
 
 Step rounds. Every member that steps must apply the same gradient, or the replicas drift
 apart for good (the AdamW state remembers it). A member steps only on a gradient that
@@ -322,6 +330,7 @@ class RoundSpec:
     aggregator: str = "mean"
     kind: str = "params"
     step: int = 0
+    error_feedback: bool = False  # a step round: each member adds back what its compression lost last step
 
     @property
     def k(self) -> int:
@@ -360,6 +369,8 @@ class RoundSpec:
         kind, step = msg.get("kind", "params"), msg.get("step", 0)
         _require(isinstance(kind, str) and kind in ROUND_KINDS, f"'kind' must be one of {ROUND_KINDS}")
         _require(type(step) is int and 0 <= step < 2**53, "'step' must be an int >= 0")
+        error_feedback = msg.get("error_feedback", False)
+        _require(type(error_feedback) is bool, "'error_feedback' must be a boolean")
         if msg["stage"] != stage:
             raise WrongStage(f"this server holds stage {stage}, not {msg['stage']}")
         return cls(
@@ -372,6 +383,7 @@ class RoundSpec:
             aggregator,
             kind,
             step,
+            error_feedback,
         )
 
 
@@ -447,6 +459,7 @@ class ReducedPart:
     contributors: tuple[int, ...]
     weight: float
     body: bytes = b""  # the packed /average/result reply (reducer side)
+    lost: torch.Tensor | None = None  # reducer side, with error feedback: what the codec lost of the reduction
 
 
 def parse_reduced(reply: dict, size: int) -> ReducedPart:
@@ -483,6 +496,7 @@ class PartReducer:
         self.aggregator = aggregator
         self.expected = expected  # None: not known yet (a backup reducer before its own round reduced)
         self.contributions: dict[int, tuple[float, torch.Tensor]] = {}
+        self.feedback: torch.Tensor | None = None  # error feedback: added to the reduction before the codec
         self.closed = False
         self._complete = asyncio.Event()
         self._reduction: asyncio.Future | None = None
@@ -538,12 +552,15 @@ class PartReducer:
         else:
             mean = weighted_mean(contributions)
         contributors, weight = sorted(contributions), sum(w for w, _ in contributions.values())
+        if self.feedback is not None:
+            mean = mean + self.feedback
         wire = encode_tensor(mean, self.codec, int8_block=self.int8_block)
         body = pack_message(
             {"round_id": self.round_id, "part": self.part, "data": wire, "contributors": contributors, "weight": weight}
         )
         values = decode_values(unpack_message(body)["data"], self.size)  # what every fetcher will load
-        return ReducedPart(values, tuple(contributors), weight, body)
+        lost = mean - values if self.feedback is not None else None
+        return ReducedPart(values, tuple(contributors), weight, body, lost)
 
 
 class AveragingRound:
@@ -551,6 +568,7 @@ class AveragingRound:
 
     def __init__(self, spec: RoundSpec, num_params: int, int8_block: int, started_at: float):
         self.spec, self.int8_block, self.started_at = spec, int8_block, started_at
+        self.codec = spec.codec if spec.k > 1 else "fp32"  # a round of one member: nothing travels, nothing lost
         self.deadline = started_at + spec.timeout_s
         self.bounds = split_bounds(num_params, spec.k)
         self.main = self._reducer(spec.round_id, spec.index, set(range(spec.k)))
@@ -565,6 +583,7 @@ class AveragingRound:
         self.backups: set[int] = set()  # the parts that came from a backup reducer
         self.verdict: StepVerdict | None = None  # a step round's, once its parts are in
         self.samples: int | None = None  # a step round: the samples this member's gradient held (else its weight says)
+        self.sent_lost: torch.Tensor | None = None  # with error feedback: what the codec lost of the parts sent
         self.outcome: dict = {
             "contributors": [],
             "part_contributors": [],
@@ -578,9 +597,7 @@ class AveragingRound:
 
     def _reducer(self, round_id: str, part: int, expected: set[int] | None) -> PartReducer:
         start, stop = self.bounds[part]
-        return PartReducer(
-            round_id, part, stop - start, self.spec.codec, self.int8_block, expected, self.spec.aggregator
-        )
+        return PartReducer(round_id, part, stop - start, self.codec, self.int8_block, expected, self.spec.aggregator)
 
     def reducer(self, round_id: str, part: int) -> tuple[PartReducer, float]:
         """The reducer of ``part`` under ``round_id`` (the round's or one of its retries) and its reduce time."""
@@ -665,5 +682,6 @@ class AveragingRound:
             "weight": self.weight,
             "bytes_sent": self.bytes_sent,
             **({"samples": self.samples} if self.samples is not None else {}),
+            **({"error_feedback": True} if self.sent_lost is not None else {}),
             **self.outcome,
         }

@@ -1,10 +1,12 @@
 """HTTP edge of averaging (the round itself is ``averaging.py``): decode, call the
 :class:`Averager`, encode. Bodies are msgpack maps, like ``/forward``::
 
-    POST /average/start  {round_id, stage, members, index, codec, timeout_s, aggregator?, kind?, step?}
-                         -> {round_id, accepted}; answered at once, the round runs in the
-                         background. kind 'step' (a global step: gradients all-reduced, then
-                         the same optimizer step) is refused (409) by a replica not at 'step'.
+    POST /average/start  {round_id, stage, members, index, codec, timeout_s, aggregator?, kind?, step?,
+                         error_feedback?} -> {round_id, accepted}; answered at once, the round runs
+                         in the background. kind 'step' (a global step: gradients all-reduced, then
+                         the same optimizer step) is refused (409) by a replica not at 'step';
+                         error_feedback (default false): its members add what the codec lost last
+                         step (``error_feedback.py``).
     POST /average/part   {round_id, from, part, weight, data} -> {round_id, part}
     POST /average/result {round_id, part} -> {round_id, part, data, contributors, weight}
                          waits (at most until the round's deadline) for the reduction

@@ -244,13 +244,15 @@ async def test_one_replica_one_microbatch_in_flight_is_one_process_training(swar
 
 async def test_the_sync_schedule_trains_two_replicas_and_two_trainers_as_one_process(swarm, http_session):
     """SWARM_SCHEDULE=sync: 2 replicas of each of 2 stages, 2 trainers with 2 microbatches in
-    flight each (fp32 wire). After 10 global steps every replica holds the parameters of the
+    flight each (fp32 wire and step rounds). After 10 global steps every replica holds the parameters of the
     whole model trained in one process on the same microbatches in each step (the ones the
     coordinator admitted into it), and every gradient was computed on the weights of the step
     it went into."""
     steps, global_batch, num_stages = 10, 4 * MICROBATCH, 2
     optim = reference_optimizer(global_batch, steps)
-    s = await reference_swarm(swarm, [2] * num_stages, optim, coordinator_overrides={"schedule": "sync"})
+    s = await reference_swarm(
+        swarm, [2] * num_stages, optim, coordinator_overrides={"schedule": "sync", "averaging_codec": "fp32"}
+    )
     runs = [
         trainer(
             http_session,

@@ -62,7 +62,7 @@ async def test_rank_8_on_q_and_v_sends_50x_fewer_step_round_bytes_than_full_fine
     for run in (full, lora):
         assert run["stage_steps"] == [[3, 3], [3, 3]] and run["replicas_identical"], run
         assert run["microbatches_failed"] == 0
-    assert result["bytes_ratio"] >= 50, result["bytes_ratio"]  # measured 104.8x (d_model 256, 4 layers)
+    assert result["bytes_ratio"] >= 50, result["bytes_ratio"]  # measured 101.6x (d_model 256, 4 layers, int4)
     for a, b in zip(full["servers"], lora["servers"]):
         assert b["trainable_parameters"] * 50 < a["trainable_parameters"]
         assert 0 < b["adam_bytes"] * 50 < a["adam_bytes"]

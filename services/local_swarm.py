@@ -300,7 +300,7 @@ def check_model_and_data(args: argparse.Namespace) -> None:
     if args.lora_rank:
         from shared.lora import LoraConfig, target_modules
 
-        targets = tuple(t.strip() for t in args.lora_target_modules.split(",") if t.strip())
+        targets = LoraConfig.parse_targets(args.lora_target_modules)
         target_modules(cfg, LoraConfig(args.lora_rank, target_modules=targets))  # LoraError (a ValueError) says why
     if args.seq_len > cfg.block_size:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's block_size {cfg.block_size}")

@@ -126,7 +126,7 @@ class LoraSettings(Section):
 
         if not self.rank:
             return None
-        targets = tuple(t.strip() for t in self.target_modules.split(",") if t.strip())
+        targets = LoraConfig.parse_targets(self.target_modules)
         return LoraConfig(self.rank, self.alpha, self.dropout, targets, self.base_dtype)
 
 

@@ -79,6 +79,11 @@ class LoraConfig:
         d["target_modules"] = list(self.target_modules)
         return d
 
+    @staticmethod
+    def parse_targets(text: str) -> tuple[str, ...]:
+        """``SWARM_LORA_TARGET_MODULES`` (comma-separated names) as the config's tuple."""
+        return tuple(t.strip() for t in text.split(",") if t.strip())
+
     @classmethod
     def from_dict(cls, d: dict) -> LoraConfig:
         return cls(

@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 
-.PHONY: up test lint format setup clean
+.PHONY: up test lint format setup clean compose
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,12 @@ bench: $(STAMP)
 # hivemind, which the codec and hop benches then measure too (optional; torch stays as installed)
 bench-deps: $(STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(FIND_LINKS) -e ".[bench]" "torch==$(TORCH_VERSION)"
+
+# docker-compose.yml's swarm in real containers on this machine (needs root and Docker, or apt to
+# install it): engine, base image (from Debian's packages when no registry answers), image,
+# training with a stage server killed and back, teardown; see .ci/compose.py. No venv needed.
+compose:
+	$(PYTHON) .ci/compose.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -24,6 +24,7 @@ says why not, for the bench to skip.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -40,6 +41,10 @@ CGROUP_V2 = Path("/sys/fs/cgroup")
 CFS_PERIOD_US = 100_000
 MTU = 16000  # large frames: the switch forwards about 1,600 a second at 200 Mbit/s
 REPO = Path(__file__).resolve().parents[1]  # for the arena's own Python processes (``-m bench...``)
+# Held shared while an arena exists and exclusively by `make compose` (.ci/compose.py), whose
+# Docker engine rewrites the host's firewall: the two never run side by side.
+HOST_NETWORK_LOCK = Path("/run/lock/swarm-mesh-host-network.lock")
+LOCK_WAIT_S = 900.0
 _ARENAS = 0  # arenas built by this process: each gets its own names
 
 
@@ -71,6 +76,25 @@ def unavailable() -> str | None:
         if shutil.which(tool) is None:
             return f"the arena needs {tool!r} (iproute2)"
     return None
+
+
+def _hold_host_network():
+    """A shared hold on :data:`HOST_NETWORK_LOCK`, waiting at most :data:`LOCK_WAIT_S` for a
+    running `make compose` to finish (the file object; closing it releases the hold)."""
+    HOST_NETWORK_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(HOST_NETWORK_LOCK, "a")  # noqa: SIM115 - held while the arena exists
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return lock
+        except BlockingIOError as exc:
+            if time.monotonic() > deadline:
+                lock.close()
+                raise RuntimeError(
+                    f"{HOST_NETWORK_LOCK} held for {LOCK_WAIT_S:.0f} s (is `make compose` running?)"
+                ) from exc
+            time.sleep(1.0)
 
 
 def _run(
@@ -155,6 +179,7 @@ class Arena:
         }
         self._built = False
         self._switch: subprocess.Popen | None = None
+        self._lock = None
 
     # ---------------------------------------------------------------- build and tear down
     def __enter__(self) -> Arena:
@@ -162,6 +187,7 @@ class Arena:
         if why:
             raise RuntimeError(why)
         try:
+            self._lock = _hold_host_network()
             self._build()
         except BaseException:
             self.close()
@@ -220,6 +246,9 @@ class Arena:
         """Stop every process, delete every namespace and cgroup; safe to call twice."""
         self.stop_processes()
         if not self._built:
+            if self._lock is not None:
+                self._lock.close()
+                self._lock = None
             return
         if self._switch is not None:
             _stop(self._switch)
@@ -232,6 +261,9 @@ class Arena:
                 peer.cgroup = None
         _run("ip", "netns", "del", self.hub, check=False)
         self._built = False
+        if self._lock is not None:
+            self._lock.close()  # releases the shared hold
+            self._lock = None
 
     # ---------------------------------------------------------------- use
     def popen(

@@ -50,6 +50,14 @@ CREATE TABLE IF NOT EXISTS step_window (
     PRIMARY KEY (stage, microbatch_id)
 )
 """
+# each stage's step and the counts of its open steps (StepCounter.snapshot, JSON): a restarted
+# coordinator goes on counting them instead of from 0
+_STEP_COUNTS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS step_counts (
+    stage          INTEGER PRIMARY KEY,
+    counts         TEXT NOT NULL
+)
+"""
 
 
 class UnknownServer(SwarmError):
@@ -159,6 +167,7 @@ class Registry:
             self._db.execute(_SCHEMA)
             self._db.execute("CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
             self._db.execute(_STEP_WINDOW_SCHEMA)
+            self._db.execute(_STEP_COUNTS_SCHEMA)
         (top,) = self._db.execute("SELECT MAX(stage) FROM servers").fetchone()
         if top is not None and top >= self.num_stages:
             raise ValueError(
@@ -202,9 +211,9 @@ class Registry:
         }
 
     def save_step_window(self, journal: list[tuple]) -> bool:
-        """Apply the changes of the global steps' duplicate window, in order, in one
-        transaction (``StepCounter.journal``'s hold, release and prune entries); False if the
-        file refused them (e.g. a full disk)."""
+        """Apply the changes of the global steps' duplicate window and counts, in order, in one
+        transaction (``StepCounter.journal``'s hold, release, prune and counts entries); False
+        if the file refused them (e.g. a full disk)."""
         try:
             with self._db:
                 for op, stage, *args in journal:
@@ -220,6 +229,11 @@ class Registry:
                         )
                     elif op == "prune":
                         self._db.execute("DELETE FROM step_window WHERE stage = ? AND step < ?", (stage, *args))
+                    elif op == "counts":
+                        self._db.execute(
+                            "INSERT OR REPLACE INTO step_counts (stage, counts) VALUES (?, ?)",
+                            (stage, json.dumps(args[0])),
+                        )
                     else:
                         raise ValueError(f"unknown change of the step window: {op!r}")
         except sqlite3.Error:
@@ -232,6 +246,13 @@ class Registry:
             "SELECT stage, microbatch_id, step, url FROM step_window WHERE stage < ? ORDER BY stage, step",
             (self.num_stages,),
         ).fetchall()
+
+    def step_counts(self) -> list[tuple[int, dict]]:
+        """Each stage's saved step counts: (stage, ``StepCounter.snapshot``) rows."""
+        rows = self._db.execute(
+            "SELECT stage, counts FROM step_counts WHERE stage < ? ORDER BY stage", (self.num_stages,)
+        ).fetchall()
+        return [(stage, json.loads(counts)) for stage, counts in rows]
 
     def _run_value(self, key: str, default=None):
         row = self._db.execute("SELECT value FROM run WHERE key = ?", (key,)).fetchone()

@@ -25,10 +25,11 @@ forward ran on, on every stage.
 
 A reservation is for one microbatch, and lives until its replica reports it or it is given
 up. Only a live reservation's report changes what the step has reserved. A report of a
-reservation given up (its replica was slow, not dead), or made with this coordinator's
-predecessor, comes after the fact: its samples count in their step like a reservation would
-(while the step is below its global batch), else in ``samples_dropped``. So a step counts at
-most the global batch plus one microbatch (the reservation that closes it may overshoot).
+reservation given up (its replica was slow, not dead), or made with a predecessor of this
+coordinator's that could not save it (see below), comes after the fact: its samples count in
+their step like a reservation would (while the step is below its global batch), else in
+``samples_dropped``. So a step counts at most the global batch plus one microbatch (the
+reservation that closes it may overshoot).
 
 Each microbatch counts at most once per stage, whichever replica runs its backward: a trainer
 retries a backward that timed out on another replica, or a chain sends a hop on to an
@@ -40,7 +41,11 @@ accumulates nothing. A reservation given back (0 samples), or given up when its 
 gone, releases its id, so that the microbatch run again counts; one given up while its
 replica is still alive (slow) keeps it: that replica may have accumulated it already. The
 window is kept in the run's state file (the registry's SQLite), so a restarted coordinator
-still refuses the duplicates of its predecessor's reservations.
+still refuses the duplicates of its predecessor's reservations. So are each stage's step and
+the counts of its open steps (reserved, accumulated, the live reservations): a restarted
+coordinator goes on filling a step where its predecessor stopped, not from 0 (which let a
+step hold its global batch twice), and the reports of its predecessor's reservations find
+them live.
 
 A replica at an older step than its stage's is told to take a live replica's state
 (``resync``); a newer one (this coordinator restarted) moves the stage's count forward.
@@ -146,7 +151,9 @@ class StepCounter:
 
     Changes to the duplicate window are appended to ``journal`` (``("hold", stage, id,
     step, url)``, ``("release", stage, id)``, ``("prune", stage, below_step)``, in order) for
-    the caller to persist; :meth:`restore_held` puts a persisted window back."""
+    the caller to persist, and :meth:`take_journal` adds ``("counts", stage, snapshot)`` for
+    each stage whose counts changed since (:meth:`snapshot`); :meth:`restore_held` and
+    :meth:`restore_counts` put them back."""
 
     def __init__(
         self, num_stages: int, *, timeout_s: float, lease_s: float = 0.0, clock: Callable[[], float] = time.monotonic
@@ -156,6 +163,7 @@ class StepCounter:
         self.stages = [StageCount() for _ in range(num_stages)]
         self.timeout_s, self.lease_s, self.clock = timeout_s, lease_s, clock
         self.journal: list[tuple] = []
+        self._saved: list[dict] = [self.snapshot(i) for i in range(num_stages)]  # as last journaled
 
     def _check(self, stage: int, url: str, replica_step: int, global_batch: int) -> StageCount:
         st = self.stages[stage]
@@ -340,9 +348,54 @@ class StepCounter:
             self.stages[stage].held[microbatch_id] = (step, url)
 
     def take_journal(self) -> list[tuple]:
-        """The window's changes since the last call, in order (see the class docstring)."""
+        """The window's changes since the last call, in order, then the counts of every stage
+        whose counts changed (see the class docstring)."""
+        for i in range(len(self.stages)):
+            counts = self.snapshot(i)
+            if counts != self._saved[i]:
+                self.journal.append(("counts", i, counts))
+                self._saved[i] = counts
         journal, self.journal = self.journal, []
         return journal
+
+    def snapshot(self, stage: int) -> dict:
+        """What a restarted coordinator needs to go on counting ``stage`` (JSON): its step, its
+        global batch and, for each open step, the samples reserved, accumulated and reported
+        without a reservation, and the live reservations (microbatch id -> [url, samples])."""
+        st = self.stages[stage]
+        steps = sorted(k for k in {*st.reserved, *st.done, *st.unreserved, *st.claims} if k >= st.step)
+        return {
+            "step": st.step,
+            "global_batch": st.global_batch,
+            "open": {
+                str(k): {
+                    "reserved": st.reserved.get(k, 0),
+                    "done": st.done.get(k, 0),
+                    "unreserved": st.unreserved.get(k, 0),
+                    "claims": {mb: [c.url, c.samples] for mb, c in st.claims.get(k, {}).items()},
+                }
+                for k in steps
+            },
+        }
+
+    def restore_counts(self, stage: int, counts: dict) -> None:
+        """Put back a :meth:`snapshot` of a predecessor's (a closed step's timeout starts now)."""
+        if not 0 <= stage < len(self.stages):
+            return
+        st = self.stages[stage]
+        st.step, st.global_batch = int(counts["step"]), int(counts["global_batch"])
+        for key, c in counts["open"].items():
+            k = int(key)
+            if k < st.step:
+                continue
+            st.reserved[k], st.done[k] = int(c["reserved"]), int(c["done"])
+            if c["unreserved"]:
+                st.unreserved[k] = int(c["unreserved"])
+            if c["claims"]:
+                st.claims[k] = {mb: Claim(str(url), int(n)) for mb, (url, n) in c["claims"].items()}
+            if st.global_batch and st.reserved[k] >= st.global_batch:
+                st.closed_at[k] = self.clock()
+        self._saved[stage] = self.snapshot(stage)
 
     def _hold(self, stage: int, microbatch_id: str, step: int, url: str) -> None:
         if self.stages[stage].held.get(microbatch_id) != (step, url):
@@ -408,11 +461,13 @@ class StepCounter:
 
 
 class WindowStore(Protocol):
-    """Where the duplicate window persists (the registry's SQLite file)."""
+    """Where the duplicate window and the step counts persist (the registry's SQLite file)."""
 
     def save_step_window(self, journal: list[tuple]) -> bool: ...
 
     def step_window(self) -> list[tuple[int, str, int, str]]: ...
+
+    def step_counts(self) -> list[tuple[int, dict]]: ...
 
 
 class StepScheduler:
@@ -433,8 +488,8 @@ class StepScheduler:
         error_feedback: bool = False,
     ):
         """``reported_step(server)``: the step a live server said in its registration or last
-        heartbeat. ``store``: where the duplicate window persists; the window it holds is
-        put back now (None: kept in memory only)."""
+        heartbeat. ``store``: where the duplicate window and the step counts persist; what it
+        holds is put back now (None: kept in memory only)."""
         self.live_servers, self.codec, self.timeout_s, self.aggregator, self.log = (
             live_servers,
             codec,
@@ -448,6 +503,11 @@ class StepScheduler:
         self.store = store
         for row in store.step_window() if store is not None else ():
             self.counter.restore_held(*row)
+        for stage, counts in store.step_counts() if store is not None else ():
+            try:
+                self.counter.restore_counts(stage, counts)
+            except (KeyError, TypeError, ValueError) as exc:  # a file of another version: count from 0
+                self.log.warning("step.counts.unreadable", stage=stage, error=repr(exc))
         self.session: aiohttp.ClientSession | None = None
         self._changed = (
             asyncio.Condition()
@@ -465,7 +525,7 @@ class StepScheduler:
         return sorted(s.url for s in self.live_servers() if s.stage == stage)
 
     def _persist(self) -> None:
-        """Write the duplicate window's changes to the store (a failed write is logged: the
+        """Write the duplicate window's and the counts' changes to the store (a failed write is logged: the
         window then holds in memory only until the next one that succeeds)."""
         journal = self.counter.take_journal()
         if journal and self.store is not None and not self.store.save_step_window(journal):

@@ -234,6 +234,9 @@ class StageRuntime:
         self._kept: dict[int, list[torch.Tensor]] = {}  # older versions still needed: version -> its parameters
         self._spare: list[torch.Tensor] | None = None  # the tensors of a version let go, for the next one
         self._version_steps: dict[int, int] = {0: 0}  # version -> the stage's step when it was made
+        # step numbers these weights took without their updates (catch_up; carried in the state):
+        # a backward of a forward that ran elsewhere at one of them ran on other weights
+        self.caught_up: set[int] = set()
         self._forwards: OrderedDict[str, _Forward] = OrderedDict()  # forwards whose backward may come
         self._taken: dict[int, frozenset[str]] = {}  # step -> microbatch ids of its bucket, taken by a step round
         self.stats = StageStats()
@@ -421,6 +424,12 @@ class StageRuntime:
         ran = self._forwards.get(microbatch_id)
         if ran is not None and ran.step == forward_step:
             return ran.version
+        if forward_step in self.caught_up:
+            self.stats.stale_backwards += 1
+            raise StaleForward(
+                f"the forward of {microbatch_id!r} ran elsewhere at step {forward_step}, a step this stage's weights "
+                "took without its update (caught up: the replicas that held it are gone): run the microbatch again"
+            )
         if self.outer is None:
             kept = [v for v in (*self._kept, self.version) if self._version_steps.get(v) == forward_step]
             if kept:
@@ -701,6 +710,9 @@ class StageRuntime:
         updates in between are gone (the coordinator says so). What was accumulated is dropped."""
         if step > self.step:
             self.reset_accumulation()
+            # older labels need no record: a backward that far from the step is refused as stale anyway
+            floor = step - self.max_staleness
+            self.caught_up = {s for s in self.caught_up if s >= floor} | set(range(max(self.step + 1, floor), step + 1))
             self.stats.optimizer_steps = step
             self._forget_unused_versions()
 

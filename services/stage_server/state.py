@@ -11,7 +11,8 @@ the weights the replicas last agreed on and the outer momentum; a state without 
 starts a local-mode replica's anchor at its weights). Metadata::
 
     {stage, num_stages, layers: [start, stop], model_config, weights_version,
-     optimizer_steps, samples, adam_step: {param name: AdamW step count}}
+     optimizer_steps, samples, adam_step: {param name: AdamW step count},
+     caught_up: [step numbers these weights took without their updates (catch_up)]}
 
 With LoRA (``shared.lora``) the parameters are the stage's adapters alone (``...lora_A``,
 ``...lora_B``) and their AdamW moments; the frozen base comes from the model directory. The
@@ -61,6 +62,7 @@ def stage_state(runtime: StageRuntime) -> tuple[dict[str, torch.Tensor], dict]:
         "optimizer_steps": runtime.stats.optimizer_steps,
         "samples": runtime.stats.samples,
         "adam_step": adam_step,
+        "caught_up": sorted(runtime.caught_up),  # step numbers these weights took without their updates
     }
     if runtime.lora is not None:
         metadata["lora"] = runtime.lora.to_dict()
@@ -95,6 +97,7 @@ def load_stage_state(runtime: StageRuntime, tensors: dict[str, torch.Tensor], me
                     },
                 }
         runtime.stats.optimizer_steps = metadata["optimizer_steps"]
+        runtime.caught_up = set(metadata.get("caught_up", []))  # the loaded weights' history, not ours
     if runtime.outer is not None:
         if OUTER_ANCHOR in tensors:
             runtime.outer.reset(tensors[OUTER_ANCHOR], tensors[OUTER_MOMENTUM])
@@ -119,6 +122,11 @@ def _validate(runtime: StageRuntime, tensors: dict[str, torch.Tensor], metadata:
     ):
         _check(type(metadata.get(key)) is kind, f"state metadata needs {key!r} of type {kind.__name__}")
     _check(metadata["optimizer_steps"] >= 0, "'optimizer_steps' must be >= 0")
+    caught_up = metadata.get("caught_up", [])  # absent from states written before it was kept
+    _check(
+        type(caught_up) is list and all(type(s) is int and s >= 0 for s in caught_up),
+        "'caught_up' must be a list of step numbers",
+    )
     try:
         theirs_cfg = config_from_dict(metadata["model_config"])
     except ValueError as exc:

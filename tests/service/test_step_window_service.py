@@ -1,7 +1,8 @@
 """The global steps' protocol through the coordinator's real app (``aiohttp_client``): one
 microbatch reserved at a stage by two replicas is refused the second time (``verdict:
 duplicate``, counted in ``GET /swarm``), also by a restarted coordinator on the same state
-file; malformed reservations are refused with 400."""
+file, which also goes on counting the open steps where its predecessor stopped; malformed
+reservations are refused with 400."""
 
 from __future__ import annotations
 
@@ -50,10 +51,20 @@ async def test_a_microbatch_counts_once_per_stage_across_replicas_and_restarts(a
     await client.close()
 
     restarted = await aiohttp_client(create_app(settings(state_db)))
+    swarm = await (await restarted.get("/swarm")).json()
+    # the open steps' counts come back with the window: stage 1 holds 4 of its 8 samples,
+    # stage 0 a reservation of 4 that its replica has not reported yet
+    assert [(s["step"]["reserved"], s["step"]["accumulated"]) for s in swarm["stages"]] == [(4, 0), (4, 4)]
     again = await (await restarted.post("/step/reserve", json=reservation(B, "run:c:1"))).json()
     assert again["verdict"] == "duplicate"
     fresh = await (await restarted.post("/step/reserve", json=reservation(B, "run:c:2"))).json()
-    assert fresh["verdict"] == "reserved"
+    assert fresh == {"verdict": "closes", "bucket": 0, "step": 0, "replicas": 0}  # 4 + 4: step 0 is full
+    beyond = await (await restarted.post("/step/reserve", json=reservation(B, "run:c:3"))).json()
+    assert beyond["verdict"] == "reserved" and beyond["bucket"] == 1
+    late = {**reservation(B, "run:c:1", stage=0), "bucket": 0, "reserved": 4, "samples": 4}
+    assert (await restarted.post("/step/done", json=late)).status == 200  # the predecessor's reservation
+    swarm = await (await restarted.get("/swarm")).json()
+    assert (swarm["stages"][0]["step"]["reserved"], swarm["stages"][0]["step"]["accumulated"]) == (4, 4)
 
 
 async def test_malformed_step_messages_are_refused(aiohttp_client):

@@ -115,6 +115,7 @@ def test_state_is_a_cpu_snapshot_with_metadata():
         "optimizer_steps": 1,
         "samples": 4,
         "adam_step": {name: 1 for name, _ in rt.model.named_parameters()},
+        "caught_up": [],
     }
     names = [name for name, _ in rt.model.named_parameters()]
     assert set(tensors) == set(names) | {f"{OPTIM_PREFIX}{n}/{m}" for n in names for m in ("exp_avg", "exp_avg_sq")}

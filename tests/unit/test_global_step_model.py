@@ -22,7 +22,8 @@ backward finishing late; time passing past the reservations' timeout; a replica 
 held work lost) and restarted fresh at step 0 (joining from a live replica, or not and told
 to resync); a step round (one member losing a part, its contribution in the others' mean or
 not; or the compute worker overloaded: the apply fails before stepping); the coordinator
-restarted (a new counter and admission, the duplicate window restored from its journal).
+restarted (a new counter and admission, the duplicate window and the open steps' counts
+restored from its journal).
 
 Invariants, after every rule (the accounting is each runtime's own, the ground truth):
 1. an applied step holds at most the global batch plus one microbatch of samples,
@@ -39,22 +40,24 @@ Invariants, after every rule (the accounting is each runtime's own, the ground t
 6. every backward runs on its forward's weights: its input gradient equals, bit for bit, the
    one recomputed on a reference model holding the weights its forward ran on.
 
-What the model found is at the end of the file, each as an xfail test (strict): a restarted
-coordinator counts a step that was open from 0 again, so invariant 1 allows ``G + MAX_MB - 1``
-samples once more per restart during which the step was open; a caught-up replica recomputes
-forwards of the lost steps on its older weights (those backwards are set apart in
-``after_catch_up``, and only those); a reservation given up with nothing reported releases its
-microbatch while a slow replica holds it accumulated (not set apart: the machine fails on it
-until it is fixed). Invariant 6 is checked on the gradients themselves, which
-``other_weights_backwards`` cannot see (a caught-up version looks right to it).
+What the model found is at the end of the file, each as a regression test that failed on the
+code before its fix: a restarted coordinator counted a step that was open from 0 again (its
+step holding up to twice the global batch; now the open steps' counts are journaled with the
+duplicate window); a caught-up replica recomputed a forward of a lost step that ran on
+another replica on its older weights (``after_catch_up``, now asserted empty: the state
+carries the step numbers its weights took without their updates and such a backward is
+refused as stale); a reservation given up with nothing reported released its microbatch
+while a slow replica held it accumulated. Invariant 6 is checked on the gradients
+themselves, which ``other_weights_backwards`` cannot see (a caught-up version looks right
+to it).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field, replace
 
-import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -166,6 +169,7 @@ class GlobalSteps(RuleBasedStateMachine):
         RULES["examples"] += 1
         self.now = 0.0
         self.rows: dict[tuple[int, str], tuple[int, str]] = {}  # the persisted duplicate window
+        self.count_rows: dict[int, dict] = {}  # the persisted step counts, by stage
         self.counter = self._new_counter()
         self.admission = self._new_admission()
         self.replicas = {url: Replica(url, fresh_runtime()) for url in URLS[:replicas]}
@@ -177,9 +181,8 @@ class GlobalSteps(RuleBasedStateMachine):
         self.rerun: list[Flight] = []  # refused as stale: the trainer runs them again (same id)
         self.held: list[Held] = []
         self.applied: list[Applied] = []
-        self.recounted: dict[int, int] = {}  # step -> coordinator restarts while it was open
         self.other_weights: list[tuple] = []  # backwards whose gradient is not that of their forward's weights
-        self.after_catch_up: list[tuple] = []  # those of them on a caught-up step: a known hole, see its test
+        self.after_catch_up: list[tuple] = []  # those of them on a caught-up step (a hole the model found, fixed)
         self.next_id = 0
         self.asked_restart = self.asked_kill = 0
         self.rounds = 0
@@ -189,6 +192,8 @@ class GlobalSteps(RuleBasedStateMachine):
         counter = StepCounter(1, timeout_s=TIMEOUT_S, lease_s=LEASE_S, clock=lambda: self.now)
         for (stage, mb), (step, url) in self.rows.items():
             counter.restore_held(stage, mb, step, url)
+        for stage, counts in self.count_rows.items():
+            counter.restore_counts(stage, json.loads(json.dumps(counts)))  # as the registry's JSON column
         return counter
 
     def _new_admission(self) -> Admission:
@@ -202,6 +207,8 @@ class GlobalSteps(RuleBasedStateMachine):
                 self.rows[(stage, mb)] = (step, url)
             elif op == "release":
                 self.rows.pop((stage, args[0]), None)
+            elif op == "counts":
+                self.count_rows[stage] = args[0]
             else:
                 assert op == "prune", op
                 self.rows = {key: v for key, v in self.rows.items() if not (key[0] == stage and v[0] < args[0])}
@@ -493,9 +500,6 @@ class GlobalSteps(RuleBasedStateMachine):
         self.restart_coordinator()
 
     def restart_coordinator(self) -> None:
-        for r in self._alive():  # the open steps' counts are not journaled: they start again from 0
-            for k in (r.rt.step, r.rt.step + 1):
-                self.recounted[k] = self.recounted.get(k, 0) + 1
         self.counter = self._new_counter()
         self.admission = self._new_admission()
         for r in self._alive():
@@ -512,9 +516,8 @@ class GlobalSteps(RuleBasedStateMachine):
 
     @invariant()
     def a_step_holds_at_most_its_global_batch_and_one_microbatch(self):
-        for a in getattr(self, "applied", []):
-            counts = 1 + self.recounted.get(a.step, 0)  # see test_a_coordinator_restart_counts_an_open_step_again
-            assert 0 < a.samples <= counts * (G + MAX_MB - 1), f"step {a.step} applied {a.samples} samples: {a}"
+        for a in getattr(self, "applied", []):  # also across coordinator restarts (the counts are journaled)
+            assert 0 < a.samples <= G + MAX_MB - 1, f"step {a.step} applied {a.samples} samples: {a}"
 
     @invariant()
     def a_microbatch_is_applied_once(self):
@@ -546,7 +549,8 @@ class GlobalSteps(RuleBasedStateMachine):
         assert not getattr(self, "other_weights", []), (
             f"(replica, microbatch, forward step, step): {self.other_weights}"
         )
-        # test_a_caught_up_replica_recomputes_a_forward_of_the_lost_step_on_its_older_weights: self.after_catch_up
+        # test_a_caught_up_replica_refuses_a_forward_of_the_lost_step_that_ran_elsewhere
+        assert not getattr(self, "after_catch_up", []), f"on a caught-up step: {self.after_catch_up}"
 
 
 class TestGlobalSteps(GlobalSteps.TestCase):
@@ -565,10 +569,9 @@ class TestGlobalSteps(GlobalSteps.TestCase):
         )
 
 
-# ---------------------------------------------------------------- what the model found (holes, not fixed yet)
-# Each is a rule of the model above that the code breaks; the machine keeps the documented
-# bound for the first and sets the third's backwards apart (``after_catch_up``) so that it
-# checks everything else. Remove the xfail once the code is fixed.
+# ---------------------------------------------------------------- what the model found (each fixed)
+# Each is a rule sequence of the model above that the code broke; each fails on the code
+# before its fix (run with the fix reverted).
 
 
 def machine(replicas: int = 2) -> GlobalSteps:
@@ -577,12 +580,12 @@ def machine(replicas: int = 2) -> GlobalSteps:
     return state
 
 
-@pytest.mark.xfail(strict=True, reason="a restarted coordinator counts the open steps from 0: their buckets overfill")
-def test_a_coordinator_restart_counts_an_open_step_again():
+def test_a_coordinator_restart_goes_on_counting_an_open_step():
     """Found by the model: r0 reserves and accumulates 3 samples of step 0 and reports them;
-    the coordinator restarts (the journal restores the duplicate window only, not the open
-    steps' reserved/done counts), hands step 0 out again until its reservations reach the
-    global batch (7 more), and the round applies 3 + 7 = 10 > 6 + 3 samples in step 0."""
+    the coordinator restarts. Before the fix the journal restored the duplicate window only,
+    not the open steps' reserved/done counts: the new coordinator handed step 0 out again
+    until its reservations reached the global batch (7 more), and the round applied 3 + 7 =
+    10 > 6 + 3 samples in step 0. Now the counts are journaled too."""
     s = machine()
     s.forward(pick=0, rerun=False, samples=3)
     s.retry(other=0, pick=0)  # reserved, accumulated and reported: 3 of step 0
@@ -596,13 +599,14 @@ def test_a_coordinator_restart_counts_an_open_step_again():
     assert s.applied and s.applied[-1].samples <= G + MAX_MB, s.applied
 
 
-@pytest.mark.xfail(strict=True, reason="catch_up labels older weights with the lost steps' numbers")
-def test_a_caught_up_replica_recomputes_a_forward_of_the_lost_step_on_its_older_weights():
+def test_a_caught_up_replica_refuses_a_forward_of_the_lost_step_that_ran_elsewhere():
     """Found by the model: r1 misses step 0's round (a lost part) while r0 steps; r0 runs the
     forwards of two microbatches at step 1 and dies; r1, told ``catch_up`` (nobody holds step
     1), takes step 1's number with its step-0 weights; r0 restarts and joins from r1 (its
-    state says step 1), and the backward of the second microbatch is recomputed there on the
-    step-0 weights as if they were step 1's, instead of being refused as stale."""
+    state says step 1). The backward of the second microbatch was recomputed there on the
+    step-0 weights as if they were step 1's (before the fix); now the state carries the
+    step numbers its weights took without their updates (``caught_up``), and a backward of a
+    forward that ran elsewhere at one of them is refused as stale (the trainer runs it again)."""
     s = machine()
     r0, r1 = s.replicas[URLS[0]], s.replicas[URLS[1]]
     for i in range(3):
@@ -613,6 +617,7 @@ def test_a_caught_up_replica_recomputes_a_forward_of_the_lost_step_on_its_older_
     s.forward(pick=0, rerun=False, samples=1)  # mb3 and mb4 on r0, at step 1
     s.forward(pick=0, rerun=False, samples=1)
     s.kill_replica(r0)
+    s.time_passes(dt=LEASE_S + 1)  # r0's last report is older than the lease: nobody holds step 1
     s.backward(pick=0, elsewhere=0, hold="none")  # mb3 to r1: catch_up, then refused as stale
     assert r1.caught_up == {1} and r1.rt.step == 1
     s.restart(pick=0, join=True)  # r0 again, from r1's state

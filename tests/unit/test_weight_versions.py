@@ -211,3 +211,34 @@ def test_steady_training_alternates_between_two_sets_of_tensors_and_stays_exact(
     assert rt.stats.versions_made == 4 and len(ids) == 2
     assert torch.equal(flat_parameters(rt.params), flat_parameters(in_place.params))
     assert rt.digest() == in_place.digest()
+
+
+def test_a_caught_up_step_refuses_a_backward_whose_forward_ran_elsewhere_and_the_state_carries_it():
+    """``catch_up`` labels the weights with steps they never took: a backward of a forward
+    that another replica ran at such a step (on the real weights of that step) must not be
+    recomputed here, nor on a replica that took this state; a forward run here at that step
+    still runs its backward on its own weights."""
+    rt = runtime(max_staleness=1)
+    rt.catch_up(3)
+    assert rt.step == 3 and rt.caught_up == {2, 3}  # older labels: refused by the staleness bound anyway
+    x, g = hidden(1), hidden(2)
+    with pytest.raises(StaleForward, match="caught up"):
+        rt.backward("elsewhere", 7, x, None, g, forward_step=3, bucket=3)
+    rt.forward("here", 7, x, None)
+    result = rt.backward("here", 7, x, None, g, forward_step=3, bucket=3)
+    assert torch.equal(result.grad_inputs, reference_gradients(x, g)[0])  # the initial weights: never stepped
+
+    tensors, metadata = stage_state(rt)
+    assert metadata["caught_up"] == [2, 3]
+    joiner = runtime(max_staleness=1)
+    load_stage_state(joiner, tensors, metadata)
+    assert joiner.step == 3 and joiner.caught_up == {2, 3}
+    with pytest.raises(StaleForward, match="caught up"):
+        joiner.backward("elsewhere", 7, x, None, g, forward_step=3, bucket=3)
+    step(joiner)  # a real step after the catch-up: its weights are every replica's step 4
+    joiner.backward("next", 7, x, None, g, forward_step=4, bucket=4)  # not refused
+
+    load_stage_state(joiner, *stage_state(runtime()))  # a state without catch-ups replaces the history
+    assert joiner.caught_up == set()
+    with pytest.raises(Exception, match="caught_up"):
+        load_stage_state(joiner, tensors, {**metadata, "caught_up": "2,3"})

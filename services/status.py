@@ -19,8 +19,9 @@ from shared.policy.throughput import weakest
 
 def render(view: dict) -> str:
     """A readable table of GET /swarm: stages with their global step (and the samples
-    accumulated of the next global batch), the samples dropped and the duplicate backwards
-    refused at each (a microbatch counts once per stage), their replicas, throughput and
+    accumulated of the next global batch), the samples dropped, the duplicate backwards
+    refused at each (a microbatch counts once per stage) and the steps whose updates it lost
+    (every replica holding them died), their replicas, throughput and
     lease age; then, once servers report it, each stage's model FLOPs utilisation."""
     stages = view["stages"]
     weakest_index = weakest([s["capacity"] for s in stages], [len(s["replicas"]) for s in stages])
@@ -30,7 +31,7 @@ def render(view: dict) -> str:
         f"heartbeat {view['heartbeat_s']:g} s, lease {view['lease_s']:g} s",
         "",
         f"{'stage':>5}  {'replicas':>8}  {'capacity':>12}  {'global step':>11}  {'next batch':>12}  {'dropped':>7}"
-        f"  {'duplicates':>10}",
+        f"  {'duplicates':>10}  {'steps lost':>10}",
     ]
     for s in stages:
         mark = "  <- weakest" if s["stage"] == weakest_stage and len(stages) > 1 else ""
@@ -38,7 +39,8 @@ def render(view: dict) -> str:
         batch = f"{step.get('accumulated', 0)}/{step.get('global_batch', 0)}" if step.get("global_batch") else "-"
         lines.append(
             f"{s['stage']:>5}  {len(s['replicas']):>8}  {s['capacity']:>10.1f}/s  {step.get('step', '-'):>11}  "
-            f"{batch:>12}  {step.get('samples_dropped', 0):>7}  {step.get('duplicates_refused', 0):>10}{mark}"
+            f"{batch:>12}  {step.get('samples_dropped', 0):>7}  {step.get('duplicates_refused', 0):>10}"
+            f"  {step.get('steps_lost_total', 0):>10}{mark}"
         )
         for r in s["replicas"]:
             lines.append(

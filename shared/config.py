@@ -519,6 +519,23 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
         gt=0,
         description="timeout of the state download when joining a stage",
     )
+    recovery: Literal["checkpoint", "checkfree", "fresh"] = Field(
+        "checkpoint",
+        description=(
+            "how a server builds its stage when no live replica of it has state to give (every one died): "
+            "'checkpoint', the stage's latest checkpoint in SWARM_CHECKPOINT_DIR (else fresh); 'checkfree', the "
+            "average of the neighbouring stages' weights, weighted by their last gradient norms (CheckFree; else "
+            "checkpoint); 'fresh', the initial weights. It then takes the stage's step number (catch-up)"
+        ),
+    )
+    recovery_warmup_steps: int = Field(
+        10,
+        ge=0,
+        description=(
+            "global steps over which the learning rate rises again after a recovery that starts with fresh AdamW "
+            "moments ('checkfree', 'fresh', or a checkpoint without them); 0: full rate at once"
+        ),
+    )
     region: str = Field(
         "",
         max_length=64,

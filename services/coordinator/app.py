@@ -106,7 +106,14 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     add_dashboard_routes(app, log.events)
     add_completion_routes(app)
     add_metrics_route(app, metrics)
-    CoordinatorMetrics(metrics, app[REGISTRY], app[EVENTS], app[PROGRESS], app[TRAFFIC])
+    CoordinatorMetrics(
+        metrics,
+        app[REGISTRY],
+        app[EVENTS],
+        app[PROGRESS],
+        app[TRAFFIC],
+        step_view=lambda: app[STEPS].counter.view() if STEPS in app else [],
+    )
 
     async def lifecycle(app: web.Application):
         reg = app[REGISTRY]

@@ -5,7 +5,7 @@ the bytes its own loops moved."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from services.coordinator.dashboard import RecentEvents, TrainingProgress
 from services.coordinator.registry import Registry
@@ -14,9 +14,17 @@ from shared.metrics import Metrics, counter, gauge
 
 class CoordinatorMetrics:
     def __init__(
-        self, metrics: Metrics, registry: Registry, events: RecentEvents, progress: TrainingProgress, traffic: dict
+        self,
+        metrics: Metrics,
+        registry: Registry,
+        events: RecentEvents,
+        progress: TrainingProgress,
+        traffic: dict,
+        step_view: Callable[[], list[dict]] = list,
     ):
+        """``step_view``: the global steps' per-stage view (``StepCounter.view``)."""
         self.registry, self.events, self.progress, self.traffic = registry, events, progress, traffic
+        self.step_view = step_view
         metrics.add_state(self.collect)
 
     def collect(self) -> Iterable:
@@ -79,3 +87,28 @@ class CoordinatorMetrics:
             loops,
             ["loop", "direction"],
         )
+        steps = self.step_view()
+        if steps:
+            by_stage = lambda key: {(str(v["stage"]),): v[key] for v in steps}  # noqa: E731
+            yield gauge(
+                "swarm_coordinator_global_step", "global steps each stage has taken", by_stage("step"), ["stage"]
+            )
+            yield counter(
+                "swarm_coordinator_steps_lost",
+                "global steps whose updates a stage lost: every replica holding them died and a server caught up "
+                "(SWARM_RECOVERY says from what)",
+                by_stage("steps_lost_total"),
+                ["stage"],
+            )
+            yield counter(
+                "swarm_coordinator_samples_dropped",
+                "accumulated samples that did not count in their global step, per stage",
+                by_stage("samples_dropped"),
+                ["stage"],
+            )
+            yield counter(
+                "swarm_coordinator_duplicates_refused",
+                "backwards of a microbatch the stage held already, refused (counted once), per stage",
+                by_stage("duplicates_refused"),
+                ["stage"],
+            )

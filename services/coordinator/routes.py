@@ -17,7 +17,8 @@ unknown fields are ignored, so old and new servers interoperate::
     POST /deregister {server_id} -> {removed}
     GET  /swarm      -> {run_id, num_stages, heartbeat_s, lease_s, stages: [{stage, capacity, replicas,
                          step: {step, reserved, accumulated, global_batch, round, samples_dropped,
-                                duplicates_refused, last_effective_batch, steps_lost},
+                                duplicates_refused, last_effective_batch, steps_lost,
+                                steps_lost_total},
                          utilisation: {mfu_busy, mfu_wall, flops_per_s_wall, peak_flops, ...} | null}]}
                      (each replica with its own ``utilisation`` report, see utilisation.py)
     POST /step/reserve {run_id, stage, url, step, samples, global_batch, microbatch_id, until_step?}

@@ -114,6 +114,7 @@ class StageCount:
     global_batch: int = 0  # from the first report (0: none yet)
     reserved: dict[int, int] = field(default_factory=dict)  # step -> samples reserved (accumulated ones included)
     done: dict[int, int] = field(default_factory=dict)  # step -> samples accumulated
+    done_by: dict[int, dict[str, int]] = field(default_factory=dict)  # step -> replica URL -> of those, its own
     unreserved: dict[int, int] = field(default_factory=dict)  # step -> of those, reported without a reservation
     closed_at: dict[int, float] = field(default_factory=dict)  # step -> when its reservations reached the global batch
     round_id: str | None = None  # the step round running, if any
@@ -237,7 +238,7 @@ class StepCounter:
             counted = min(report.samples, max(0, st.global_batch - st.unreserved.get(k, 0)))
             st.unreserved[k] = st.unreserved.get(k, 0) + counted
             st.samples_dropped += report.samples - counted
-            self._count(st, k, counted)
+            self._count(st, k, counted, report.url)
             return
         claim = st.claims.get(k, {}).get(report.microbatch_id)
         if claim is None or claim.url != report.url:
@@ -246,7 +247,7 @@ class StepCounter:
         del st.claims[k][report.microbatch_id]
         samples = min(report.samples, claim.samples)
         st.reserved[k] -= claim.samples - samples  # given back
-        st.done[k] = st.done.get(k, 0) + samples
+        self._accumulated(st, k, samples, report.url)
         if samples == 0:
             self._release(report.stage, report.microbatch_id)
         if st.reserved[k] < st.global_batch:  # open again: the next reservation completes it
@@ -267,16 +268,23 @@ class StepCounter:
             self._hold(report.stage, mb, k, report.url)
         room = st.reserved.get(k, 0) < st.global_batch and not (k == st.step and st.round_id is not None)
         if ours and room:
-            self._count(st, k, report.samples)
+            self._count(st, k, report.samples, report.url)
         else:
             st.samples_dropped += report.samples
 
-    def _count(self, st: StageCount, k: int, samples: int) -> None:
-        """``samples`` accumulated in step ``k`` without a live reservation."""
+    def _count(self, st: StageCount, k: int, samples: int, url: str) -> None:
+        """``samples`` accumulated in step ``k`` by ``url`` without a live reservation."""
         st.reserved[k] = st.reserved.get(k, 0) + samples
-        st.done[k] = st.done.get(k, 0) + samples
+        self._accumulated(st, k, samples, url)
         if st.reserved[k] >= st.global_batch and not st.closed(k):
             st.closed_at[k] = self.clock()
+
+    @staticmethod
+    def _accumulated(st: StageCount, k: int, samples: int, url: str) -> None:
+        st.done[k] = st.done.get(k, 0) + samples
+        if samples:
+            by = st.done_by.setdefault(k, {})
+            by[url] = by.get(url, 0) + samples
 
     def ready(self, stage: int, live: Iterable[str] | None = None) -> bool:
         """Start the stage's step round now? Its step is closed and everything reserved for
@@ -329,6 +337,14 @@ class StepCounter:
             st.replica_steps[url] = max(step, st.replica_steps.get(url, 0))
         before = st.step
         reached = max(member_steps.values(), default=before)
+        accumulated_by = st.done_by.get(before, {})
+        if reached <= before and accumulated_by and not set(accumulated_by) & set(member_steps):
+            # nobody stepped, and every sample counted in the step was accumulated by replicas
+            # that are no longer members (they died with it: a stage that lost all its replicas):
+            # the step would never complete; it is filled again, those samples dropped
+            dropped = st.done.get(before, 0)
+            self._reopen(stage, before, gone=set(accumulated_by))
+            return 0, dropped
         if reached <= before:  # nobody stepped: they gave their gradients back; try again a little later
             st.not_before = self.clock() + RETRY_FAILED_ROUND_S
             return 0, 0
@@ -341,6 +357,22 @@ class StepCounter:
         st.last_effective_batch = effective
         self._advance(stage, reached)
         return effective, dropped
+
+    def _reopen(self, stage: int, k: int, gone: set[str]) -> None:
+        """Step ``k`` starts filling again from nothing: what was counted in it went with the
+        replicas ``gone`` (dropped; their microbatches' ids released, so runs of them count)."""
+        st = self.stages[stage]
+        st.samples_dropped += st.done.get(k, 0)
+        for mb, (held_step, url) in list(st.held.items()):
+            if held_step == k and url in gone:
+                self._release(stage, mb)
+        st.reserved[k] = sum(c.samples for c in st.claims.get(k, {}).values())  # live reservations stay
+        st.done.pop(k, None)
+        st.done_by.pop(k, None)
+        st.unreserved.pop(k, None)
+        st.closed_at.pop(k, None)
+        if st.reserved[k] >= st.global_batch > 0:
+            st.closed_at[k] = self.clock()
 
     def restore_held(self, stage: int, microbatch_id: str, step: int, url: str) -> None:
         """Put back an id of a persisted duplicate window (a restarted coordinator's)."""
@@ -363,7 +395,7 @@ class StepCounter:
         global batch and, for each open step, the samples reserved, accumulated and reported
         without a reservation, and the live reservations (microbatch id -> [url, samples])."""
         st = self.stages[stage]
-        steps = sorted(k for k in {*st.reserved, *st.done, *st.unreserved, *st.claims} if k >= st.step)
+        steps = sorted(k for k in {*st.reserved, *st.done, *st.done_by, *st.unreserved, *st.claims} if k >= st.step)
         return {
             "step": st.step,
             "global_batch": st.global_batch,
@@ -373,6 +405,7 @@ class StepCounter:
                     "done": st.done.get(k, 0),
                     "unreserved": st.unreserved.get(k, 0),
                     "claims": {mb: [c.url, c.samples] for mb, c in st.claims.get(k, {}).items()},
+                    "done_by": dict(st.done_by.get(k, {})),
                 }
                 for k in steps
             },
@@ -393,6 +426,8 @@ class StepCounter:
                 st.unreserved[k] = int(c["unreserved"])
             if c["claims"]:
                 st.claims[k] = {mb: Claim(str(url), int(n)) for mb, (url, n) in c["claims"].items()}
+            if c.get("done_by"):
+                st.done_by[k] = {str(url): int(n) for url, n in c["done_by"].items()}
             if st.global_batch and st.reserved[k] >= st.global_batch:
                 st.closed_at[k] = self.clock()
         self._saved[stage] = self.snapshot(stage)
@@ -430,7 +465,7 @@ class StepCounter:
         alive = {url for url, at in st.last_seen.items() if now - at < self.lease_s}
         for k in [k for k in st.claims if k < step]:
             self._give_up(stage, st.claims.pop(k), alive)
-        for table in (st.reserved, st.done, st.unreserved, st.closed_at):
+        for table in (st.reserved, st.done, st.done_by, st.unreserved, st.closed_at):
             for k in [k for k in table if k < step]:
                 table.pop(k)
         below = step - WINDOW_STEPS
@@ -455,6 +490,7 @@ class StepCounter:
                 "duplicates_refused": st.duplicates_refused,
                 "last_effective_batch": st.last_effective_batch,
                 "steps_lost": st.steps_lost[-4:],
+                "steps_lost_total": sum(to - since for since, to in st.steps_lost),
             }
             for i, st in enumerate(self.stages)
         ]

@@ -14,10 +14,11 @@ from services.stage_server.membership import Membership
 from services.stage_server.memory import check_stage_memory
 from services.stage_server.metrics import STAGE_METRICS, StageMetrics
 from services.stage_server.move import MoveOrder
+from services.stage_server.recovery import Neighbour, checkfree_weights, neighbour_stages
 from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, STEPPER, WORKER, add_routes
 from services.stage_server.runtime import OptimizerConfig, StageRuntime
 from services.stage_server.sessions import add_session_routes
-from services.stage_server.state import load_stage_state
+from services.stage_server.state import load_stage_state, stage_state
 from services.stage_server.state_routes import add_state_routes, download_state
 from services.stage_server.stepping import StepClient
 from services.stage_server.utilisation import StageUtilisation
@@ -71,6 +72,7 @@ def build_runtime(settings: StageServerSettings) -> StageRuntime:
             total_steps=settings.total_steps,
             min_lr_ratio=settings.min_lr_ratio,
             max_grad_norm=settings.max_grad_norm,
+            recovery_warmup_steps=settings.recovery_warmup_steps,
         ),
         device=settings.device,
         cache_size=settings.backward_cache,
@@ -262,27 +264,79 @@ def _stepper(app: web.Application, settings: StageServerSettings, session, log) 
 
 def _join(settings: StageServerSettings, log):
     """Before serving (and registering): take the stage's current state from a live replica
-    (weights and optimizer state), else from the latest checkpoint, else start fresh."""
+    (weights and optimizer state); else, every replica of the stage being gone, recover it
+    as ``SWARM_RECOVERY`` says (see :func:`_recover`)."""
 
     async def ctx(app: web.Application):
         runtime = app[RUNTIME]
         state = await _state_from_peers(settings, log) if settings.coordinator else None
         source = "peer" if state else None
-        if (
-            state is None
-            and settings.checkpoint_dir
-            and (ckpt := checkpoint.latest_checkpoint(settings.checkpoint_dir))
-        ):
-            state = await asyncio.to_thread(
-                checkpoint.state_from_bytes, checkpoint.read_stage_file(ckpt, settings.stage)
-            )
-            source = str(ckpt)
+        if state is None:
+            state, source = await _recover(settings, app, log)
         if state is not None:
             await app[WORKER].run(load_stage_state, runtime, *state)
             log.info("stage.joined", source=source, optimizer_steps=runtime.stats.optimizer_steps)
         yield
 
     return ctx
+
+
+async def _recover(settings: StageServerSettings, app: web.Application, log) -> tuple[tuple | None, str | None]:
+    """(state, source) for a stage none of whose replicas has state to give, or (None, None)
+    to start from the initial weights. ``checkpoint``: the stage's latest checkpoint.
+    ``checkfree``: the neighbouring stages' weights averaged (``recovery.py``) when they have
+    trained past the latest checkpoint (at the run's start, or on a checkpoint as new as they
+    are, nothing is lost: the checkpoint, or the initial weights, are right); else as
+    ``checkpoint``. ``fresh``: the initial weights. The server then catches up the stage's
+    step number; with fresh moments its learning rate warms up again."""
+    ckpt = checkpoint.latest_checkpoint(settings.checkpoint_dir) if settings.checkpoint_dir else None
+    saved = None
+    if ckpt is not None and settings.recovery != "fresh":
+        saved = await asyncio.to_thread(checkpoint.state_from_bytes, checkpoint.read_stage_file(ckpt, settings.stage))
+    if settings.recovery == "checkfree" and settings.coordinator:
+        rebuilt = await _checkfree_state(settings, app, log, saved[1]["optimizer_steps"] if saved else None)
+        if rebuilt is not None:
+            return rebuilt, "checkfree"
+    return (saved, str(ckpt)) if saved is not None else (None, None)
+
+
+async def _checkfree_state(settings: StageServerSettings, app: web.Application, log, checkpoint_step: int | None):
+    """The stage rebuilt from its neighbours' live states (``recovery.checkfree_weights``), as
+    a state to load (fresh AdamW moments), or None: a neighbour is missing or untrained, the
+    checkpoint is as new as they are, or their cuts do not fit."""
+    runtime = app[RUNTIME]
+    neighbours: list[Neighbour] = []
+    steps: list[int] = []  # the neighbours' global steps
+    async with swarm_session(settings) as session:
+        try:
+            view = await get_json(session, settings.coordinator + "/swarm", timeout_s=10)
+        except RemoteError as exc:
+            log.warning("stage.recovery.no_view", error=repr(exc))
+            return None
+        for j in neighbour_stages(settings.stage, settings.num_stages):
+            got = await from_any_replica(
+                [r["url"] for r in view["stages"][j]["replicas"]],
+                lambda url: download_state(session, url, settings.join_timeout_s),
+                deadline_s=settings.join_timeout_s,
+                on_error=lambda url, exc: log.warning("stage.recovery.download_failed", replica=url, error=str(exc)),
+            )
+            if got is not None:
+                tensors, meta = got
+                neighbours.append(Neighbour(j, range(*meta["layers"]), tensors, float(meta.get("grad_norm") or 0.0)))
+                steps.append(int(meta["optimizer_steps"]))
+    if not neighbours or max(steps) == 0 or (checkpoint_step is not None and checkpoint_step >= max(steps)):
+        log.info("stage.recovery.no_rebuild", neighbours=len(neighbours), steps=steps, checkpoint_step=checkpoint_step)
+        return None
+    own, meta = await app[WORKER].run(stage_state, runtime)
+    try:
+        tensors, done = checkfree_weights(
+            own, settings.stage, settings.num_stages, runtime.spec.layers, neighbours, tied=runtime.cfg.tie_embeddings
+        )
+    except ValueError as exc:
+        log.warning("stage.recovery.no_rebuild", reason=str(exc))
+        return None
+    log.warning("stage.recovered", how="checkfree", neighbour_steps=steps, **done)
+    return tensors, {**meta, "adam_step": {}, "caught_up": [], "recovered_at": None}
 
 
 async def _state_from_peers(settings: StageServerSettings, log, *, exclude: str = "", furthest_first: bool = False):

@@ -79,6 +79,9 @@ class OptimizerConfig:
     total_steps: int = 0  # the cosine's length in global steps (warm-up included)
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 0.0  # clip the stage's all-reduced gradient norm (0: off)
+    # after a recovery that starts from fresh AdamW moments (``StageRuntime.catch_up``), the
+    # learning rate rises again linearly over this many steps (0: full rate at once)
+    recovery_warmup_steps: int = 0
 
     def __post_init__(self):
         assert self.schedule in LR_SCHEDULES, f"schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}"
@@ -97,6 +100,12 @@ class OptimizerConfig:
             progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
             return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
         return self.lr
+
+    def recovery_factor(self, step: int, recovered_at: int | None) -> float:
+        """What the learning rate of ``step`` is multiplied by after a recovery at ``recovered_at``."""
+        if recovered_at is None or not self.recovery_warmup_steps or step < recovered_at:
+            return 1.0
+        return min(1.0, (step - recovered_at + 1) / self.recovery_warmup_steps)
 
 
 @dataclass
@@ -237,6 +246,9 @@ class StageRuntime:
         # step numbers these weights took without their updates (catch_up; carried in the state):
         # a backward of a forward that ran elsewhere at one of them ran on other weights
         self.caught_up: set[int] = set()
+        # the step at which these weights were recovered with fresh AdamW moments (a stage whose
+        # every replica died; carried in the state): the learning rate warms up again from it
+        self.recovered_at: int | None = None
         self._forwards: OrderedDict[str, _Forward] = OrderedDict()  # forwards whose backward may come
         self._taken: dict[int, frozenset[str]] = {}  # step -> microbatch ids of its bucket, taken by a step round
         self.stats = StageStats()
@@ -551,7 +563,7 @@ class StageRuntime:
             if 0 < self.optim_cfg.max_grad_norm < self.stats.last_grad_norm:
                 self.stats.clipped_steps += 1
             for group in self.optimizer.param_groups:
-                group["lr"] = self.optim_cfg.lr_at(self.step)
+                group["lr"] = self.lr_at(self.step)
             self.optimizer.step()
             for p in self.params:
                 p.grad = None
@@ -705,10 +717,19 @@ class StageRuntime:
             self._spare = self._kept.pop(version)  # nothing refers to it any more: the next version's tensors
         self._version_steps = {v: s for v, s in self._version_steps.items() if v in self._kept or v == self.version}
 
+    def lr_at(self, step: int) -> float:
+        """The learning rate of global step ``step`` here: the run's schedule, warmed up again
+        after a recovery with fresh moments."""
+        return self.optim_cfg.lr_at(step) * self.optim_cfg.recovery_factor(step, self.recovered_at)
+
     def catch_up(self, step: int) -> None:
         """Take global step ``step`` with the weights as they are: the replicas that held the
-        updates in between are gone (the coordinator says so). What was accumulated is dropped."""
+        updates in between are gone (the coordinator says so). What was accumulated is dropped.
+        Weights without AdamW moments (fresh, or rebuilt from the neighbouring stages) are a
+        recovery: the learning rate warms up again from ``step`` (``recovery_warmup_steps``)."""
         if step > self.step:
+            if not self.optimizer.state:
+                self.recovered_at = step
             self.reset_accumulation()
             # older labels need no record: a backward that far from the step is refused as stale anyway
             floor = step - self.max_staleness

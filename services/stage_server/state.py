@@ -12,7 +12,9 @@ starts a local-mode replica's anchor at its weights). Metadata::
 
     {stage, num_stages, layers: [start, stop], model_config, weights_version,
      optimizer_steps, samples, adam_step: {param name: AdamW step count},
-     caught_up: [step numbers these weights took without their updates (catch_up)]}
+     caught_up: [step numbers these weights took without their updates (catch_up)],
+     recovered_at: the step the learning rate warms up again from (null: no recovery),
+     grad_norm: the norm of the last step's gradient}
 
 With LoRA (``shared.lora``) the parameters are the stage's adapters alone (``...lora_A``,
 ``...lora_B``) and their AdamW moments; the frozen base comes from the model directory. The
@@ -63,6 +65,8 @@ def stage_state(runtime: StageRuntime) -> tuple[dict[str, torch.Tensor], dict]:
         "samples": runtime.stats.samples,
         "adam_step": adam_step,
         "caught_up": sorted(runtime.caught_up),  # step numbers these weights took without their updates
+        "recovered_at": runtime.recovered_at,  # the learning rate warms up from this step (None: no recovery)
+        "grad_norm": runtime.stats.last_grad_norm,  # of the last step's gradient: CheckFree weighs neighbours by it
     }
     if runtime.lora is not None:
         metadata["lora"] = runtime.lora.to_dict()
@@ -98,6 +102,7 @@ def load_stage_state(runtime: StageRuntime, tensors: dict[str, torch.Tensor], me
                 }
         runtime.stats.optimizer_steps = metadata["optimizer_steps"]
         runtime.caught_up = set(metadata.get("caught_up", []))  # the loaded weights' history, not ours
+        runtime.recovered_at = metadata.get("recovered_at")
     if runtime.outer is not None:
         if OUTER_ANCHOR in tensors:
             runtime.outer.reset(tensors[OUTER_ANCHOR], tensors[OUTER_MOMENTUM])
@@ -123,6 +128,11 @@ def _validate(runtime: StageRuntime, tensors: dict[str, torch.Tensor], metadata:
         _check(type(metadata.get(key)) is kind, f"state metadata needs {key!r} of type {kind.__name__}")
     _check(metadata["optimizer_steps"] >= 0, "'optimizer_steps' must be >= 0")
     caught_up = metadata.get("caught_up", [])  # absent from states written before it was kept
+    recovered_at = metadata.get("recovered_at")
+    _check(
+        recovered_at is None or (type(recovered_at) is int and recovered_at >= 0),
+        "'recovered_at' must be a step number or null",
+    )
     _check(
         type(caught_up) is list and all(type(s) is int and s >= 0 for s in caught_up),
         "'caught_up' must be a list of step numbers",

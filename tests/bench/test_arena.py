@@ -79,8 +79,12 @@ def test_quick_arena_trains_every_side_on_shaped_links_and_leaves_nothing(tmp_pa
         curve = detail[side.replace(" ", "_")]["curve"]
         assert curve and curve[-1]["loss"] <= result["params"]["target"], (side, curve)
 
-    # the codec each mesh side names is the one its links carried (fp32 is 4x int8's payload)
-    assert rows["mesh fp32"]["bytes/token"] > 2 * rows["mesh int8"]["bytes/token"], rows
+    # the codec each mesh side names is the one its links carried (fp32 is 4x int8's payload).
+    # In the quick scenario ~410 B/token are not activations (HTTP, the step protocol, the
+    # evaluations), so the ratio is ~2.2 (689 and 1,526 B/token, three runs), and it varies
+    # with what is fixed per run against what is per token (1,294 / 689 = 1.88 in one run of
+    # five on 2026-11-27); one codec on both sides would give ~1.0.
+    assert rows["mesh fp32"]["bytes/token"] > 1.5 * rows["mesh int8"]["bytes/token"], rows
 
     # each side's MFU per stage: the mesh's measured by its servers (busy MFU too), pipelining's from its tokens/s
     for side, row in rows.items():

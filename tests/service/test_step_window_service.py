@@ -65,6 +65,14 @@ async def test_a_microbatch_counts_once_per_stage_across_replicas_and_restarts(a
     assert (await restarted.post("/step/done", json=late)).status == 200  # the predecessor's reservation
     swarm = await (await restarted.get("/swarm")).json()
     assert (swarm["stages"][0]["step"]["reserved"], swarm["stages"][0]["step"]["accumulated"]) == (4, 4)
+    metrics = await (await restarted.get("/metrics")).text()
+    for line in (
+        'swarm_coordinator_global_step{stage="1"} 0.0',
+        'swarm_coordinator_duplicates_refused_total{stage="1"} 1.0',  # this coordinator's own count
+        'swarm_coordinator_steps_lost_total{stage="0"} 0.0',
+        'swarm_coordinator_samples_dropped_total{stage="0"} 0.0',
+    ):
+        assert line in metrics, line
 
 
 async def test_malformed_step_messages_are_refused(aiohttp_client):

@@ -116,7 +116,10 @@ def test_state_is_a_cpu_snapshot_with_metadata():
         "samples": 4,
         "adam_step": {name: 1 for name, _ in rt.model.named_parameters()},
         "caught_up": [],
+        "recovered_at": None,
+        "grad_norm": rt.stats.last_grad_norm,
     }
+    assert meta["grad_norm"] > 0
     names = [name for name, _ in rt.model.named_parameters()]
     assert set(tensors) == set(names) | {f"{OPTIM_PREFIX}{n}/{m}" for n in names for m in ("exp_avg", "exp_avg_sq")}
     assert all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values())

@@ -22,15 +22,16 @@ def view(duplicates: int) -> dict:
                     "global_batch": 32,
                     "samples_dropped": 4,
                     "duplicates_refused": duplicates,
+                    "steps_lost_total": 12,
                 },
             }
         ],
     }
 
 
-def test_each_stage_shows_its_step_next_batch_dropped_samples_and_refused_duplicates():
+def test_each_stage_shows_its_step_next_batch_dropped_samples_refused_duplicates_and_lost_steps():
     lines = render(view(3)).splitlines()
     header, row = lines[2].split(), lines[3].split()
-    assert header[-2:] == ["dropped", "duplicates"]
-    assert row[3:] == ["7", "8/32", "4", "3"]
-    assert render(view(0)).splitlines()[3].split()[-1] == "0"
+    assert header[-4:] == ["dropped", "duplicates", "steps", "lost"]
+    assert row[3:] == ["7", "8/32", "4", "3", "12"]
+    assert render(view(0)).splitlines()[3].split()[-2] == "0"

@@ -298,6 +298,7 @@ def test_a_replica_behind_a_step_nobody_holds_any_more_catches_up_and_the_count_
     assert r.verdict is Verdict.CATCH_UP and r.bucket is None and r.answer.as_json()["verdict"] == "catch_up"
     assert r.answer.step == 2
     assert c.stages[0].step == 2 and c.stages[0].steps_lost == [(1, 2)] and c.view()[0]["steps_lost"] == [(1, 2)]
+    assert c.view()[0]["steps_lost_total"] == 1
     r = c.ask(0, B, 2, 8, G, live=[B])  # B took step 2's number: it fills step 2 and the stage steps on
     assert r.bucket == 2 and r.closes
     c.tell(r, 8)
@@ -309,3 +310,26 @@ def test_a_replica_behind_a_step_nobody_holds_any_more_catches_up_and_the_count_
     c.registered(1, A, 0)  # A restarted (same URL) from a checkpoint of step 0: its old step is void
     # measured in the arena: both replicas of a stage back at step 2 of 15
     assert c.ask(1, A, 0, 4, G, live=[A]).verdict is Verdict.CATCH_UP
+
+
+def test_a_step_whose_every_sample_died_with_its_replicas_fills_again():
+    """Found by bench.recovery: a stage's only server accumulated a whole step and died; the
+    server recovered in its place held none of it, so every step round found nothing ("empty"),
+    nobody stepped, and the round was tried again every second forever (the trainer timed out).
+    Now a round that no member stepped, whose step's samples were all accumulated by replicas
+    that are not members any more, drops them and fills the step again."""
+    c, clock = counter(lease_s=3.0)
+    t = c.ask(0, A, 0, 8, G, live=[A])
+    c.tell(t, 8)  # A accumulated the whole step 0 ...
+    assert c.ready(0, live=[A])
+    clock.now += 10  # ... and died; B is the stage's server now
+    c.registered(0, B, 0)
+    assert c.members(0, [B]) == [B]
+    assert c.round_ended(0, {B: 0}, {}) == (0, 8)  # nothing stepped: A's 8 samples are gone
+    st = c.stages[0]
+    assert st.samples_dropped == 8 and st.reserved.get(0) == 0 and t.req.microbatch_id not in st.held
+    again = c.ask(0, B, 0, 8, G, live=[B], mb=t.req.microbatch_id)  # the lost microbatch counts when run again
+    assert again.verdict is Verdict.CLOSES and again.bucket == 0
+    # a round some member of which accumulated the step is only tried again (it gave its gradient back)
+    c.tell(again, 8)
+    assert c.round_ended(0, {B: 0}, {}) == (0, 0) and c.stages[0].done[0] == 8

@@ -1,0 +1,56 @@
+"""``python -m bench.recovery`` at tiny sizes: a stage whose only server is killed comes back
+through CheckFree's rebuild and through its checkpoint, in real processes, and training goes
+on. What the figures mean is in docs/benchmarks.md; here only that each recovery happened as
+named (the recovered server's own log line, the steps the coordinator counts as lost)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.conftest import live_processes_where
+
+pytestmark = pytest.mark.e2e
+
+
+def test_checkfree_and_checkpoint_recover_a_stage_whose_only_server_died(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.recovery", "--fork-step", "3", "--kill-step", "6", "--after", "4"]
+        + ["--recoveries", "checkfree,checkpoint", "--seq-len", "32", "--out", str(tmp_path), "--timeout-s", "180"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, output[-4000:]
+    suffix = f"-{proc.pid}".encode()
+    assert (
+        live_processes_where(
+            lambda env: any(e.startswith(b"SWARM_RUN_ID=bench-recovery") and e.endswith(suffix) for e in env)
+        )
+        == []
+    ), "a process the bench started outlived it"
+    result = json.loads((tmp_path / "recovery.json").read_text())
+    assert result["fork_step"] == 3
+    rows = {r["recovery"]: r for r in result["rows"]}
+    for name, row in rows.items():
+        killed = row["killed_at_step"]
+        assert killed >= 6 and row["held_out_loss"] < row["held_out_before"], row
+        since = 0 if name == "checkfree" else 3  # the rebuilt stage starts with no steps; the checkpoint at 3
+        assert row["steps_lost"] == [[since, killed]], row
+    logs = tmp_path / "logs" / "recovery"
+    rebuilt = [line for p in (logs / "checkfree" / "logs").glob("stage1-*.log") for line in p.read_text().splitlines()]
+    assert any("stage.recovered" in line and "how=checkfree" in line for line in rebuilt), rebuilt[-20:]
+    assert any("stage.joined" in line and "source=checkfree" in line for line in rebuilt)
+    restored = [
+        line for p in (logs / "checkpoint" / "logs").glob("stage1-*.log") for line in p.read_text().splitlines()
+    ]
+    assert any("stage.joined" in line and "checkpoints" in line for line in restored), restored[-20:]

@@ -11,11 +11,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import subprocess
 
 import pytest
 
-from tests.e2e.conftest import SWARM, live_processes_where
+from tests.e2e.conftest import SWARM, run_bench
 
 pytestmark = pytest.mark.e2e
 
@@ -24,32 +23,14 @@ HIVEMIND = importlib.util.find_spec("hivemind") is not None
 BENCHES = ("codec", "hop", "square_cube", "pipelining", "churn", "rebalancing", "convergence", "generation")
 
 
-def processes_of_invocation(pid: int) -> list[int]:
-    """Live processes whose SWARM_RUN_ID says a bench of invocation ``pid`` started them."""
-    suffix = f"-{pid}".encode()
-    return live_processes_where(
-        lambda env: any(e.startswith(b"SWARM_RUN_ID=bench-") and e.endswith(suffix) for e in env)
-    )
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.Popen(
-        [*SWARM, "bench", *BENCHES, "--quick", "--out", str(out), "--markdown", str(out / "tables.md")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    status, output = run_bench(
+        [*SWARM, "bench", *BENCHES, "--quick", "--out", str(out), "--markdown", str(out / "tables.md")], 400
     )
-    try:
-        output, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     print(output[-6000:])
-    assert proc.returncode == 0, output[-4000:]
-    assert processes_of_invocation(proc.pid) == [], "a process started by a bench outlived it"
+    assert status == 0, output[-4000:]
     assert (out / "tables.md").read_text().count("### ") == len(BENCHES)
     return {name: json.loads((out / f"{name}.json").read_text()) for name in BENCHES}
 

@@ -6,38 +6,22 @@ named (the recovered server's own log line, the steps the coordinator counts as 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from tests.e2e.conftest import live_processes_where
+from tests.e2e.conftest import run_bench
 
 pytestmark = pytest.mark.e2e
 
 
 def test_checkfree_and_checkpoint_recover_a_stage_whose_only_server_died(tmp_path):
-    proc = subprocess.Popen(
+    status, output = run_bench(
         [sys.executable, "-m", "bench.recovery", "--fork-step", "3", "--kill-step", "6", "--after", "4"]
         + ["--recoveries", "checkfree,checkpoint", "--seq-len", "32", "--out", str(tmp_path), "--timeout-s", "180"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        400,
     )
-    try:
-        output, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, output[-4000:]
-    suffix = f"-{proc.pid}".encode()
-    assert (
-        live_processes_where(
-            lambda env: any(e.startswith(b"SWARM_RUN_ID=bench-recovery") and e.endswith(suffix) for e in env)
-        )
-        == []
-    ), "a process the bench started outlived it"
+    assert status == 0, output[-4000:]
     result = json.loads((tmp_path / "recovery.json").read_text())
     assert result["fork_step"] == 3
     rows = {r["recovery"]: r for r in result["rows"]}

@@ -76,6 +76,24 @@ def wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.05):
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+def run_bench(argv: list[str], timeout_s: float) -> tuple[int, str]:
+    """Run a bench command to its end (killed past ``timeout_s``): (exit status, its output);
+    fails if a process it started (``SWARM_RUN_ID=bench-...-PID``) outlived it."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    suffix = f"-{proc.pid}".encode()
+    left = live_processes_where(
+        lambda env: any(e.startswith(b"SWARM_RUN_ID=bench-") and e.endswith(suffix) for e in env)
+    )
+    assert left == [], f"processes started by {argv[:4]} outlived it: {left}"
+    return proc.returncode, output
+
+
 def stop_swarm_up(proc: subprocess.Popen) -> None:
     """Stop a `swarm up` the way a user would (Ctrl-C), so it stops its children; kill as a last resort."""
     if proc.poll() is None:

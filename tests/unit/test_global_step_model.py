@@ -16,7 +16,9 @@ bucket, the sample-weighted mean of their means is computed in member order
 settles it (``averaging.settle_step``); the members' steps and samples end the round.
 
 Rules: a forward (admitted by the coordinator for a step); a backward (reserve, compute,
-report; or its report held back, or its compute held back after the reservation); the
+report; or its report held back, or its compute held back after the reservation); a forward
+and its backward at once (the common case, so that runs apply steps: 313 steps in 248 runs,
+against 28 in 167 without it); the
 retry of a microbatch on the same or another replica; a held report arriving late; a held
 backward finishing late; time passing past the reservations' timeout; a replica killed (its
 held work lost) and restarted fresh at step 0 (joining from a live replica, or not and told
@@ -360,6 +362,18 @@ class GlobalSteps(RuleBasedStateMachine):
         weights = flat_parameters(replica.rt.params)
         self.flights[mb] = Flight(mb, seed, samples, replica.url, replica.rt.step, admitted, weights)
 
+    @precondition(lambda self: len(self.flights) < 6)
+    @rule(pick=st.integers(0, 2), samples=st.integers(1, MAX_MB))
+    def train(self, pick, samples):
+        """A microbatch's forward and at once its backward on the same replica: the common
+        case, as one rule, so that runs fill and apply steps often enough to test them."""
+        before = set(self.flights)
+        self.forward(pick, samples, rerun=False)
+        started = [mb for mb in self.flights if mb not in before]
+        if started:
+            flight = self.flights[started[0]]
+            self._backward(self.replicas[flight.url], flight, "none")
+
     @precondition(lambda self: self.flights)
     @rule(
         pick=st.integers(0, 100),
@@ -554,7 +568,7 @@ class GlobalSteps(RuleBasedStateMachine):
 
 
 class TestGlobalSteps(GlobalSteps.TestCase):
-    settings = settings(max_examples=100, stateful_step_count=80, deadline=None)
+    settings = settings(max_examples=200, stateful_step_count=80, deadline=None)
 
     @classmethod
     def setUpClass(cls):

@@ -37,6 +37,7 @@ READ_DOM = """() => ({
   })),
   step: Math.max(0, ...[...document.querySelectorAll("tr.trainer")].map(t => Number(t.dataset.step))),
   events: [...document.querySelectorAll("#events li")].map(li => li.dataset.event),
+  lost: [...document.querySelectorAll("article.stage")].map(a => a.querySelector(".losses")?.dataset.stepsLost),
 })"""
 INKED_PIXELS = """(selector) => {
   const canvas = document.querySelector(selector);
@@ -101,6 +102,9 @@ def test_dashboard_shows_every_replica_marks_the_weakest_stage_and_updates_live(
             assert {r["url"]: (r["stage"], r["server_id"]) for r in first["replicas"]} == registry
             assert first["weakest"] == [{"stage": 1, "badge": "weakest"}], first["weakest"]
             assert first["events"].count("registry.registered") >= 3 and "trainer.joined" in first["events"]
+            # each stage says what its steps lost (nothing here: no stage lost every replica)
+            lost = [str(s["step"]["steps_lost_total"]) for s in get_json(swarm.coordinator + "/swarm")["stages"]]
+            assert first["lost"] == lost == ["0"] * len(lost), first["lost"]
 
             # Live: later polls redraw the same document with newer data (the trainer's step moves on).
             page.wait_for_function(

@@ -290,14 +290,18 @@ async def _recover(settings: StageServerSettings, app: web.Application, log) -> 
     ``checkpoint``. ``fresh``: the initial weights. The server then catches up the stage's
     step number; with fresh moments its learning rate warms up again."""
     ckpt = checkpoint.latest_checkpoint(settings.checkpoint_dir) if settings.checkpoint_dir else None
-    saved = None
+    data = None
     if ckpt is not None and settings.recovery != "fresh":
-        saved = await asyncio.to_thread(checkpoint.state_from_bytes, checkpoint.read_stage_file(ckpt, settings.stage))
+        data = await asyncio.to_thread(checkpoint.read_stage_file, ckpt, settings.stage)
     if settings.recovery == "checkfree" and settings.coordinator:
-        rebuilt = await _checkfree_state(settings, app, log, saved[1]["optimizer_steps"] if saved else None)
+        # the header alone: the tensors are decoded only if the checkpoint is what gets loaded
+        checkpoint_step = checkpoint.state_metadata(data)["optimizer_steps"] if data is not None else None
+        rebuilt = await _checkfree_state(settings, app, log, checkpoint_step)
         if rebuilt is not None:
             return rebuilt, "checkfree"
-    return (saved, str(ckpt)) if saved is not None else (None, None)
+    if data is None:
+        return None, None
+    return await asyncio.to_thread(checkpoint.state_from_bytes, data), str(ckpt)
 
 
 async def _checkfree_state(settings: StageServerSettings, app: web.Application, log, checkpoint_step: int | None):

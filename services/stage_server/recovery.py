@@ -48,12 +48,13 @@ def neighbour_stages(stage: int, num_stages: int) -> list[int]:
     edge stage its one neighbour and the other end (which holds the tied embedding or head)."""
     if num_stages < 2:
         return []
-    wanted = [stage - 1, stage + 1] if 0 < stage < num_stages - 1 else []
     if stage == 0:
         wanted = [1, num_stages - 1]
     elif stage == num_stages - 1:
         wanted = [num_stages - 2, 0]
-    return list(dict.fromkeys(wanted))
+    else:
+        wanted = [stage - 1, stage + 1]
+    return list(dict.fromkeys(wanted))  # two stages: the one neighbour is also the other end
 
 
 def checkfree_weights(

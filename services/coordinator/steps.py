@@ -15,6 +15,11 @@ all-reduce of the stage server's ``averaging.py``; the coordinator moves no tens
 until the members report it ended, and moves the stage to the step they reached.
 Reservations still out ``step_timeout_s`` after the step closed (a replica died with them)
 are given up: the round starts with what was accumulated, and the step holds fewer samples.
+A round that nobody stepped in gave its gradients back: the step then counts, for each
+member, what it says it put in (never more) and nothing for a replica gone past its lease,
+and opens again if that is below the global batch; so a step never waits on samples that no
+live process holds (a replica that dropped its buckets on a resync, or one killed and
+started again at its URL).
 
 A microbatch the coordinator admitted for a step (``admitted_step``, see ``admission.py``)
 goes into that step, or into the next open one if the stage took it meanwhile or it is full;
@@ -328,26 +333,35 @@ class StepCounter:
     def round_started(self, stage: int, round_id: str) -> None:
         self.stages[stage].round_id = round_id
 
-    def round_ended(self, stage: int, member_steps: dict[str, int], member_samples: dict[str, int]) -> tuple[int, int]:
+    def round_ended(
+        self,
+        stage: int,
+        member_steps: dict[str, int],
+        member_samples: dict[str, int],
+        live: Iterable[str] | None = None,
+    ) -> tuple[int, int]:
         """The round's members reached ``member_steps`` (URL -> step, members that answered);
-        the stage moves to the furthest. Returns (effective batch, samples dropped)."""
+        the stage moves to the furthest. ``member_samples``: URL -> the samples each member
+        that took part put in, as it says. Returns (effective batch, samples dropped).
+
+        A round that nobody stepped in gave its gradients back, so what each member that
+        took part says it put in is what it holds for the step: the step counts that for it
+        (never more), and nothing for a replica neither ``live`` nor seen within the lease
+        (its buckets died with it). If the step is then below its global batch it opens
+        again, so that new reservations fill it; else it is tried again a little later. So a
+        step never waits on samples that no live process holds (a replica that dropped its
+        buckets on a resync, a process killed, or killed and started again at its URL)."""
         st = self.stages[stage]
         st.round_id = None
         for url, step in member_steps.items():
             st.replica_steps[url] = max(step, st.replica_steps.get(url, 0))
         before = st.step
         reached = max(member_steps.values(), default=before)
-        accumulated_by = st.done_by.get(before, {})
-        if reached <= before and accumulated_by and not set(accumulated_by) & set(member_steps):
-            # nobody stepped, and every sample counted in the step was accumulated by replicas
-            # that are no longer members (they died with it: a stage that lost all its replicas):
-            # the step would never complete; it is filled again, those samples dropped
-            dropped = st.done.get(before, 0)
-            self._reopen(stage, before, gone=set(accumulated_by))
+        if reached <= before:  # nobody stepped
+            dropped = self._recount(stage, before, member_samples, live)
+            if st.closed(before):
+                st.not_before = self.clock() + RETRY_FAILED_ROUND_S
             return 0, dropped
-        if reached <= before:  # nobody stepped: they gave their gradients back; try again a little later
-            st.not_before = self.clock() + RETRY_FAILED_ROUND_S
-            return 0, 0
         stepped = [url for url, s in member_steps.items() if s >= reached]
         effective = sum(member_samples.get(url, 0) for url in stepped)
         dropped = max(
@@ -358,21 +372,38 @@ class StepCounter:
         self._advance(stage, reached)
         return effective, dropped
 
-    def _reopen(self, stage: int, k: int, gone: set[str]) -> None:
-        """Step ``k`` starts filling again from nothing: what was counted in it went with the
-        replicas ``gone`` (dropped; their microbatches' ids released, so runs of them count)."""
-        st = self.stages[stage]
-        st.samples_dropped += st.done.get(k, 0)
-        for mb, (held_step, url) in list(st.held.items()):
-            if held_step == k and url in gone:
-                self._release(stage, mb)
-        st.reserved[k] = sum(c.samples for c in st.claims.get(k, {}).values())  # live reservations stay
-        st.done.pop(k, None)
-        st.done_by.pop(k, None)
-        st.unreserved.pop(k, None)
-        st.closed_at.pop(k, None)
-        if st.reserved[k] >= st.global_batch > 0:
-            st.closed_at[k] = self.clock()
+    def _recount(self, stage: int, k: int, holding: dict[str, int], live: Iterable[str] | None) -> int:
+        """Step ``k``'s counts after a round nobody stepped in (see :meth:`round_ended`):
+        each replica's count is at most what it holds; the samples no longer held are
+        dropped, and the ids of a replica that holds none of the step any more are released
+        (its buckets are gone: runs of them again count). Returns the samples dropped."""
+        st, now = self.stages[stage], self.clock()
+        alive = set(live or ()) | {url for url, at in st.last_seen.items() if now - at < self.lease_s}
+        by = st.done_by.get(k, {})
+        dropped = 0
+        for url, counted in list(by.items()):
+            held = min(counted, holding[url]) if url in holding else (counted if url in alive else 0)
+            if held == counted:
+                continue
+            dropped += counted - held
+            by[url] = held
+            if held == 0:
+                del by[url]
+                for mb, at in list(st.held.items()):
+                    if at == (k, url):
+                        self._release(stage, mb)
+        if not by:
+            st.done_by.pop(k, None)
+        if dropped:
+            st.samples_dropped += dropped
+            st.done[k] -= dropped
+            st.reserved[k] -= dropped
+            st.unreserved[k] = min(st.unreserved.get(k, 0), st.done[k])
+            if not st.unreserved[k]:
+                st.unreserved.pop(k)
+            if st.reserved[k] < st.global_batch:
+                st.closed_at.pop(k, None)
+        return dropped
 
     def restore_held(self, stage: int, microbatch_id: str, step: int, url: str) -> None:
         """Put back an id of a persisted duplicate window (a restarted coordinator's)."""
@@ -730,7 +761,7 @@ class StepScheduler:
             said = last.get("samples", last.get("weight"))  # a local-mode outer step's weight is not the step's samples
             if last.get("round_id") == rnd.round_id and isinstance(said, (int, float)):
                 samples[url] = int(said)
-        effective, dropped = self.counter.round_ended(rnd.stage, member_steps, samples)
+        effective, dropped = self.counter.round_ended(rnd.stage, member_steps, samples, self._live(rnd.stage))
         self._persist()
         st = self.counter.stages[rnd.stage]
         if st.step > step:

@@ -3,6 +3,7 @@ trainers; one replica of every stage is killed with SIGKILL while they train."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -35,6 +36,23 @@ def stage_server_pids(run_id: str) -> dict[int, list[int]]:
         if b"services.stage_server" in cmdline:
             by_stage.setdefault(int(env[b"SWARM_STAGE"]), []).append(pid)
     return by_stage
+
+
+def unread_bytes(pid: int) -> int:
+    """Bytes that arrived on ``pid``'s established TCP connections and that it has not read (a
+    request waiting for a stopped process), from ``/proc/net/tcp{,6}``."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if (target := os.readlink(fd)).startswith("socket:["):
+                inodes.add(target[8:-1])
+    unread = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            cols = row.split()
+            if cols[3] == "01" and cols[9] in inodes:  # ESTABLISHED
+                unread += int(cols[4].split(":")[1], 16)
+    return unread
 
 
 def test_training_goes_on_when_a_replica_of_every_stage_is_killed(tmp_path):
@@ -71,8 +89,17 @@ def test_training_goes_on_when_a_replica_of_every_stage_is_killed(tmp_path):
         assert coordinator, "swarm up did not print the coordinator URL"
         servers = stage_server_pids(run_dir.name)
         assert sorted(servers) == [0, 1, 2, 3] and all(len(p) == 2 for p in servers.values())
-        for pids in servers.values():
-            os.kill(pids[0], signal.SIGKILL)
+        victims = [pids[0] for pids in servers.values()]
+        # Stopped first, killed once a trainer's request waits unread at one of them: so at
+        # least one hop is in flight to a replica when it dies, whatever the machine's pace
+        # (a killed replica that no hop reached would test nothing).
+        for pid in victims:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: sum(map(unread_bytes, victims)) > 0, 30, "a request to wait at a stopped replica")
+        finally:
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
         # the registry drops the killed replicas (leases of 3 heartbeats of 1 s)
         wait_until(
             lambda: all(len(s["replicas"]) == 1 for s in get_json(coordinator + "/swarm")["stages"]),

@@ -25,7 +25,7 @@ held work lost) and restarted fresh at step 0 (joining from a live replica, or n
 to resync); a step round (one member losing a part, its contribution in the others' mean or
 not; or the compute worker overloaded: the apply fails before stepping); the coordinator
 restarted (a new counter and admission, the duplicate window and the open steps' counts
-restored from its journal).
+restored from its journal); the faults stopping (below).
 
 Invariants, after every rule (the accounting is each runtime's own, the ground truth):
 1. an applied step holds at most the global batch plus one microbatch of samples,
@@ -41,6 +41,9 @@ Invariants, after every rule (the accounting is each runtime's own, the ground t
 5. no step applies an empty gradient (``apply_step`` would assert);
 6. every backward runs on its forward's weights: its input gradient equals, bit for bit, the
    one recomputed on a reference model holding the weights its forward ran on.
+7. liveness, checked by the rule ``faults_stop``: once the faults stop (the dead replicas
+   started again, the held work finished, time past every timeout and lease), the trainer's
+   work moves the stage a step within 12 rounds, whatever happened before.
 
 What the model found is at the end of the file, each as a regression test that failed on the
 code before its fix: a restarted coordinator counted a step that was open from 0 again (its
@@ -49,7 +52,9 @@ duplicate window); a caught-up replica recomputed a forward of a lost step that 
 another replica on its older weights (``after_catch_up``, now asserted empty: the state
 carries the step numbers its weights took without their updates and such a backward is
 refused as stale); a reservation given up with nothing reported released its microbatch
-while a slow replica held it accumulated. Invariant 6 is checked on the gradients
+while a slow replica held it accumulated; a step whose samples were counted for a process
+that died (and was started again at its URL) stayed closed for good, every round finding
+too little (``faults_stop``, fixed by the rule of ``StepCounter.round_ended``). Invariant 6 is checked on the gradients
 themselves, which ``other_weights_backwards`` cannot see (a caught-up version looks right
 to it).
 """
@@ -186,7 +191,7 @@ class GlobalSteps(RuleBasedStateMachine):
         self.other_weights: list[tuple] = []  # backwards whose gradient is not that of their forward's weights
         self.after_catch_up: list[tuple] = []  # those of them on a caught-up step (a hole the model found, fixed)
         self.next_id = 0
-        self.asked_restart = self.asked_kill = 0
+        self.asked_restart = self.asked_kill = self.asked_drain = 0
         self.rounds = 0
 
     # ---------------------------------------------------------------- the coordinator
@@ -498,10 +503,51 @@ class GlobalSteps(RuleBasedStateMachine):
             if loser is not None:
                 loser.needs_resync = True
         self.counter.round_ended(
-            0, {r.url: r.rt.step for r in replicas}, {r.url: taken[r.url].samples for r in accepted}
+            0, {r.url: r.rt.step for r in replicas}, {r.url: taken[r.url].samples for r in accepted}, self._live()
         )
         self._persist()
         self.admission.stepped(self.stage.step)
+
+    @rule()
+    def faults_stop(self):
+        """Liveness: whatever happened before, once the faults stop (dead replicas started
+        again, held work finished, time past every timeout and lease) the trainer's work moves
+        the stage a step within a bounded number of rounds. Found stalled before its rule: a
+        step counted samples that no live process held (a replica killed and started again
+        at its URL, or one that dropped its buckets on a resync), so every round found too
+        little, nobody stepped and the step never opened again."""
+        self.asked_drain += 1
+        if self.asked_drain % 4:
+            return  # it ends a burst of faults: rarer than the trainer's work
+        for dead in [r for r in self.replicas.values() if not r.alive]:
+            replica = Replica(dead.url, fresh_runtime())
+            self._resync(replica)
+            self.replicas[dead.url] = replica
+            self.books.append(replica)
+            self.counter.registered(0, replica.url, replica.rt.step)
+        for work in list(self.held):
+            self.held.remove(work)
+            if work.report is None:
+                self._finish(work, hold_report=False)
+            else:
+                self._deliver(work.report)
+        start = self.stage.step
+        for _ in range(12):
+            self.now += TIMEOUT_S + 1
+            for flight in list(self.flights.values()):
+                home = self.replicas[flight.url]
+                self._backward(home, flight, "none")
+            for i in range(len(self.replicas)):
+                if len(self.flights) < 6:
+                    self.train(i, MAX_MB)
+            if self.stage.round_id is None and self.stage.closed(self.stage.step):
+                self.step_round(lost=-1, in_mean=True, overloaded=1)
+            if self.stage.step > start:
+                return
+        raise AssertionError(
+            f"stuck at step {start}: {self.counter.snapshot(0)}, "
+            f"pending {[(r.url, r.rt.step, r.rt.pending(start)) for r in self._alive()]}"
+        )
 
     @precondition(lambda self: self.flights or self.held)
     @rule()
@@ -658,3 +704,24 @@ def test_a_slow_replica_s_given_up_microbatch_is_not_applied_twice():
     s.retry(other=0, pick=0)  # mb1 again, on r0
     s.retry(other=0, pick=0)  # mb0 again, on r0
     s.step_round(lost=-1, in_mean=True, overloaded=1)
+
+
+def test_a_step_counted_for_a_process_that_died_opens_again():
+    """Found by the model's liveness rule (``faults_stop``): r0 accumulates the whole of step
+    0 (closed) and is killed; a new process starts at its URL and joins from r1. Every round
+    of step 0 found nothing (the new r0 and r1 hold none of it), nobody stepped, and before
+    the fix the step stayed closed for good: the counter only reopened a step whose every
+    accumulator had left the round's members, and the new r0 is a member under the old URL.
+    Now a round nobody stepped in counts for each member what it says it holds, nothing for
+    a replica gone past its lease, and opens the step again when that is below the batch."""
+    s = machine()
+    s.train(pick=0, samples=MAX_MB)
+    s.train(pick=0, samples=G - MAX_MB)
+    assert s.stage.closed(0) and s.stage.done_by[0] == {URLS[0]: G}
+    s.kill_replica(s.replicas[URLS[0]])
+    s.restart(pick=0, join=True)
+    s.step_round(lost=-1, in_mean=True, overloaded=1)
+    assert s.stage.step == 0 and not s.stage.closed(0) and s.stage.samples_dropped == G
+    s.asked_drain = 3
+    s.faults_stop()  # the stage steps again
+    assert s.applied and s.applied[-1].step == 0

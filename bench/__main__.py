@@ -36,6 +36,7 @@ BENCHES = {
         "time per new token through the swarm at 32 and 512 tokens "
         "of context: sessions with KV caches vs the whole prefix"
     ),
+    "joins": "seconds from a server's start (cold) or its assignment (standby) to its first served microbatch",
     "arena": "time to a target loss on shaped links, uneven peers and churn: mesh int8/fp32 vs torch pipelining (root)",
 }
 ALIASES = {"square-cube": "square_cube"}

@@ -22,7 +22,8 @@ def render(view: dict) -> str:
     accumulated of the next global batch), the samples dropped, the duplicate backwards
     refused at each (a microbatch counts once per stage) and the steps whose updates it lost
     (every replica holding them died), their replicas, throughput and
-    lease age; then, once servers report it, each stage's model FLOPs utilisation."""
+    lease age; the standby servers waiting for a stage; then, once servers report it, each
+    stage's model FLOPs utilisation."""
     stages = view["stages"]
     weakest_index = weakest([s["capacity"] for s in stages], [len(s["replicas"]) for s in stages])
     weakest_stage = -1 if weakest_index is None else stages[weakest_index]["stage"]
@@ -47,6 +48,10 @@ def render(view: dict) -> str:
                 f"{'':>7}{r['url']:<32} {r['server_id']:<20} {r['throughput']:>8.1f} samples/s  "
                 f"queue {r['queue_length']:>3}  lease age {r['lease_age_s']:>5.1f} s"
             )
+    standby = view.get("standby") or []
+    if standby:
+        lines += ["", f"standby (waiting for a stage left with one replica): {len(standby)}"]
+        lines += [f"{'':>7}{w['server_id']}" + (f"  region {w['region']}" if w.get("region") else "") for w in standby]
     return "\n".join(lines + utilisation_lines(stages))
 
 

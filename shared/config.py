@@ -406,8 +406,12 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=0, le=65535)
     advertise_url: str = Field("", description="URL others reach this server at; default http://HOST:PORT")
-    stage: int | Literal["auto"] = Field(
-        0, description="stage to serve, or 'auto': the coordinator picks where a loss would hurt most"
+    stage: int | Literal["auto", "standby"] = Field(
+        0,
+        description=(
+            "stage to serve, or 'auto': the coordinator picks where a loss would hurt most; 'standby': the server "
+            "starts, waits without a stage and takes one when a stage is left with fewer than two replicas"
+        ),
     )
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.01, ge=0)

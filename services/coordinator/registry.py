@@ -149,6 +149,7 @@ class Registry:
         # together (a Deployment scaled up, `swarm up`) spread over the stages instead of all
         # joining the same one, and a moving server is not replaced while it moves.
         self._pending: list[PendingJoin] = []
+        self._standbys: dict[str, tuple[float, str]] = {}  # standby server id -> (last asked, region)
         # Round-trip times each live server measured to its peers (peer URL -> ms), from its
         # heartbeats: soft state, kept in memory only (a restarted coordinator relearns it).
         self.rtt_ms: dict[str, dict[str, float]] = {}
@@ -370,6 +371,25 @@ class Registry:
         registered yet counted as pending joins."""
         return self.swarm([p.stage for p in self.pending_joins()]).join_stage()
 
+    def standby_choice(self) -> JoinChoice | None:
+        """Where a standby server should go now (pending joins counted), or None: it waits
+        while every stage has two replicas (:func:`shared.policy.resilience.standby_stage`)."""
+        return self.swarm([p.stage for p in self.pending_joins()]).standby_stage()
+
+    def note_standby(self, server_id: str, region: str = "", *, assigned: bool = False) -> None:
+        """A standby server asked for a stage (``assigned``: and got one, so it waits no more)."""
+        server_id = _check_id(server_id)
+        if assigned:
+            self._standbys.pop(server_id, None)
+        else:
+            self._standbys[server_id] = (self._clock(), region)
+
+    def standbys(self) -> list[dict]:
+        """The standby servers that asked for a stage within the lease: {server_id, region}."""
+        now = self._clock()
+        self._standbys = {k: v for k, v in self._standbys.items() if now - v[0] < self.lease_s}
+        return [{"server_id": k, "region": region} for k, (_, region) in sorted(self._standbys.items())]
+
     def assign_stage(self) -> int:
         """Hand out :meth:`join_choice`'s stage; returns it."""
         return self.hand_out(self.join_choice().stage)
@@ -394,6 +414,7 @@ class Registry:
             "heartbeat_s": self.heartbeat_s,
             "lease_s": self.lease_s,
             "stages": stages,
+            "standby": self.standbys(),
         }
 
     def _select(self, where: str, args: tuple) -> list[RegisteredServer]:

@@ -9,6 +9,9 @@ unknown fields are ignored, so old and new servers interoperate::
                      -> {server_id, stage, heartbeat_s, lease_s}
     POST /assign     {run_id, region?, rtt_ms?: {peer URL: ms}} -> {stage, placement}
                      the stage a joining server should serve (see placement.py)
+                     {..., standby: true, server_id, wait_s?}: a standby server; answered
+                     when a stage needs it ({stage, placement: "standby", reason}) or after
+                     wait_s (at most 20 s) with {stage: null}: it asks again
     POST /heartbeat  {server_id, throughput, queue_length, rtt_ms?: {peer URL: ms},
                       region?, workload?: {parameters, samples_per_step, activation_bytes_per_sample},
                       utilisation?: {model_flops, compute_s, peak_flops, peak_source, mfu_busy, mfu_wall, ...}}
@@ -80,6 +83,8 @@ JOINER_ID, PENDING_PREFIX = "<joiner>", "<pending>"  # peer ids no server can ha
 
 JSON = "application/json"
 MAX_BODY_BYTES = 64 * 1024
+MAX_STANDBY_WAIT_S = 20.0  # the longest a standby server's /assign is held open
+STANDBY_CHECK_S = 0.1  # how often a held /assign looks for a stage that needs its standby
 
 
 class WrongRun(SwarmError):
@@ -149,6 +154,8 @@ async def assign(request: web.Request) -> web.Response:
     _check_run(request, msg)
     joiner = Joiner(JOINER_ID, check_region(msg.get("region", "")), check_rtt(msg.get("rtt_ms", {})))
     registry, settings, log = request.app[REGISTRY], request.app[SETTINGS], request.app[LOG]
+    if msg.get("standby") is True:
+        return await _assign_standby(request, msg, joiner.region)
     async with request.app[ASSIGN_LOCK]:
         choice = registry.join_choice()
         stage, placement, reason = choice.stage, "throughput", choice.reason
@@ -175,6 +182,32 @@ async def assign(request: web.Request) -> web.Response:
         peers_timed=len(joiner.rtt_ms),
     )
     return web.json_response({"stage": stage, "placement": placement})
+
+
+async def _assign_standby(request: web.Request, msg: dict, region: str) -> web.Response:
+    """A standby server's ``/assign``, held open until a stage needs it (the policy's
+    ``standby_stage``: a stage left with fewer than two replicas) or ``wait_s`` passes."""
+    registry, log = request.app[REGISTRY], request.app[LOG]
+    server_id, wait_s = msg.get("server_id"), msg.get("wait_s", MAX_STANDBY_WAIT_S)
+    if type(wait_s) not in (int, float) or not 0 <= wait_s <= 3600:
+        raise BadPayload("'wait_s' must be a number of seconds in [0, 3600]")
+    registry.note_standby(server_id, region)  # checks the id
+    deadline = asyncio.get_running_loop().time() + min(float(wait_s), MAX_STANDBY_WAIT_S)
+    while True:
+        if request.transport is None or request.transport.is_closing():  # it went away: hand it nothing
+            raise asyncio.CancelledError
+        async with request.app[ASSIGN_LOCK]:
+            choice = registry.standby_choice()
+            if choice is not None:
+                registry.hand_out(choice.stage, region)
+                registry.note_standby(server_id, assigned=True)
+                break
+            registry.note_standby(server_id, region)
+        if asyncio.get_running_loop().time() >= deadline:
+            return web.json_response({"stage": None, "placement": "standby", "reason": "every stage has two replicas"})
+        await asyncio.sleep(STANDBY_CHECK_S)
+    log.info("placement.standby", stage=choice.stage, server_id=server_id, reason=choice.reason, region=region or None)
+    return web.json_response({"stage": choice.stage, "placement": "standby", "reason": choice.reason})
 
 
 def _network_inputs(registry: Registry, settings: CoordinatorSettings, joiner: Joiner) -> PlacementInputs:

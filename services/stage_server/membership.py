@@ -20,6 +20,8 @@ from shared.http import post_json
 from shared.retry import RetryPolicy
 
 CONTROL_TIMEOUT_S = 5.0
+STANDBY_WAIT_S = 20.0  # a standby's /assign is held open this long when no stage needs it
+STANDBY_RETRY = RetryPolicy(max_retries=1_000_000, base_delay_s=0.2, max_delay_s=2.0)
 
 
 async def assign_stage(
@@ -39,6 +41,41 @@ async def assign_stage(
     if rtt_ms:
         body["rtt_ms"] = rtt_ms
     return int((await post_json(session, coordinator + "/assign", body, timeout_s=CONTROL_TIMEOUT_S))["stage"])
+
+
+async def wait_for_stage(
+    session: aiohttp.ClientSession,
+    coordinator: str,
+    run_id: str,
+    *,
+    region: str = "",
+    log=None,
+) -> int:
+    """A standby server (``--stage standby``): ask the coordinator for a stage until one
+    needs this server (each ask is held open up to ``STANDBY_WAIT_S``); returns the stage."""
+    body: dict = {"run_id": run_id, "standby": True, "server_id": f"standby-{uuid.uuid4().hex[:12]}"}
+    if region:
+        body["region"] = region
+    body["wait_s"] = STANDBY_WAIT_S
+    failures = 0
+    while True:
+        try:
+            reply = await post_json(
+                session, coordinator + "/assign", body, timeout_s=STANDBY_WAIT_S + CONTROL_TIMEOUT_S
+            )
+        except RemoteError as err:
+            if not err.retryable:
+                raise
+            failures += 1
+            if log is not None:
+                log.warning("standby.ask_failed", error=str(err), failures=failures)
+            await asyncio.sleep(STANDBY_RETRY.delay_s(failures))
+            continue
+        failures = 0
+        if type(reply.get("stage")) is int:
+            if log is not None:
+                log.info("standby.assigned", stage=reply["stage"], reason=reply.get("reason"))
+            return reply["stage"]
 
 
 class Membership:

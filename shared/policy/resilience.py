@@ -16,6 +16,9 @@ weaker than that:
   stage (one replica, two once there are two servers a stage) a replica from a stage with
   spare (a loss or an unlucky join left it short).
 - :func:`thinned_stage`: the stage a set of moves (a topology replan) would leave below the floor.
+- :func:`standby_stage`: where a standby server (started with ``--stage standby``, holding
+  no stage until it is needed) goes: the neediest stage, once some stage has fewer than
+  ``SAFE_REPLICAS`` replicas; while every stage has that many, it waits.
 
 A stage's members are the throughputs of its replicas (samples per second, 0: not
 measured yet), servers handed the stage but not registered yet counted at the replicas'
@@ -83,6 +86,16 @@ def join_stage(members: Members) -> JoinChoice:
     """The stage a joining server takes: :func:`neediest_stage`."""
     stage = neediest_stage(members)
     return JoinChoice(stage, why_needed(members, stage), all(len(m) >= SAFE_REPLICAS for m in members))
+
+
+def standby_stage(members: Members) -> JoinChoice | None:
+    """The stage a standby server takes now, or None while every stage has ``SAFE_REPLICAS``
+    replicas (pending joins counted): a standby replaces what was lost, so a loss that leaves
+    a stage one replica, or none, takes it at once (where it would hurt most:
+    :func:`join_stage`), and joins placed meanwhile count so that one loss takes one standby."""
+    if all(len(m) >= SAFE_REPLICAS for m in members):
+        return None
+    return join_stage(members)
 
 
 def repair_move(members: Members, replicas: Mapping[str, tuple[int, float]]) -> Move | None:

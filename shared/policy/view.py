@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shared.policy.resilience import JoinChoice, join_stage
+from shared.policy.resilience import JoinChoice, join_stage, standby_stage
 from shared.policy.throughput import weakest
 
 if TYPE_CHECKING:  # annotations only: shared.topology's planner imports shared.policy.move
@@ -124,3 +124,7 @@ class SwarmView:
     def join_stage(self) -> JoinChoice:
         """Where a new server goes: where a loss would hurt most (:func:`~shared.policy.resilience.join_stage`)."""
         return join_stage(self.members())
+
+    def standby_stage(self) -> JoinChoice | None:
+        """Where a standby server goes now, if anywhere (:func:`~shared.policy.resilience.standby_stage`)."""
+        return standby_stage(self.members())

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 
 # hivemind is the optional `bench` extra: measured where installed, "not installed" in the tables elsewhere (CI)
 HIVEMIND = importlib.util.find_spec("hivemind") is not None
-BENCHES = ("codec", "hop", "square_cube", "pipelining", "churn", "rebalancing", "convergence", "generation")
+BENCHES = ("codec", "hop", "square_cube", "pipelining", "churn", "rebalancing", "convergence", "generation", "joins")
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +153,18 @@ def test_generation(results):
     at_64 = {r["way"]: r for r in table if r["context"] == 64}
     assert at_64["no cache (whole prefix)"]["x session"] > 1  # 64 positions recomputed per token cost more than one
     assert isinstance(at_64["no cache (whole prefix)"]["same tokens"], bool)
+
+
+def test_joins(results):
+    """A cold server and a standby (``--stage standby``, handed the stage whose replica was
+    killed) each served a microbatch of the training swarm; the times are sane, not quoted."""
+    table = {r["join"].split()[0]: r for r in rows(results, "joins")}
+    assert set(table) == {"cold", "standby"}
+    for kind, r in table.items():
+        assert r["runs"] == 2 and 0 < r["min s"] <= r["median s"] <= r["max s"] < 60, r
+        assert 0 < r["listening (median s)"] <= r["median s"] and r["target s"] == {"cold": 6, "standby": 2}[kind]
+    summary = results["joins"]["summary"]
+    assert len(summary["standby_runs_s"]) == 2 and summary["standby_median_s"] == table["standby"]["median s"]
 
 
 def test_bench_all_is_these_benches_and_the_arena():

@@ -478,3 +478,30 @@ def test_registry_key_holds_the_given_registry(clock):
     reg = Registry(":memory:", num_stages=4, heartbeat_s=HEARTBEAT_S, clock=clock)
     assert create_app(settings(), reg)[REGISTRY] is reg
     reg.close()
+
+
+async def test_a_standby_server_waits_while_every_stage_has_two_replicas_and_takes_a_stage_that_lost_one(start, clock):
+    """``/assign`` with ``standby``: held while every stage has two replicas (answered with
+    no stage after ``wait_s``); a stage left with one replica takes the standby that is
+    waiting, at once, and a second standby is not sent after it (the first is a pending join)."""
+    client, reg = await start(num_stages=2)
+    for n, stage in ((1, 0), (2, 0), (3, 1), (4, 1)):
+        await ok(await client.post("/register", json=server(n, stage=stage)))
+    ask = {"run_id": RUN_ID, "standby": True, "server_id": "standby-a", "wait_s": 0}
+    assert await ok(await client.post("/assign", json=ask)) == {
+        "stage": None,
+        "placement": "standby",
+        "reason": "every stage has two replicas",
+    }
+    assert (await ok(await client.get("/swarm")))["standby"] == [{"server_id": "standby-a", "region": ""}]
+    held = asyncio.ensure_future(client.post("/assign", json={**ask, "wait_s": 10}))
+    await asyncio.sleep(0)
+    assert not held.done()
+    await ok(await client.post("/deregister", json={"server_id": "s3"}))  # stage 1 is down to one replica
+    reply = await ok(await asyncio.wait_for(held, 5))
+    assert reply["stage"] == 1 and reply["placement"] == "standby" and "one replica" in reply["reason"]
+    assert (await ok(await client.get("/swarm")))["standby"] == []
+    other = {**ask, "server_id": "standby-b"}
+    assert (await ok(await client.post("/assign", json=other)))["stage"] is None  # the pending join counts
+    assert (await client.post("/assign", json={**ask, "wait_s": -1})).status == 400
+    assert (await client.post("/assign", json={**ask, "server_id": 7})).status == 400

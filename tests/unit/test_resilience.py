@@ -17,6 +17,7 @@ from shared.policy.resilience import (
     neediest_stage,
     repair_move,
     replica_floor,
+    standby_stage,
     thinned_stage,
 )
 from shared.policy.throughput import ThroughputRebalancer, plan_move
@@ -184,3 +185,11 @@ def test_no_check_leaves_a_stage_below_the_floor_and_repairs_reach_it(swarm):
     counts = [sum(stage == s for stage, _ in replicas.values()) for s in range(num_stages)]
     if len(replicas) >= num_stages:
         assert min(counts) >= floor, counts
+
+
+def test_a_standby_waits_while_every_stage_has_two_replicas_then_goes_where_a_loss_hurts_most():
+    assert standby_stage([[1.0, 1.0], [2.0, 1.0, 1.0]]) is None
+    choice = standby_stage([[1.0, 1.0], [2.0], []])
+    assert choice is not None and choice.stage == 2 and "no replica" in choice.reason
+    assert standby_stage([[1.0, 1.0], [2.0]]).stage == 1
+    assert standby_stage([[1.0], [2.0]]).stage == 0  # fewer servers than two a stage: every standby is taken

@@ -35,3 +35,10 @@ def test_each_stage_shows_its_step_next_batch_dropped_samples_refused_duplicates
     assert header[-4:] == ["dropped", "duplicates", "steps", "lost"]
     assert row[3:] == ["7", "8/32", "4", "3", "12"]
     assert render(view(0)).splitlines()[3].split()[-2] == "0"
+
+
+def test_the_standby_servers_waiting_are_listed():
+    assert "standby" not in render(view(0))
+    lines = render({**view(0), "standby": [{"server_id": "standby-1", "region": "Tokyo"}]}).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("standby"))
+    assert lines[at].endswith(": 1") and lines[at + 1].split() == ["standby-1", "region", "Tokyo"]

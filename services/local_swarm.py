@@ -484,6 +484,16 @@ def report_trainers(trainers: list[subprocess.Popen], run_dir: Path) -> None:
             )
             if s.get("stages"):
                 print(f"swarm up: trainer{suffix}: {stage_mfu(s['stages'])}", flush=True)
+            lost = [x for x in s.get("swarm_losses", []) if x["steps_lost_total"] or x["samples_dropped"]]
+            if lost:
+                print(
+                    f"swarm up: trainer{suffix}: lost "
+                    + "; ".join(
+                        f"stage {x['stage']}: {x['steps_lost_total']} steps, {x['samples_dropped']} samples dropped"
+                        for x in lost
+                    ),
+                    flush=True,
+                )
         if proc.returncode:
             print(
                 (

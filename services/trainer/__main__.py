@@ -23,7 +23,7 @@ from services.trainer.progress import ProgressDisplay, choose_display
 from services.trainer.registry_mirror import RegistryMirror
 from services.trainer.telemetry import TrainerTelemetry
 from services.trainer.trainer import Trainer, summary_json
-from services.trainer.utilisation import read_utilisation, run_utilisation
+from services.trainer.utilisation import read_swarm_losses, read_utilisation, run_utilisation
 from shared.config import TrainerSettings, parse_settings
 from shared.discovery import find_coordinator
 from shared.http import swarm_session
@@ -226,6 +226,7 @@ async def train(settings: TrainerSettings) -> int:
         summary.stages = run_utilisation(
             utilisation_before, utilisation_after, time.perf_counter() - read_at, settings.num_stages
         )
+        summary.swarm_losses = await read_swarm_losses(session, view.coordinator if view else settings.coordinator, log)
     log.info(
         "train.utilisation",
         mfu_busy=[s["mfu_busy"] for s in summary.stages],
@@ -239,6 +240,8 @@ async def train(settings: TrainerSettings) -> int:
         tokens_per_s=round(summary.tokens_per_s, 1),
         eval_loss_before=round(summary.eval_loss_before, 4),
         eval_loss_after=round(summary.eval_loss_after, 4),
+        steps_lost=[s["steps_lost_total"] for s in summary.swarm_losses],
+        samples_dropped=[s["samples_dropped"] for s in summary.swarm_losses],
     )
     if settings.summary_file:
         Path(settings.summary_file).write_text(summary_json(summary) + "\n")

@@ -49,6 +49,9 @@ class TrainSummary:
     )  # held-out loss every eval_every steps: {step, samples, elapsed_s, loss}
     failures: list[str] = field(default_factory=list)
     stages: list[dict] = field(default_factory=list)  # each stage's MFU over the run (utilisation.py)
+    swarm_losses: list[dict] = field(
+        default_factory=list
+    )  # per stage, as the coordinator counted it at the end: steps lost, samples dropped, duplicates refused
 
 
 MAX_TOP_UPS = 3  # rounds of extra microbatches when the trainer's share did not get the swarm to its steps

@@ -7,6 +7,9 @@ times the sum of their peaks (``mfu_wall``: idle time counts against it) and ove
 compute seconds, each weighted by its peak (``mfu_busy``). The work of every trainer of the
 swarm in that window counts (the stage's, not this trainer's share). A replica that started
 during the run counts from zero; one that went away took its work with it.
+
+What the swarm lost over the run (steps whose updates died with their replicas, samples
+dropped, duplicates refused) is read from the coordinator at the end (:func:`read_swarm_losses`).
 """
 
 from __future__ import annotations
@@ -69,3 +72,28 @@ def run_utilisation(before: dict[str, dict], after: dict[str, dict], wall_s: flo
             }
         )
     return stages
+
+
+LOSS_FIELDS = ("steps_lost_total", "steps_lost", "samples_dropped", "duplicates_refused")
+
+
+async def read_swarm_losses(session, coordinator: str, log=None) -> list[dict]:
+    """What the swarm lost, per stage, as the coordinator counts it (``GET /swarm``): the
+    steps whose updates went with the replicas that held them (``steps_lost_total``, and the
+    last ``steps_lost`` ranges), the samples accumulated yet not in a step, the duplicate
+    backwards refused. ``[]`` without a coordinator or when it does not answer."""
+    if not coordinator:
+        return []
+    try:
+        view = await get_json(session, coordinator.rstrip("/") + "/swarm", timeout_s=HEALTH_TIMEOUT_S)
+    except RemoteError as exc:
+        if log is not None:
+            log.warning("train.losses_unread", coordinator=coordinator, error=str(exc))
+        return []
+    losses = []
+    for s in view.get("stages", []):
+        step = s.get("step") or {}
+        losses.append(
+            {"stage": s.get("stage"), **{k: step.get(k, [] if k == "steps_lost" else 0) for k in LOSS_FIELDS}}
+        )
+    return losses

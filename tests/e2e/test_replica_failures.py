@@ -125,6 +125,10 @@ def test_training_goes_on_when_a_replica_of_every_stage_is_killed(tmp_path):
         after_kill = losses[15:]
         assert sum(after_kill[-10:]) / 10 < sum(after_kill[:10]) / 10 - 0.05, "the loss stopped falling after the kills"
         assert summary["eval_loss_after"] < summary["eval_loss_before"] - 1.0
+        # what the swarm lost, per stage, as the coordinator counted it: a replica of every
+        # stage survived, holding the stage's step, so no step's update was lost
+        assert [x["stage"] for x in summary["swarm_losses"]] == [0, 1, 2, 3]
+        assert all(x["steps_lost_total"] == 0 and x["steps_lost"] == [] for x in summary["swarm_losses"])
     assert any("hop.failed" in x or "chain.rerouted" in x for x in output), (
         "no hop hit a killed replica: the test did not test anything"
     )

@@ -142,8 +142,13 @@ class StageMetrics:
         u = self.utilisation.report()
         yield counter(
             "swarm_stage_tokens",
-            "tokens whose work counts as model FLOPs: trained (gradient accumulated here) or evaluated",
-            {("trained",): u["tokens_trained"], ("evaluated",): u["tokens_evaluated"]},
+            "tokens whose work counts as model FLOPs: trained (gradient accumulated here), evaluated, or inferred "
+            "(new positions of inference sessions)",
+            {
+                ("trained",): u["tokens_trained"],
+                ("evaluated",): u["tokens_evaluated"],
+                ("inferred",): u["tokens_inferred"],
+            },
             ["kind"],
         )
         yield counter(

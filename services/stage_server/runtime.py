@@ -133,6 +133,8 @@ class StageStats:
     token_pairs_trained: int = 0  # their (query, key) pairs, batch x seq^2: attention's model FLOPs
     tokens_evaluated: int = 0  # tokens of the evaluation forwards (keep_graph=False)
     token_pairs_evaluated: int = 0  # their (query, key) pairs, batch x seq^2
+    tokens_inferred: int = 0  # new positions of inference sessions' forwards (generation, scoring; sessions.py)
+    token_pairs_inferred: int = 0  # their (query, key) pairs: each new position with every cached one and the new
 
 
 @dataclass

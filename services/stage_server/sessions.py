@@ -356,7 +356,7 @@ def _validate(runtime: StageRuntime, session: Session, inputs: torch.Tensor, pos
 def _step(runtime: StageRuntime, cache: KVCache, inputs: torch.Tensor, chunks: list[int], scoring: Scoring | None):
     """On the compute thread: the stage's forward of each chunk after the cached positions;
     on the last stage, what ``scoring`` asks of the last chunk's logits."""
-    model = runtime.model
+    model, stats, started = runtime.model, runtime.stats, time.perf_counter()
     inputs = inputs.long() if runtime.spec.is_first else inputs.to(runtime.param_dtype)
     was_training = model.training
     model.eval()  # no dropout; the training forward (same thread) sets it back below
@@ -364,12 +364,19 @@ def _step(runtime: StageRuntime, cache: KVCache, inputs: torch.Tensor, chunks: l
         with torch.no_grad(), runtime.precision():
             start, output = 0, None
             for n in chunks:
+                cached = cache.length
                 output = model(inputs[:, start : start + n], None, cache)
                 start += n
+                # the stage's model FLOPs (its MFU, services/stage_server/utilisation.py): n new
+                # positions, each attending to the cached ones and to the new ones (the full
+                # square, as training counts it)
+                stats.tokens_inferred += inputs.shape[0] * n
+                stats.token_pairs_inferred += inputs.shape[0] * n * (cached + n)
             if scoring is not None:
                 output = scoring.answer(output)
     finally:
         model.train(was_training)
+        stats.compute_s += time.perf_counter() - started
     return output, runtime.step, runtime.version
 
 

@@ -2,13 +2,14 @@
 
 Plain logic: no networking, the clock passed in. The work that counts is the model FLOPs
 (``shared.flops``) of the tokens whose gradient the stage accumulated (a forward and a
-backward each) and of the tokens it evaluated (a forward); the runtime counts both
-(``StageStats.tokens_*``). Forwards of microbatches run again, backwards of duplicates or
+backward each), of the tokens it evaluated (a forward) and of the new positions of inference
+sessions (a forward attending to the cached positions, ``sessions.py``); the runtime counts
+them (``StageStats.tokens_*``). Forwards of microbatches run again, backwards of duplicates or
 past the run's last step, recomputed forwards and activation checkpointing's recompute cost
 time and count nothing. Two rates, each over the device's peak (``shared.peak_flops``):
 
 - **busy**: model FLOPs over ``StageStats.compute_s``, the seconds the compute worker spent
-  in the stage's forwards and backwards (the passes, gradient accumulation and, on a
+  in the stage's forwards and backwards, sessions' included (the passes, gradient accumulation and, on a
   server stepping alone, its optimizer steps; not step rounds, state loads, the wire codec
   or waiting for work): how well the stage's compute uses the device, since the start;
 - **wall**: model FLOPs per second of wall clock over the last ``window_s`` seconds: idle
@@ -67,7 +68,7 @@ class StageUtilisation:
         """Model FLOPs of the work done here that counts, since the start."""
         s = self.stats
         return self.flops.train(s.tokens_trained, s.token_pairs_trained) + self.flops.forward(
-            s.tokens_evaluated, s.token_pairs_evaluated
+            s.tokens_evaluated + s.tokens_inferred, s.token_pairs_evaluated + s.token_pairs_inferred
         )
 
     def report(self) -> dict:
@@ -81,6 +82,7 @@ class StageUtilisation:
         return {
             "tokens_trained": self.stats.tokens_trained,
             "tokens_evaluated": self.stats.tokens_evaluated,
+            "tokens_inferred": self.stats.tokens_inferred,
             "model_flops": flops,
             "compute_s": compute_s,
             **self.peak.to_json(),

@@ -123,3 +123,26 @@ def test_lora_counts_the_adapters_products_and_no_weight_gradient_of_the_frozen_
     )
     assert tuned.train(tokens, pairs) == expected
     assert full.train(tokens, pairs) == 3 * full.forward(tokens, pairs)
+
+
+def test_an_inference_session_counts_its_new_positions_against_the_cached_ones_as_torch_counts_them(monkeypatch):
+    """A session's step (``sessions._step``) of n new positions after p cached ones computes n
+    rows of attention over p + n keys: counted as forward FLOPs of B n tokens and B n (p + n)
+    pairs, which is what torch's FLOP counter measures (on the plain attention kernel: it does
+    not count the fused ones decoding may take); its time counts as compute."""
+    from services.stage_server.sessions import _step
+    from shared import kv_cache
+    from shared.kv_cache import KVCache
+
+    monkeypatch.setattr(kv_cache, "_DECODING_BACKENDS", [SDPBackend.MATH])
+
+    rt = StageRuntime(GPT, 1, 3, seed=0)
+    flops = stage_flops(GPT, middle(GPT))
+    cache, x = KVCache(16), torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counted:
+        _step(rt, cache, x[:, :5], [3, 2], None)  # a prefill in two chunks: 3 new after 0, 2 new after 3
+        _step(rt, cache, x[:, 5:9], [4], None)  # 4 new after 5
+    pairs = 2 * (3 * 3 + 2 * 5 + 4 * 9)
+    assert (rt.stats.tokens_inferred, rt.stats.token_pairs_inferred) == (2 * 9, pairs)
+    assert counted.get_total_flops() == flops.forward(2 * 9, pairs)
+    assert rt.stats.compute_s > 0 and rt.stats.tokens_trained == rt.stats.tokens_evaluated == 0

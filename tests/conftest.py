@@ -13,7 +13,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from services.stage_server.app import create_app
-from shared.config import StageServerSettings
+from shared.config import CoordinatorSettings, StageServerSettings
 from shared.wiring import ReplicaBalancer
 
 # `make test` runs in two phases (Makefile). First two pytest workers (pytest-xdist, `--dist
@@ -77,6 +77,30 @@ def stage_settings(stage: int, num_stages: int = 4, **overrides) -> StageServerS
         coordinator="",
     )
     return StageServerSettings(**{**base, **overrides})
+
+
+def coordinator_settings(**overrides) -> CoordinatorSettings:
+    """A coordinator's settings built from keywords only, so the caller's SWARM_* environment
+    does not leak in: in memory (no state file, no checkpoints), no mDNS, no signing, and no
+    background averaging or rebalancing (POST /average still averages); a lease long enough
+    for any test (60 s heartbeats). A test passes only what it needs different."""
+    base = dict(
+        run_id="test",
+        num_stages=4,
+        heartbeat_s=60.0,
+        lease_heartbeats=3,
+        max_servers=4096,
+        state_db=":memory:",
+        checkpoint_dir="",
+        mdns=False,
+        coordinator="",
+        secret="",
+        average_every_s=0,
+        rebalance_every_s=0,
+        tokenizer="",
+        max_generations=4,
+    )
+    return CoordinatorSettings(**{**base, **overrides})
 
 
 async def until(condition, timeout_s: float, what: str, poll_s: float = 0.02):

@@ -26,9 +26,9 @@ from services.stage_server.app import create_app
 from services.stage_server.routes import RUNTIME
 from shared.auth import NONCE, SIGNATURE, TIMESTAMP, sign_headers
 from shared.codec import encode_tensor, pack_message
-from shared.config import CoordinatorSettings, StageServerSettings
+from shared.config import StageServerSettings
 from shared.http import server_ssl_context, swarm_session
-from tests.conftest import stage_settings
+from tests.conftest import coordinator_settings, stage_settings
 
 SECRET = "a-test-secret-of-the-swarm-0123456789"
 OTHER = "the-secret-of-another-swarm-98765"
@@ -67,20 +67,6 @@ def forward_body() -> bytes:
             "inputs": encode_tensor(tokens, "fp32"),
             "codec": "fp32",
         }
-    )
-
-
-def coordinator_settings(**kw) -> CoordinatorSettings:
-    return CoordinatorSettings(
-        run_id="test",
-        num_stages=4,
-        heartbeat_s=60.0,
-        state_db=":memory:",
-        mdns=False,
-        coordinator="",
-        average_every_s=0,
-        rebalance_every_s=0,
-        **kw,
     )
 
 

@@ -33,7 +33,7 @@ from services.stage_server.averaging import REDUCE_AT, flat_parameters, split_bo
 from services.stage_server.routes import RUNTIME, WORKER
 from services.stage_server.runtime import Accumulated
 from shared.codec import decode_tensor, encode_tensor, pack_message, unpack_message
-from tests.conftest import stage_settings
+from tests.conftest import coordinator_settings, stage_settings
 
 STAGE = 1
 MSGPACK = "application/msgpack"
@@ -528,22 +528,6 @@ async def test_part_and_fetch_that_come_before_the_start_are_kept(serve, http_se
     assert summary["part_contributors"] == [[0, 1], [0]]  # member 1 never sent its part 1 to its backup (us)
 
 
-def coordinator_settings(average_every_s: float):
-    from shared.config import CoordinatorSettings
-
-    return CoordinatorSettings(
-        run_id="test",
-        num_stages=4,
-        heartbeat_s=60.0,
-        state_db=":memory:",
-        mdns=False,
-        coordinator="",
-        average_every_s=average_every_s,
-        averaging_timeout_s=10.0,
-        rebalance_every_s=0,
-    )
-
-
 async def register(session, coordinator: str, replicas: list[tuple[str, int]]) -> None:
     for i, (url, stage) in enumerate(replicas):
         body = {
@@ -566,7 +550,9 @@ async def test_the_coordinator_repairs_drift_by_itself_and_its_metrics_show_it_m
     from services.coordinator.app import create_app as create_coordinator
 
     _, _, urls = await replicas(serve, [1, 2, 3], [10, 20, 30])
-    _, coordinator = await serve(create_coordinator(coordinator_settings(average_every_s=0.2)))
+    _, coordinator = await serve(
+        create_coordinator(coordinator_settings(average_every_s=0.2, averaging_timeout_s=10.0))
+    )
     await register(http_session, coordinator, [(url, STAGE) for url in urls])
 
     loop = asyncio.get_running_loop()
@@ -592,7 +578,7 @@ async def test_post_average_runs_a_pass_now_and_answers_when_it_ended(serve, htt
     source, target = sorted(urls)
     by_url = dict(zip(urls, apps))
     expected = await params_of(by_url[source])
-    _, coordinator = await serve(create_coordinator(coordinator_settings(average_every_s=0)))
+    _, coordinator = await serve(create_coordinator(coordinator_settings(average_every_s=0, averaging_timeout_s=10.0)))
     await register(http_session, coordinator, [(urls[0], STAGE), (urls[1], STAGE), (lone, STAGE + 1)])
     assert by_url[target][RUNTIME].version == 0, "average_every_s=0 runs no check by itself"
 

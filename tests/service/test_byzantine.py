@@ -25,9 +25,9 @@ from services.stage_server.app import MEMBERSHIP, create_app
 from services.stage_server.routes import RUNTIME
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import PipelineClient
-from shared.config import CoordinatorSettings, FaultInjection
+from shared.config import FaultInjection
 from shared.processes import free_port
-from tests.conftest import balancer_for, stage_settings
+from tests.conftest import balancer_for, coordinator_settings, stage_settings
 
 ROUNDS = 4
 MICROBATCHES_PER_ROUND = 8  # 8 samples each: 2 global steps of 32 samples, 8 on each replica
@@ -51,20 +51,7 @@ async def serve():
 async def run_swarm(serve, http_session, aggregator: str) -> dict:
     """Train; returns the held-out losses after every ROUNDS-th part of the run."""
     coordinator = await serve(
-        create_coordinator(
-            CoordinatorSettings(
-                run_id="test",
-                num_stages=1,
-                heartbeat_s=60.0,
-                state_db=":memory:",
-                mdns=False,
-                coordinator="",
-                average_every_s=0,
-                step_timeout_s=10.0,
-                rebalance_every_s=0,
-                averaging_aggregator=aggregator,
-            )
-        )
+        create_coordinator(coordinator_settings(num_stages=1, step_timeout_s=10.0, averaging_aggregator=aggregator))
     )
     apps, urls = [], []
     for i in range(4):

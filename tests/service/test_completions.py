@@ -27,12 +27,12 @@ from structlog.testing import capture_logs
 from services.coordinator.app import create_app
 from services.coordinator.completions import COMPLETIONS
 from services.stage_server.routes import SESSIONS
-from shared.config import CoordinatorSettings, FaultInjection
+from shared.config import FaultInjection
 from shared.http import swarm_session
 from shared.inference import LocalSession, SamplingParams, TextStream, generate
 from shared.model import build_model, config_from_preset
 from shared.tokenizer import ByteTokenizer, train_bpe
-from tests.conftest import stage_settings, until
+from tests.conftest import coordinator_settings, stage_settings, until
 
 RUN_ID = "test"
 SECRET = "a-test-secret-of-32-characters!!"
@@ -51,31 +51,13 @@ class Swarm:
         return sum(len(app[SESSIONS]) for app in self.stages)
 
 
-def coordinator_settings(**overrides) -> CoordinatorSettings:
-    """Every field that matters given, so SWARM_* variables cannot leak in."""
-    base = dict(
-        run_id=RUN_ID,
-        num_stages=4,
-        heartbeat_s=60.0,
-        state_db=":memory:",
-        mdns=False,
-        coordinator="",
-        average_every_s=0,
-        rebalance_every_s=0,
-        tokenizer="",
-        max_generations=4,
-        secret="",
-    )
-    return CoordinatorSettings(**{**base, **overrides})
-
-
 @pytest.fixture
 async def start_swarm(start_stages):
     """``await start_swarm(register=True, stage=dict(...), **coordinator_overrides)`` -> Swarm."""
     runners: list[web.AppRunner] = []
 
     async def start(*, register: bool = True, stage: dict | None = None, **overrides) -> Swarm:
-        settings = coordinator_settings(**overrides)
+        settings = coordinator_settings(run_id=RUN_ID, **overrides)
         stage = {"secret": settings.secret.get_secret_value(), **(stage or {})}
         apps, urls = await start_stages([[stage_settings(s, run_id=RUN_ID, **stage)] for s in range(4)])
         app = create_app(settings)

@@ -18,6 +18,7 @@ from services.coordinator.app import build_registry, create_app, expire_leases
 from services.coordinator.registry import Registry, ServerReport
 from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY
 from shared.config import CoordinatorSettings
+from tests.conftest import coordinator_settings
 
 RUN_ID = "test-run"
 HEARTBEAT_S, LEASE_S = 2.0, 6.0
@@ -33,20 +34,7 @@ class FakeClock:
 
 
 def settings(**overrides) -> CoordinatorSettings:
-    """Every field that matters given explicitly, so SWARM_* variables cannot leak in."""
-    fields = dict(
-        run_id=RUN_ID,
-        num_stages=4,
-        heartbeat_s=HEARTBEAT_S,
-        lease_heartbeats=3,
-        max_servers=4096,
-        state_db=":memory:",
-        mdns=False,
-        coordinator="",
-        average_every_s=0,
-        rebalance_every_s=0,
-    )
-    return CoordinatorSettings(**{**fields, **overrides})
+    return coordinator_settings(**{"run_id": RUN_ID, "heartbeat_s": HEARTBEAT_S, **overrides})
 
 
 @pytest.fixture

@@ -29,8 +29,7 @@ from services.stage_server.app import create_app
 from services.stage_server.averaging import flat_parameters
 from services.stage_server.routes import RUNTIME
 from shared.codec import encode_tensor
-from shared.config import CoordinatorSettings
-from tests.conftest import stage_settings
+from tests.conftest import coordinator_settings, stage_settings
 
 STAGE, NUM_STAGES, SEQ = 1, 4, 8
 EXAMPLES = {"forward": 2500, "backward": 2500, "averaging": 2600, "registry": 2600}  # 10,200 bodies in all
@@ -279,18 +278,7 @@ def stage():
 
 @pytest.fixture(scope="module")
 def coordinator():
-    settings = CoordinatorSettings(
-        run_id="test",
-        num_stages=NUM_STAGES,
-        heartbeat_s=60.0,
-        state_db=":memory:",
-        mdns=False,
-        coordinator="",
-        average_every_s=0,
-        averaging_timeout_s=0.2,
-        rebalance_every_s=0,
-        max_servers=8,
-    )
+    settings = coordinator_settings(num_stages=NUM_STAGES, averaging_timeout_s=0.2, max_servers=8)
     target = Target(create_coordinator(settings))
     yield target
     target.close()

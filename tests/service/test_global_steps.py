@@ -38,12 +38,11 @@ from services.trainer.pipeline import PipelineClient
 from services.trainer.trainer import Trainer
 from shared import checkpoint
 from shared.codec import encode_tensor
-from shared.config import CoordinatorSettings
 from shared.errors import RemoteError
 from shared.http import post_message
 from shared.model import PRESETS, build_gpt, build_stage
 from shared.processes import free_port
-from tests.conftest import balancer_for, stage_settings
+from tests.conftest import balancer_for, coordinator_settings, stage_settings
 
 RUN_ID = "test"
 SEQ_LEN, MICROBATCH = 32, 4
@@ -85,17 +84,11 @@ async def swarm():
         **overrides,
     ) -> Swarm:
         coordinator_app = create_coordinator(
-            CoordinatorSettings(
+            coordinator_settings(
                 **(coordinator_overrides or {}),
                 run_id=RUN_ID,
                 num_stages=len(replicas),
-                heartbeat_s=60.0,
-                state_db=":memory:",
-                mdns=False,
-                coordinator="",
-                average_every_s=0,
                 step_timeout_s=step_timeout_s,
-                rebalance_every_s=0,
                 checkpoint_dir=checkpoint_dir,
                 checkpoint_every_s=60,
             )

@@ -11,9 +11,8 @@ from services.coordinator.app import create_app as create_coordinator
 from services.coordinator.registry import Registry
 from services.stage_server.app import create_app
 from services.stage_server.latency import LatencyProbe, peers_to_probe
-from shared.config import CoordinatorSettings
 from shared.errors import BadPayload
-from tests.conftest import stage_settings
+from tests.conftest import coordinator_settings, stage_settings
 
 
 def view(*stages):
@@ -54,18 +53,7 @@ async def test_a_probe_times_registered_peers_over_http(http_session):
     servers = []
     try:
         coordinator_server = TestServer(
-            create_coordinator(
-                CoordinatorSettings(
-                    run_id="test",
-                    num_stages=2,
-                    heartbeat_s=60.0,
-                    state_db=":memory:",
-                    mdns=False,
-                    coordinator="",
-                    average_every_s=0,
-                    rebalance_every_s=0,
-                )
-            ),
+            create_coordinator(coordinator_settings(num_stages=2)),
             host="127.0.0.1",
         )
         await coordinator_server.start_server()

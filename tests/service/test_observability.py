@@ -22,12 +22,11 @@ from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import HopTimeouts, PipelineClient
 from services.trainer.telemetry import TrainerTelemetry
 from services.trainer.trainer import Trainer
-from shared.config import CoordinatorSettings
 from shared.http import MICROBATCH_HEADER
 from shared.log import get_logger
 from shared.processes import free_port
 from shared.retry import RetryPolicy
-from tests.conftest import balancer_for, stage_settings
+from tests.conftest import balancer_for, coordinator_settings, stage_settings
 
 RUN_ID = "test"
 
@@ -68,23 +67,9 @@ def client_for(session, urls, telemetry=None, log=None) -> PipelineClient:
     )
 
 
-def coordinator_settings(**overrides) -> CoordinatorSettings:
-    fields = dict(
-        run_id=RUN_ID,
-        num_stages=2,
-        heartbeat_s=60.0,
-        state_db=":memory:",
-        mdns=False,
-        coordinator="",
-        average_every_s=0,
-        rebalance_every_s=0,
-    )
-    return CoordinatorSettings(**{**fields, **overrides})
-
-
 @pytest.fixture
 async def coordinator():
-    server = TestServer(create_coordinator(coordinator_settings()), host="127.0.0.1")
+    server = TestServer(create_coordinator(coordinator_settings(run_id=RUN_ID, num_stages=2)), host="127.0.0.1")
     await server.start_server()
     yield str(server.make_url("")).rstrip("/")
     await server.close()

@@ -18,6 +18,7 @@ from services.coordinator import routes
 from services.coordinator.app import create_app
 from shared.config import CoordinatorSettings, PlacementSettings
 from shared.http import msgpack_response, read_message
+from tests.conftest import coordinator_settings
 
 RUN_ID = "placement-run"
 CLUSTER = {"a": 0, "b": 0, "c": 1, "d": 1}
@@ -26,18 +27,9 @@ WORKLOAD = {"parameters": 50_000_000, "samples_per_step": 32, "activation_bytes_
 
 def settings(**overrides) -> CoordinatorSettings:
     """Averaging every 0.5 s (it weighs in the cost; the fake servers refuse the rounds at once, harmlessly)."""
-    fields = dict(
-        run_id=RUN_ID,
-        num_stages=2,
-        heartbeat_s=30.0,
-        state_db=":memory:",
-        mdns=False,
-        coordinator="",
-        average_every_s=0.5,
-        rebalance_every_s=0,
-        placement=PlacementSettings(mode="auto", min_gain=0.1, max_moves=0.5, budget_s=2.0, bandwidth_gbps=10.0),
-    )
-    return CoordinatorSettings(**{**fields, **overrides})
+    placement = PlacementSettings(mode="auto", min_gain=0.1, max_moves=0.5, budget_s=2.0, bandwidth_gbps=10.0)
+    fields = dict(run_id=RUN_ID, num_stages=2, heartbeat_s=30.0, average_every_s=0.5, placement=placement)
+    return coordinator_settings(**{**fields, **overrides})
 
 
 def rtts(me: str, urls: dict[str, str]) -> dict[str, float]:

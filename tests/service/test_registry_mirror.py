@@ -8,14 +8,13 @@ from aiohttp.test_utils import TestServer
 
 from services.coordinator.app import create_app
 from services.trainer.registry_mirror import RegistryMirror
-from shared.config import CoordinatorSettings
 from shared.wiring import ReplicaBalancer
+from tests.conftest import coordinator_settings
 
 
-def coordinator_settings() -> CoordinatorSettings:
-    return CoordinatorSettings(
-        run_id="test", num_stages=2, heartbeat_s=60.0, state_db=":memory:", mdns=False, coordinator=""
-    )
+def settings():
+    """Averaging and rebalancing checks at their defaults (every 30 s), as this test always had them."""
+    return coordinator_settings(num_stages=2, average_every_s=30.0, rebalance_every_s=30.0)
 
 
 async def register(session, url: str, server_id: str, stage: int, server_url: str) -> None:
@@ -33,7 +32,7 @@ async def register(session, url: str, server_id: str, stage: int, server_url: st
 
 
 async def test_view_follows_the_registry_and_survives_its_absence(http_session):
-    server = TestServer(create_app(coordinator_settings()), host="127.0.0.1")
+    server = TestServer(create_app(settings()), host="127.0.0.1")
     await server.start_server()
     coordinator = str(server.make_url("")).rstrip("/")
     balancer = ReplicaBalancer(2, rng=random.Random(0))
@@ -66,7 +65,7 @@ async def test_view_follows_the_registry_and_survives_its_absence(http_session):
 async def test_a_stage_listed_empty_keeps_its_last_known_replicas(http_session):
     """A coordinator restarted after more than a lease lists no servers until they heartbeat
     again: the trainer keeps the replicas it knew rather than failing microbatches."""
-    server = TestServer(create_app(coordinator_settings()), host="127.0.0.1")
+    server = TestServer(create_app(settings()), host="127.0.0.1")
     await server.start_server()
     coordinator = str(server.make_url("")).rstrip("/")
     balancer = ReplicaBalancer(2, rng=random.Random(0))

@@ -15,8 +15,7 @@ from services.stage_server.latency import probe_swarm, spread_over_stages
 from services.stage_server.metrics import STAGE_METRICS
 from services.stage_server.routes import RUNTIME
 from shared.codec import encode_tensor, pack_message
-from shared.config import CoordinatorSettings
-from tests.conftest import stage_settings, until
+from tests.conftest import coordinator_settings, stage_settings, until
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 B, T, D_MODEL = 4, 8, 128
@@ -32,19 +31,7 @@ async def test_heartbeats_carry_region_parameters_and_measured_activation_size(h
     servers = []
     try:
         coordinator_server, coordinator = await start(
-            create_coordinator(
-                CoordinatorSettings(
-                    run_id="test",
-                    num_stages=3,
-                    heartbeat_s=0.05,
-                    lease_heartbeats=100,
-                    state_db=":memory:",
-                    mdns=False,
-                    coordinator="",
-                    average_every_s=0,
-                    rebalance_every_s=0,
-                )
-            )
+            create_coordinator(coordinator_settings(num_stages=3, heartbeat_s=0.05, lease_heartbeats=100))
         )
         servers.append(coordinator_server)
         registry = coordinator_server.app[REGISTRY]
@@ -105,20 +92,7 @@ def test_a_joiner_times_replicas_of_every_stage_first():
 async def test_a_joiner_measures_rtts_to_the_swarm_before_asking_for_a_stage(http_session):
     servers = []
     try:
-        coordinator_server, coordinator = await start(
-            create_coordinator(
-                CoordinatorSettings(
-                    run_id="test",
-                    num_stages=2,
-                    heartbeat_s=60.0,
-                    state_db=":memory:",
-                    mdns=False,
-                    coordinator="",
-                    average_every_s=0,
-                    rebalance_every_s=0,
-                )
-            )
-        )
+        coordinator_server, coordinator = await start(create_coordinator(coordinator_settings(num_stages=2)))
         servers.append(coordinator_server)
         urls = []
         for i, stage in enumerate([0, 1]):

@@ -26,10 +26,9 @@ from services.stage_server.app import create_app
 from services.stage_server.routes import MOVE
 from services.stage_server.runtime import StageRuntime
 from shared.codec import decode_tensor, encode_tensor, pack_message, unpack_message
-from shared.config import CoordinatorSettings
 from shared.model import PRESETS
 from shared.processes import free_port
-from tests.conftest import stage_settings
+from tests.conftest import coordinator_settings, stage_settings
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 NUM_STAGES, D_MODEL = 3, PRESETS["tiny"].d_model
@@ -95,19 +94,7 @@ async def test_a_moved_server_serves_the_new_stage_with_a_replicas_state_and_reg
     stop, mover = asyncio.Event(), None
     try:
         coordinator_server = TestServer(
-            create_coordinator(
-                CoordinatorSettings(
-                    run_id="test",
-                    num_stages=NUM_STAGES,
-                    heartbeat_s=0.05,
-                    lease_heartbeats=100,
-                    state_db=":memory:",
-                    mdns=False,
-                    coordinator="",
-                    average_every_s=0,
-                    rebalance_every_s=0,
-                )
-            ),
+            create_coordinator(coordinator_settings(num_stages=NUM_STAGES, heartbeat_s=0.05, lease_heartbeats=100)),
             host="127.0.0.1",
         )
         await coordinator_server.start_server()

@@ -8,24 +8,14 @@ from __future__ import annotations
 
 from services.coordinator.app import create_app
 from shared.config import CoordinatorSettings
+from tests.conftest import coordinator_settings
 
 RUN_ID = "test-run"
 A, B = "http://a:1", "http://b:1"
 
 
 def settings(state_db: str) -> CoordinatorSettings:
-    return CoordinatorSettings(
-        run_id=RUN_ID,
-        num_stages=2,
-        heartbeat_s=2.0,
-        lease_heartbeats=3,
-        max_servers=64,
-        state_db=state_db,
-        mdns=False,
-        coordinator="",
-        average_every_s=0,
-        rebalance_every_s=0,
-    )
+    return coordinator_settings(run_id=RUN_ID, num_stages=2, heartbeat_s=2.0, max_servers=64, state_db=state_db)
 
 
 def reservation(url: str, microbatch_id: str, **overrides) -> dict:

@@ -18,11 +18,10 @@ from services.stage_server.routes import RUNTIME
 from services.stage_server.runtime import StageStats
 from services.stage_server.utilisation import StageUtilisation
 from shared.codec import encode_tensor, pack_message
-from shared.config import CoordinatorSettings
 from shared.flops import stage_flops
 from shared.model import PRESETS, partition
 from shared.peak_flops import Peak
-from tests.conftest import VirtualClock, stage_settings
+from tests.conftest import VirtualClock, coordinator_settings, stage_settings
 from tests.service.test_observability import scrape, value
 
 MSGPACK = {"Content-Type": "application/msgpack"}
@@ -83,20 +82,7 @@ async def test_a_stage_server_shows_its_model_flops_and_mfu(http_session):
 
 
 async def test_swarm_status_shows_the_mfu_a_server_reports(http_session, capsys):
-    coordinator_server, coordinator = await start(
-        create_coordinator(
-            CoordinatorSettings(
-                run_id="test",
-                num_stages=2,
-                heartbeat_s=60.0,
-                state_db=":memory:",
-                mdns=False,
-                coordinator="",
-                average_every_s=0,
-                rebalance_every_s=0,
-            )
-        )
-    )
+    coordinator_server, coordinator = await start(create_coordinator(coordinator_settings(num_stages=2)))
     try:
         # a server of stage 0 (two blocks) that trained B sequences of T tokens in 0.25 s of compute, 1 s of wall
         clock = VirtualClock()

@@ -15,7 +15,7 @@ from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.registry import Registry
 from services.simulator.records import SimConfig, SimPeer, StageCost
 from services.simulator.sim import Simulation
-from shared.config import CoordinatorSettings, PlacementSettings
+from shared.config import PlacementSettings
 from shared.metrics import Metrics
 from shared.policy.hysteresis import Confirmation
 from shared.policy.move import Move
@@ -23,6 +23,7 @@ from shared.policy.rebalancing import RebalancingPolicy
 from shared.policy.throughput import ThroughputRebalancer, weakest
 from shared.policy.view import PlacementInputs, Replica, SwarmView
 from shared.topology import Peer, Replan, Workload, world_network
+from tests.conftest import coordinator_settings
 
 
 def view_of(*replicas: tuple[str, int, float], num_stages: int = 2, pending: tuple[int, ...] = ()) -> SwarmView:
@@ -153,9 +154,8 @@ def test_a_topology_replan_never_empties_a_stage_and_waits_for_unmeasured_server
 def test_coordinator_registry_dashboard_metrics_and_simulator_agree():
     """One swarm (stage 0: three replicas at 1 sample/s, stage 1: one), as each process
     sees it: all name stage 1 the weakest and order the same move, a 0 -> 1, on the second check."""
-    settings = CoordinatorSettings(
-        num_stages=2, mdns=False, state_db=":memory:", placement=PlacementSettings(mode="auto")
-    )
+    # average_every_s at its default: the topology planner's cost reads it
+    settings = coordinator_settings(num_stages=2, average_every_s=30.0, placement=PlacementSettings(mode="auto"))
     registry = Registry(":memory:", num_stages=2, heartbeat_s=1.0, clock=lambda: 0.0)
     for sid, stage in [("a", 0), ("b", 0), ("c", 0), ("d", 1)]:
         registry.register(sid, stage, f"http://{sid}:1", "v", 1.0, 0)

@@ -13,7 +13,14 @@ same global batch and the same optimizer:
 - ``mesh fp32``: the same with the fp32 wire (what the codec buys, against the design);
 - ``pipelining``: ``torch.distributed.pipelining`` over gloo, Schedule1F1B, fp32
   activations (``bench/arena_pipelining.py``), with its microbatch count for the global
-  batch swept in the same arena first and its fastest used.
+  batch swept in the same arena first and its fastest used; on the scenario's strongest
+  servers, one per stage, the layers split equally;
+- ``pipelining balanced`` (where those servers' CPU caps differ): the same with the layers
+  split in proportion to their caps (:func:`balanced_layers`).
+
+Each row gives its side's compute bound against equal-split pipelining's
+(:func:`compute_bounds`: CPU cores per layer of the slowest stage, the mesh at its best
+placement), beside the measured tokens/s and time ratios.
 
 The target is the held-out loss the same model reaches in one process after
 ``target_steps`` global steps (computed here, printed). Each side trains until its
@@ -51,7 +58,7 @@ from bench.report import BenchResult
 from bench.workload import Workload
 from services.trainer.utilisation import run_utilisation
 from shared.flops import stage_flops
-from shared.model import partition
+from shared.model import StageSpec, partition
 from shared.peak_flops import resolve_peak
 
 COORD_PORT, SERVER_PORT, GLOO_PORT = 7000, 7100, 29500
@@ -74,6 +81,8 @@ COLUMNS = [
     "bytes/token",
     "mesh / pipelining time",
     "mesh / pipelining tok/s",
+    "mesh / balanced time",
+    "compute bound (x pipelining)",
     "MFU per stage",
 ]
 
@@ -104,6 +113,51 @@ class Scenario:
         link), one per stage; the rest idle."""
         order = sorted(range(len(self.servers)), key=lambda i: (-(self.servers[i][1] or 1e9), -self.servers[i][0], i))
         return [f"s{i}" for i in sorted(order[: self.stages])]
+
+
+def layer_splits(n_layer: int, parts: int):
+    """Every split of ``n_layer`` contiguous layers into ``parts`` stages of at least one."""
+    if parts == 1:
+        yield (n_layer,)
+        return
+    for first in range(1, n_layer - parts + 2):
+        for rest in layer_splits(n_layer - first, parts - 1):
+            yield (first, *rest)
+
+
+def balanced_layers(cores: list[float], n_layer: int) -> tuple[int, ...]:
+    """The split of ``n_layer`` layers over pipeline ranks of these CPU ``cores`` (in rank
+    order) whose slowest rank has the most cores per layer (ties: the most even split)."""
+    return max(
+        layer_splits(n_layer, len(cores)),
+        key=lambda split: (min(c / n for c, n in zip(cores, split)), -sum(n * n for n in split)),
+    )
+
+
+def compute_bounds(cores: list[float], stages: int, work: Workload, ranks: list[int]) -> dict:
+    """Each side's compute bound: the CPU cores per layer of its slowest stage (the rate of a
+    pipeline is its slowest stage's, embeddings and head left out), for ``cores`` of the stage
+    servers. The mesh: every server in some stage, the stages' layers as ``partition`` splits
+    them, its best placement (the coordinator's to find); pipelining: the servers ``ranks``,
+    one per stage, with equal splits and with :func:`balanced_layers`."""
+    import itertools
+
+    n_layer = work.n_layer
+    sizes = [len(spec.layers) for spec in partition(work.gpt_config(), stages)]
+    mesh = 0.0
+    for placement in itertools.product(range(stages), repeat=len(cores)):
+        held = [0.0] * stages
+        for server, stage in enumerate(placement):
+            held[stage] += cores[server]
+        mesh = max(mesh, min(h / n for h, n in zip(held, sizes)))
+    rank_cores = [cores[i] for i in ranks]
+    balanced = balanced_layers(rank_cores, n_layer)
+    return {
+        "mesh": mesh,
+        "pipelining": min(c / n for c, n in zip(rank_cores, sizes)),
+        "pipelining balanced": min(c / n for c, n in zip(rank_cores, balanced)),
+        "balanced_layers": list(balanced),
+    }
 
 
 @dataclass(frozen=True)
@@ -639,11 +693,12 @@ _GLOO_RUNS = 0
 
 
 def run_pipelining(
-    arena: Arena, sc: Scenario, plan: Plan, logs: Path, target: float
+    arena: Arena, sc: Scenario, plan: Plan, logs: Path, target: float, layers: list[int] | None = None
 ) -> tuple[Outcome, int, list[dict]]:
+    """Pipelining on the scenario's strongest servers: ``layers`` per rank (None: equal splits)."""
     global _GLOO_RUNS
     _GLOO_RUNS += 1
-    side = SideRun(arena, sc, plan, logs, "pipelining")
+    side = SideRun(arena, sc, plan, logs, "pipelining" if layers is None else "pipelining-balanced")
     ranks = sc.pipeline_ranks()
     out, sweep_rows, microbatches = Outcome(), [], plan.pipeline_candidates[0]
     watch = None
@@ -660,6 +715,7 @@ def run_pipelining(
                 "eval_every": plan.eval_every,
                 "target": target,
                 "budget_s": sc.budget_s,
+                "layers": layers,
             }
             log = side.log(f"rank{r}")
             arena.popen(
@@ -722,7 +778,9 @@ def _links(arena: Arena, sc: Scenario, quick: bool) -> list[dict]:
     ]
 
 
-def _row(sc: Scenario, side: str, setting: str, out: Outcome, plan: Plan) -> dict:
+def _row(
+    sc: Scenario, side: str, setting: str, out: Outcome, plan: Plan, bound: float, layers: list[int] | None = None
+) -> dict:
     tokens = out.steps * plan.work.samples_per_step * plan.work.seq_len
     if out.reached_s is not None:
         ttt = round(out.reached_s, 1)
@@ -737,37 +795,53 @@ def _row(sc: Scenario, side: str, setting: str, out: Outcome, plan: Plan) -> dic
         "steps to target": out.reached_step,
         "tokens/s": round(tokens / out.elapsed_s, 1) if out.elapsed_s else 0.0,
         "bytes/token": round(out.bytes_sent / tokens) if tokens else None,
-        "MFU per stage": _stage_mfu(side, out, plan, sc.stages, tokens),
+        "compute bound (x pipelining)": round(bound, 2),
+        "MFU per stage": _stage_mfu(side, out, plan, sc.stages, tokens, layers),
     }
 
 
-def _stage_mfu(side: str, out: Outcome, plan: Plan, stages: int, tokens: int) -> list[float | None]:
+def _stage_mfu(
+    side: str, out: Outcome, plan: Plan, stages: int, tokens: int, layers: list[int] | None = None
+) -> list[float | None]:
     """Each stage's wall MFU over the training: the mesh's stage servers measure theirs (model
     FLOPs of what they trained and evaluated, over the peak of their thread, ``out.extra``);
     pipelining's, one rank and thread per stage, from its tokens/s and each stage's FLOPs per token."""
-    if side != "pipelining":
+    if not side.startswith("pipelining"):
         return [s["mfu_wall"] for s in out.extra.get("stages", [])]
     if not out.elapsed_s:
         return [None] * stages
     cfg, peak = plan.work.gpt_config(), resolve_peak("cpu", "fp32", threads=1).flops  # the servers' (one cache)
+    specs = partition(cfg, stages)
+    if layers:
+        starts = [sum(layers[:r]) for r in range(stages)]
+        specs = [StageSpec(r, stages, range(starts[r], starts[r] + layers[r])) for r in range(stages)]
     return [
-        round(tokens / out.elapsed_s * stage_flops(cfg, spec).per_token(plan.work.seq_len) / peak, 6)
-        for spec in partition(cfg, stages)
+        round(tokens / out.elapsed_s * stage_flops(cfg, spec).per_token(plan.work.seq_len) / peak, 6) for spec in specs
     ]
 
 
 def _ratios(rows: list[dict]) -> None:
+    """The mesh's rows against pipelining's (equal splits) and, where it ran, the speed-balanced one."""
     pipe = next(r for r in rows if r["side"] == "pipelining")
+    balanced = next((r for r in rows if r["side"] == "pipelining balanced"), None)
     for r in rows:
-        if r["side"] == "pipelining":
+        if r["side"].startswith("pipelining"):
             continue
-        a, b = r["time to target s"], pipe["time to target s"]
-        if isinstance(a, float) and isinstance(b, float):
-            r["mesh / pipelining time"] = round(b / a, 2)  # how many times sooner the mesh got there
-        elif isinstance(a, float):
-            r["mesh / pipelining time"] = "pipelining did not reach it"
+        r["mesh / pipelining time"] = _sooner(r, pipe)
+        if balanced is not None:
+            r["mesh / balanced time"] = _sooner(r, balanced)
         if pipe["tokens/s"]:
             r["mesh / pipelining tok/s"] = round(r["tokens/s"] / pipe["tokens/s"], 2)
+
+
+def _sooner(mesh: dict, pipe: dict) -> float | str | None:
+    """How many times sooner the mesh reached the target than ``pipe``."""
+    a, b = mesh["time to target s"], pipe["time to target s"]
+    if isinstance(a, float) and isinstance(b, float):
+        return round(b / a, 2)
+    if isinstance(a, float):
+        return f"{pipe['side']} did not reach it"
+    return None
 
 
 def run_scenario(
@@ -780,10 +854,16 @@ def run_scenario(
     best_mesh: tuple[int, int] | None,
 ) -> tuple[list[dict], dict, tuple[int, int]]:
     trainers = max(t for t, _ in plan.mesh_settings)
+    ranks = sc.pipeline_ranks()
+    cores = [cap or 1.0 for _, cap in sc.servers]
+    bounds = compute_bounds(cores, sc.stages, plan.work, [int(r[1:]) for r in ranks])
+    equal = [len(spec.layers) for spec in partition(plan.work.gpt_config(), sc.stages)]
+    balanced = bounds["balanced_layers"] if bounds["balanced_layers"] != equal else None
     detail: dict = {
         "scenario": asdict(sc),
-        "ranks": sc.pipeline_ranks(),
+        "ranks": ranks,
         "hop_ratios": hop_ratios(plan.work, compute_s, sc.servers),
+        "compute_bounds": bounds,
     }
     with Arena(sc.peer_specs(trainers)) as arena:
         detail["links"] = _links(arena, sc, quick)
@@ -804,21 +884,28 @@ def run_scenario(
                     f"{setting[0]} trainer(s), {setting[1]} in flight, {plan.mesh_routing}",
                     out,
                     plan,
+                    bounds["mesh"] / bounds["pipelining"],
                 )
             )
             print(f"arena {sc.name}: {rows[-1]}", flush=True)
-        out, microbatches, sweep = run_pipelining(arena, sc, plan, logs / sc.name, target)
-        detail["pipelining"] = asdict(out) | {"sweep": sweep}
-        rows.append(
-            _row(
-                sc,
-                "pipelining",
-                f"{microbatches} microbatches of {plan.work.samples_per_step // microbatches}",
-                out,
-                plan,
+        for side, layers in (("pipelining", None), ("pipelining balanced", balanced)):
+            if side != "pipelining" and layers is None:
+                continue  # equal splits are the balanced ones: the ranks are equal
+            out, microbatches, sweep = run_pipelining(arena, sc, plan, logs / sc.name, target, layers)
+            detail[side.replace(" ", "_")] = asdict(out) | {"sweep": sweep}
+            pipe_setting = f"{microbatches} microbatches of {plan.work.samples_per_step // microbatches}"
+            rows.append(
+                _row(
+                    sc,
+                    side,
+                    pipe_setting + (f", layers {'/'.join(map(str, layers))}" if layers else ""),
+                    out,
+                    plan,
+                    bounds[side] / bounds["pipelining"],
+                    layers,
+                )
             )
-        )
-        print(f"arena {sc.name}: {rows[-1]}", flush=True)
+            print(f"arena {sc.name}: {rows[-1]}", flush=True)
         detail["torn_down"] = {"namespaces": [arena.hub, *(p.netns for p in arena.peers.values())]}
     _ratios(rows)
     return rows, detail, setting
@@ -898,13 +985,25 @@ def run(ctx) -> BenchResult:
             f"steps); pipelining ranks {', '.join(d['ranks'])}; links as measured (set -> measured): {links}; compute "
             f"/ transfer per hop: {ratios}"
         )
-        for side in (*(f"mesh_{c}" for c in plan.codecs), "pipelining"):
-            if d[side]["kills"]:
+        b = d["compute_bounds"]
+        notes.append(
+            f"{d['scenario']['name']} compute bounds (CPU cores per layer of the slowest stage, embeddings and head "
+            f"left out): mesh {b['mesh']:.4f} (its best placement, equal layers a stage), pipelining "
+            f"{b['pipelining']:.4f} (ranks {', '.join(d['ranks'])}, equal splits), speed-balanced pipelining "
+            f"{b['pipelining balanced']:.4f} (layers {'/'.join(map(str, b['balanced_layers']))}): the mesh's is "
+            f"{b['mesh'] / b['pipelining']:.2f}x and {b['mesh'] / b['pipelining balanced']:.2f}x theirs"
+        )
+        for side in (*(f"mesh_{c}" for c in plan.codecs), "pipelining", "pipelining_balanced"):
+            if side in d and d[side]["kills"]:
                 notes.append(f"{d['scenario']['name']} {side.replace('_', ' ')} churn: {d[side]['kills']}")
     summary = {
         f"{r['scenario']}_{r['side'].replace(' ', '_')}_time_ratio": r.get("mesh / pipelining time")
         for r in rows
-        if r["side"] != "pipelining"
+        if not r["side"].startswith("pipelining")
+    } | {
+        f"{r['scenario']}_{r['side'].replace(' ', '_')}_balanced_time_ratio": r["mesh / balanced time"]
+        for r in rows
+        if "mesh / balanced time" in r
     }
     params = {
         "work": asdict(w),

@@ -10,7 +10,8 @@ group (rank 0's peer address, this peer's veth), then
    target or the time budget is spent, evaluated every ``eval_every`` steps.
 
 The model, the data and the optimizer are the mesh's: ``shared.model.build_stage`` with
-the same seed, the same samples per global step (the mesh's microbatches ``step * n ..``
+the same seed (or, with ``layers`` in the config, the layers split so: the arena's
+speed-balanced pipelining), the same samples per global step (the mesh's microbatches ``step * n ..``
 concatenated), AdamW with the stage servers' defaults (weight decay on matrices only,
 betas, linear warm-up, the stage's gradient clipped to ``max_grad_norm``). Activations
 cross the links in fp32, as PyTorch sends them. The evaluation runs the same held-out
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from bench.workload import Workload
 from services.stage_server.runtime import OptimizerConfig
 from shared.config import StageServerSettings
-from shared.model import build_stage
+from shared.model import StageSpec, build_stage, init_stage, stage_model
 
 EVAL_MICROBATCHES = 4  # the trainer's held-out microbatches (Trainer.eval_microbatches)
 TIMEOUT_S = 300.0
@@ -86,7 +87,15 @@ class Rank:
     def fresh(self, microbatches: int):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        model = build_stage(self.work.gpt_config(), self.rank, self.world, seed=0)
+        cfg = self.work.gpt_config()
+        if self.cfg.get("layers"):  # a split of the layers other than partition()'s equal one
+            start = sum(self.cfg["layers"][: self.rank])
+            model = stage_model(
+                cfg, StageSpec(self.rank, self.world, range(start, start + self.cfg["layers"][self.rank]))
+            )
+            init_stage(model, 0)
+        else:
+            model = build_stage(cfg, self.rank, self.world, seed=0)
         optimizer = stock_adamw(model, self.optim)
         schedule = Schedule1F1B(
             PipelineStage(model, self.rank, self.world, torch.device("cpu")),

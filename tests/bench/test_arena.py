@@ -72,7 +72,10 @@ def test_quick_arena_trains_every_side_on_shaped_links_and_leaves_nothing(tmp_pa
 
     # used: each side trained to the target, its bytes crossed the shaped links
     rows = {r["side"]: r for r in result["rows"]}
-    assert set(rows) == {"mesh int8", "mesh fp32", "pipelining"}
+    assert set(rows) == {"mesh int8", "mesh fp32", "pipelining"}  # equal servers: no speed-balanced pipelining
+    # equal servers, one per stage: every side's compute bound is pipelining's
+    assert detail["compute_bounds"]["balanced_layers"] == [1, 1]
+    assert all(r["compute bound (x pipelining)"] == 1.0 for r in rows.values()), rows
     for side, row in rows.items():
         assert isinstance(row["time to target s"], float) and row["steps to target"] >= 1 and row["tokens/s"] > 0, row
         assert row["bytes/token"] > 0, row

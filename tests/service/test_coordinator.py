@@ -18,7 +18,7 @@ from services.coordinator.app import build_registry, create_app, expire_leases
 from services.coordinator.registry import Registry, ServerReport
 from services.coordinator.routes import LOG, MAX_BODY_BYTES, REGISTRY
 from shared.config import CoordinatorSettings
-from tests.conftest import coordinator_settings
+from tests.conftest import coordinator_settings, until
 
 RUN_ID = "test-run"
 HEARTBEAT_S, LEASE_S = 2.0, 6.0
@@ -482,13 +482,13 @@ async def test_a_standby_server_waits_while_every_stage_has_two_replicas_and_tak
         "reason": "every stage has two replicas",
     }
     assert (await ok(await client.get("/swarm")))["standby"] == [{"server_id": "standby-a", "region": ""}]
-    held = asyncio.ensure_future(client.post("/assign", json={**ask, "wait_s": 10}))
-    await asyncio.sleep(0)
-    assert not held.done()
+    held = asyncio.ensure_future(client.post("/assign", json={**ask, "server_id": "standby-h", "wait_s": 10}))
+    await until(lambda: {"server_id": "standby-h", "region": ""} in reg.standbys(), 5, "the standby's ask to be held")
+    assert not held.done()  # held open: every stage still has two replicas
     await ok(await client.post("/deregister", json={"server_id": "s3"}))  # stage 1 is down to one replica
     reply = await ok(await asyncio.wait_for(held, 5))
     assert reply["stage"] == 1 and reply["placement"] == "standby" and "one replica" in reply["reason"]
-    assert (await ok(await client.get("/swarm")))["standby"] == []
+    assert (await ok(await client.get("/swarm")))["standby"] == [{"server_id": "standby-a", "region": ""}]
     other = {**ask, "server_id": "standby-b"}
     assert (await ok(await client.post("/assign", json=other)))["stage"] is None  # the pending join counts
     assert (await client.post("/assign", json={**ask, "wait_s": -1})).status == 400

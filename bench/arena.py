@@ -41,6 +41,7 @@ the bench says so and skips.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import shutil
@@ -140,8 +141,6 @@ def compute_bounds(cores: list[float], stages: int, work: Workload, ranks: list[
     servers. The mesh: every server in some stage, the stages' layers as ``partition`` splits
     them, its best placement (the coordinator's to find); pipelining: the servers ``ranks``,
     one per stage, with equal splits and with :func:`balanced_layers`."""
-    import itertools
-
     n_layer = work.n_layer
     sizes = [len(spec.layers) for spec in partition(work.gpt_config(), stages)]
     mesh = 0.0

@@ -151,7 +151,9 @@ async def _joins(procs: BenchProcesses, coordinator: str, plan: Plan, env: dict)
                 await _until(lambda: _standbys(mesh.session, coordinator), "the standby to wait at the coordinator")
                 killed = time.monotonic()
                 procs.kill(victim)
-                await _until(lambda: _no_standby(mesh.session, coordinator), "the coordinator to assign the standby")
+                await _until(
+                    lambda: _standbys(mesh.session, coordinator, waiting=False), "the coordinator to assign the standby"
+                )
                 assigned = time.monotonic()
                 run = await _first_microbatch(mesh.session, coordinator, url, assigned)
                 standby.append({**run, "from_kill_s": run["first_s"] + assigned - killed})
@@ -197,13 +199,10 @@ async def _listed(session: aiohttp.ClientSession, coordinator: str, url: str, pr
     return swarm is not None and (url in urls) == present
 
 
-async def _standbys(session: aiohttp.ClientSession, coordinator: str) -> bool:
-    return bool(((await _get(session, coordinator + "/swarm")) or {}).get("standby"))
-
-
-async def _no_standby(session: aiohttp.ClientSession, coordinator: str) -> bool:
+async def _standbys(session: aiohttp.ClientSession, coordinator: str, waiting: bool = True) -> bool:
+    """Does the coordinator list a standby waiting (``waiting``), or none (not ``waiting``)?"""
     swarm = await _get(session, coordinator + "/swarm")
-    return swarm is not None and not swarm.get("standby")
+    return swarm is not None and bool(swarm.get("standby")) == waiting
 
 
 async def _until(condition, what: str, timeout_s: float = JOIN_DEADLINE_S) -> None:

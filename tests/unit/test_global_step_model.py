@@ -447,11 +447,13 @@ class GlobalSteps(RuleBasedStateMachine):
         """A server starts at a killed one's URL, fresh at step 0; it joins from a live
         replica before it registers (``app._join``), or not and is told to resync."""
         dead = [r for r in self.replicas.values() if not r.alive]
-        old = dead[pick % len(dead)]
-        replica = Replica(old.url, fresh_runtime())
+        self.restart_replica(dead[pick % len(dead)].url, join)
+
+    def restart_replica(self, url: str, join: bool) -> None:
+        replica = Replica(url, fresh_runtime())
         if join:
             self._resync(replica)
-        self.replicas[old.url] = replica
+        self.replicas[url] = replica
         self.books.append(replica)
         self.counter.registered(0, replica.url, replica.rt.step)
 
@@ -520,11 +522,7 @@ class GlobalSteps(RuleBasedStateMachine):
         if self.asked_drain % 4:
             return  # it ends a burst of faults: rarer than the trainer's work
         for dead in [r for r in self.replicas.values() if not r.alive]:
-            replica = Replica(dead.url, fresh_runtime())
-            self._resync(replica)
-            self.replicas[dead.url] = replica
-            self.books.append(replica)
-            self.counter.registered(0, replica.url, replica.rt.step)
+            self.restart_replica(dead.url, join=True)
         for work in list(self.held):
             self.held.remove(work)
             if work.report is None:

@@ -68,6 +68,7 @@ POLL_S = 0.25
 # a side this long past its budget in wall time (from its start) without the budget in training time has
 # stalled: stopped
 STALL_GRACE_S = 60.0
+CHURN_STALL_S = 20.0  # a side with a victim down that takes no global step this long gets one back at once
 TRAINERS = ("t0", "t1", "t2", "t3")  # the peers trainers run in (stopped before the servers)
 HOMOGENEOUS_CPUS = 0.4  # per stage peer: 4 x 0.4 leaves the machine's rest to trainers, coordinator and the switch
 HETERO_UNIT = 1.6 / 24  # caps 1:1:2:2:2:4:4:4 of this many cores: 1.6 cores in all
@@ -83,6 +84,7 @@ COLUMNS = [
     "mesh / pipelining time",
     "mesh / pipelining tok/s",
     "mesh / balanced time",
+    "with / without kills, time",
     "compute bound (x pipelining)",
     "MFU per stage",
 ]
@@ -96,7 +98,8 @@ class Scenario:
     trainer_mbit: float
     budget_s: float  # each side's training time at most
     stages: int = 4
-    churn: tuple[float, float] | None = None  # (kill a stage server every S, restart it S later)
+    # (kill every N global steps, a victim back M global steps after its kill): see ChurnPlan
+    churn: tuple[int, int] | None = None
     target_steps: int | None = None  # the target: the loss one process reaches after this many steps (None: the plan's)
     rebalance_every_s: float = 0.0  # the coordinator's rebalancing (0: off; one server per stage)
     # the mesh's checkpoints (0: none): a restarted server whose stage has no live replica resumes from the latest
@@ -114,6 +117,56 @@ class Scenario:
         link), one per stage; the rest idle."""
         order = sorted(range(len(self.servers)), key=lambda i: (-(self.servers[i][1] or 1e9), -self.servers[i][0], i))
         return [f"s{i}" for i in sorted(order[: self.stages])]
+
+
+@dataclass
+class ChurnPlan:
+    """A scenario's kills, by global steps, so that a faster side meets as many: the k-th kill
+    at step ``k * every``; the second takes a whole stage (every live replica of the stage
+    with the fewest, so its last one among them: that stage's recovery is part of the run),
+    every other one a random live server. A victim comes back ``back`` global steps after its
+    kill; a side that takes no step for ``CHURN_STALL_S`` while victims are down (a stage
+    lost every replica) gets its longest-down victim back at once."""
+
+    every: int
+    back: int
+    rng: random.Random = field(default_factory=lambda: random.Random(0))  # the same victims in every run
+    kills: int = 0
+    down: dict[str, int] = field(default_factory=dict)  # victim -> its kill's step, the longest down first
+    last_step: int = -1
+    last_step_at: float = 0.0
+
+    def victims(self, step: int, stages: dict[int, list[str]], idle: tuple[str, ...] = ()) -> list[str]:
+        """Whom to kill at global ``step`` (nobody, one server or a whole stage), from the live
+        servers of each stage and the live servers that hold none (``idle``)."""
+        live = sorted({p for members in stages.values() for p in members} | set(idle))
+        if not self.due(step) or not live:
+            return []
+        self.kills += 1
+        if self.kills == 2 and any(stages.values()):
+            fewest = min(len(m) for m in stages.values() if m)
+            stage = self.rng.choice(sorted(s for s, m in stages.items() if len(m) == fewest))
+            chosen = sorted(stages[stage])
+        else:
+            chosen = [self.rng.choice(live)]
+        for victim in chosen:
+            self.down[victim] = step
+        return chosen
+
+    def due(self, step: int) -> bool:
+        """Whether global ``step`` is at or past the next kill's."""
+        return step >= (self.kills + 1) * self.every
+
+    def returning(self, step: int, now: float) -> list[str]:
+        """The victims to start again at global ``step`` and monotonic time ``now``."""
+        if step != self.last_step:
+            self.last_step, self.last_step_at = step, now
+        back = [v for v, killed_at in self.down.items() if step >= killed_at + self.back]
+        if not back and self.down and now - self.last_step_at >= CHURN_STALL_S:
+            back, self.last_step_at = [next(iter(self.down))], now
+        for victim in back:
+            del self.down[victim]
+        return back
 
 
 def layer_splits(n_layer: int, parts: int):
@@ -229,14 +282,17 @@ FULL = Plan(
             HETERO_SERVERS,
             10.0,
             100,
-            240.0,
-            churn=(60.0, 30.0),
+            600.0,
+            churn=(6, 8),
             rebalance_every_s=10.0,
             target_steps=24,
             checkpoint_every_s=20.0,
             description=(
-                "heterogeneous, with a random stage server SIGKILLed every 60 s and restarted 30 s later; a later "
-                "target, so that the runs see several kills"
+                "heterogeneous, with a kill every 6 global steps (at 6, 12, 18, ...: the first and third a random "
+                "stage server, the second every live replica of the stage with the fewest, its last replica among "
+                "them), each victim restarted 8 global steps after its kill (a side that takes no step for "
+                f"{CHURN_STALL_S:g} s gets its longest-down victim back at once); a later target, so that the runs see "
+                "3 kills before it; the mesh also runs without kills, for its own reference"
             ),
         ),
     ),
@@ -591,9 +647,8 @@ class MeshSide(SideRun):
                 trainers, in_flight, start_step=0, steps=100_000, eval_every=self.plan.eval_every, tag="run"
             )[0]
         )
-        rng, started_at, killed = random.Random(0), None, {}  # the churn's victims: the same in every run
+        started_at, churn = None, ChurnPlan(*sc.churn) if sc.churn else None
         meters = None  # the servers' MFU meters when the training clock started, and when
-        next_kill = sc.churn[0] if sc.churn else None
         deadline = time.monotonic() + START_TIMEOUT_S + sc.budget_s + 60
         t0 = None  # when the trainer's clock started: its first evaluation's end
         while time.monotonic() < deadline:
@@ -615,18 +670,8 @@ class MeshSide(SideRun):
                     "target" if out.reached_s is not None else "budget" if out.elapsed_s >= sc.budget_s else "stalled"
                 )
                 break
-            if next_kill is not None and started_at and now >= next_kill:
-                victim = rng.choice(sorted(p for p in self.servers if p not in killed))
-                self.arena.kill(victim, self.servers.pop(victim))
-                killed[victim] = now + sc.churn[1]
-                out.kills.append(
-                    {"server": victim, "killed_at_s": round(now, 1), "restarted_at_s": round(killed[victim], 1)}
-                )
-                next_kill += sc.churn[0]
-            for victim, when in list(killed.items()):
-                if now >= when:
-                    self.start_server(victim, int(victim[1:]))
-                    del killed[victim]
+            if churn is not None and started_at:
+                self.churn_turn(churn, out, now)
             time.sleep(POLL_S)
         else:
             out.stopped = "timed out"
@@ -638,6 +683,30 @@ class MeshSide(SideRun):
             before, since = meters
             out.extra["stages"] = run_utilisation(before, self.utilisation(), time.monotonic() - since, sc.stages)
         return out
+
+    def churn_turn(self, churn: ChurnPlan, out: Outcome, now: float) -> None:
+        """Kill and restart servers as ``churn`` says at the side's global step; each kill and
+        each restart goes into ``out.kills``."""
+        victims = churn.victims(out.steps, self.stage_members()) if churn.due(out.steps) else []
+        for victim in victims:
+            self.arena.kill(victim, self.servers.pop(victim))
+        if victims:
+            out.kills.append({"servers": victims, "step": out.steps, "killed_at_s": round(now, 1)})
+            print(f"arena {self.sc.name} {self.label}: killed {victims} at step {out.steps}, {now:.1f} s", flush=True)
+        for victim in churn.returning(out.steps, time.monotonic()):
+            self.start_server(victim, int(victim[1:]))
+            out.kills.append({"restarted": victim, "step": out.steps, "at_s": round(now, 1)})
+
+    def stage_members(self) -> dict[int, list[str]]:
+        """The live servers of each stage, as the coordinator's ``GET /swarm`` lists them (by peer)."""
+        probe = [sys.executable, "-m", "bench.arena_probe", "wait-http", "--url", f"{self.coordinator}/swarm"]
+        view = json.loads(self.arena.run("coord", [*probe, "--timeout", "10"], timeout_s=15))
+        by_address = {self.arena.peers[p].address: p for p in self.servers}
+        members: dict[int, list[str]] = {}
+        for stage in view["stages"]:
+            hosts = (r["url"].split("//", 1)[1].rsplit(":", 1)[0] for r in stage["replicas"])
+            members[stage["stage"]] = sorted(by_address[h] for h in hosts if h in by_address)
+        return members
 
     def utilisation(self) -> dict[str, dict]:
         """Each live server's MFU meter (its ``GET /health``, read from the first trainer's
@@ -667,9 +736,17 @@ class MeshSide(SideRun):
 
 
 def run_mesh(
-    arena: Arena, sc: Scenario, plan: Plan, logs: Path, codec: str, setting: tuple[int, int] | None, target: float
+    arena: Arena,
+    sc: Scenario,
+    plan: Plan,
+    logs: Path,
+    codec: str,
+    setting: tuple[int, int] | None,
+    target: float,
+    label: str = "",
 ) -> tuple[Outcome, tuple[int, int], list[dict]]:
-    """One mesh side: a fresh swarm for the sweep (when ``setting`` is None), a fresh one for the run."""
+    """One mesh side: a fresh swarm for the sweep (when ``setting`` is None), a fresh one for
+    the run (its logs named by ``label``, else by the codec)."""
     sweep_rows: list[dict] = []
     if setting is None:
         side = MeshSide(arena, sc, plan, logs, f"{codec}-sweep", codec=codec)
@@ -678,7 +755,7 @@ def run_mesh(
             setting, sweep_rows = side.sweep(plan.mesh_settings)
         finally:
             arena.stop_processes(first=TRAINERS)
-    side = MeshSide(arena, sc, plan, logs, codec, codec=codec)
+    side = MeshSide(arena, sc, plan, logs, label or codec, codec=codec)
     try:
         side.start_swarm()
         outcome = side.train_to_target(*setting, target=target)
@@ -726,8 +803,8 @@ def run_pipelining(
             if r == len(ranks) - 1:
                 watch = Watch(log)
         sent0, started_at = None, None
-        rng = random.Random(0)
-        next_kill = sc.churn[0] if sc.churn else None
+        churn = ChurnPlan(*sc.churn) if sc.churn else None
+        idle = tuple(f"s{i}" for i in range(len(sc.servers)) if f"s{i}" not in ranks)
         sweep_allowance = START_TIMEOUT_S + 3 * 2 * len(plan.pipeline_candidates) * 60
         deadline = time.monotonic() + sweep_allowance + sc.budget_s + 60
         while time.monotonic() < deadline:
@@ -745,14 +822,14 @@ def run_pipelining(
             if out.stopped:
                 break
             now = time.monotonic() - started_at if started_at else 0.0
-            if next_kill is not None and started_at and now >= next_kill:
-                victim = rng.choice([f"s{i}" for i in range(len(sc.servers))])  # the mesh's schedule of victims
-                out.kills.append({"server": victim, "killed_at_s": round(now, 1), "rank": victim in ranks})
-                next_kill += sc.churn[0]
-                if victim in ranks:  # a pipeline with a dead stage cannot go on: record where it stopped
-                    for proc in list(arena.peers[victim].processes):
-                        arena.kill(victim, proc)
-                    out.stopped = f"{victim} killed at {now:.0f} s"
+            victims = churn.victims(out.steps, dict(enumerate([r] for r in ranks)), idle) if churn else []
+            if victims:  # the mesh's schedule, by this side's steps; a victim not among its ranks idled
+                out.kills.append({"servers": victims, "step": out.steps, "killed_at_s": round(now, 1)})
+                hit = [v for v in victims if v in ranks]
+                if hit:  # a pipeline with a dead stage cannot go on: record where it stopped
+                    for proc in list(arena.peers[hit[0]].processes):
+                        arena.kill(hit[0], proc)
+                    out.stopped = f"{hit[0]} killed at step {out.steps}, {now:.0f} s"
                     break
             for peer in ranks:
                 for proc in arena.peers[peer].processes:
@@ -876,17 +953,18 @@ def run_scenario(
         for codec in plan.codecs:
             out, setting, sweep = run_mesh(arena, sc, plan, logs / sc.name, codec, setting, target)
             detail[f"mesh_{codec}"] = asdict(out) | {"sweep": sweep}
-            rows.append(
-                _row(
-                    sc,
-                    f"mesh {codec}",
-                    f"{setting[0]} trainer(s), {setting[1]} in flight, {plan.mesh_routing}",
-                    out,
-                    plan,
-                    bounds["mesh"] / bounds["pipelining"],
-                )
-            )
+            described = f"{setting[0]} trainer(s), {setting[1]} in flight, {plan.mesh_routing}"
+            bound = bounds["mesh"] / bounds["pipelining"]
+            rows.append(_row(sc, f"mesh {codec}", described, out, plan, bound))
             print(f"arena {sc.name}: {rows[-1]}", flush=True)
+            if sc.churn:  # the mesh's own reference: the same scenario without its kills
+                calm, _, _ = run_mesh(
+                    arena, replace(sc, churn=None), plan, logs / sc.name, codec, setting, target, f"{codec}-no-kills"
+                )
+                detail[f"mesh_{codec}_no_kills"] = asdict(calm)
+                rows.append(_row(sc, f"mesh {codec}, no kills", described, calm, plan, bound))
+                rows[-2]["with / without kills, time"] = _sooner(rows[-1], rows[-2])
+                print(f"arena {sc.name}: {rows[-1]}", flush=True)
         for side, layers in (("pipelining", None), ("pipelining balanced", balanced)):
             if side != "pipelining" and layers is None:
                 continue  # equal splits are the balanced ones: the ranks are equal

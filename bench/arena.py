@@ -85,6 +85,7 @@ COLUMNS = [
     "mesh / pipelining tok/s",
     "mesh / balanced time",
     "with / without kills, time",
+    "re-runs",
     "compute bound (x pipelining)",
     "MFU per stage",
 ]
@@ -283,14 +284,14 @@ FULL = Plan(
             10.0,
             100,
             600.0,
-            churn=(6, 8),
+            churn=(6, 4),
             rebalance_every_s=10.0,
             target_steps=24,
             checkpoint_every_s=20.0,
             description=(
-                "heterogeneous, with a kill every 6 global steps (at 6, 12, 18, ...: the first and third a random "
-                "stage server, the second every live replica of the stage with the fewest, its last replica among "
-                "them), each victim restarted 8 global steps after its kill (a side that takes no step for "
+                "heterogeneous, with a kill every 6 global steps (at 6, 12, 18, ...: the second every live replica "
+                "of the stage with the fewest, its last replica among them; every other one a random stage server), "
+                "each victim restarted 4 global steps after its kill (a side that takes no step for "
                 f"{CHURN_STALL_S:g} s gets its longest-down victim back at once); a later target, so that the runs see "
                 "3 kills before it; the mesh also runs without kills, for its own reference"
             ),
@@ -642,11 +643,10 @@ class MeshSide(SideRun):
         out, sc = Outcome(), self.sc
         peers = [p for p in self.arena.peers if p.startswith("s")] + [f"t{t}" for t in range(trainers)] + ["coord"]
         sent0 = self.sent(peers)
-        watch = Watch(
-            self.start_trainers(
-                trainers, in_flight, start_step=0, steps=100_000, eval_every=self.plan.eval_every, tag="run"
-            )[0]
+        logs = self.start_trainers(
+            trainers, in_flight, start_step=0, steps=100_000, eval_every=self.plan.eval_every, tag="run"
         )
+        watch = Watch(logs[0])
         started_at, churn = None, ChurnPlan(*sc.churn) if sc.churn else None
         meters = None  # the servers' MFU meters when the training clock started, and when
         deadline = time.monotonic() + START_TIMEOUT_S + sc.budget_s + 60
@@ -677,11 +677,19 @@ class MeshSide(SideRun):
             out.stopped = "timed out"
         out.bytes_sent = self.sent(peers) - sent0
         failures = [ev for ev in watch.events if ev.get("event") == "microbatch.failed"]
-        reruns = [ev for ev in watch.events if ev.get("event") == "train.step"]
-        out.extra = {"microbatches_failed": len(failures), "log": str(watch.path), "steps_logged": len(reruns)}
+        steps = [ev for ev in watch.events if ev.get("event") == "train.step"]
+        out.extra = {"microbatches_failed": len(failures), "log": str(watch.path), "steps_logged": len(steps)}
+        out.extra.update(_reruns(logs))
         if meters is not None:  # each stage's MFU over the training (services/trainer/utilisation.py)
             before, since = meters
-            out.extra["stages"] = run_utilisation(before, self.utilisation(), time.monotonic() - since, sc.stages)
+            now = self.utilisation()
+            out.extra["stages"] = run_utilisation(before, now, time.monotonic() - since, sc.stages)
+            # what the live servers counted: gradients that went into a later step than their
+            # forward's weights (within SWARM_MAX_STALENESS), backwards refused as stale, samples dropped
+            out.extra["servers"] = {
+                key: sum(report["stats"].get(key, 0) for report in now.values())
+                for key in ("stale_gradients", "stale_backwards", "samples_dropped", "samples")
+            }
         return out
 
     def churn_turn(self, churn: ChurnPlan, out: Outcome, now: float) -> None:
@@ -720,7 +728,7 @@ class MeshSide(SideRun):
             except (RuntimeError, ValueError):
                 continue  # killed by the churn, or draining
             if isinstance(health.get("utilisation"), dict):
-                found[url] = {**health["utilisation"], "stage": health["stage"]}
+                found[url] = {**health["utilisation"], "stage": health["stage"], "stats": health.get("stats") or {}}
         return found
 
     def _follow(self, watch: Watch, until, timeout_s: float) -> list[dict]:
@@ -733,6 +741,16 @@ class MeshSide(SideRun):
                     raise RuntimeError(f"the trainer exited ({proc.returncode}); see {watch.path}")
             time.sleep(POLL_S)
         raise RuntimeError(f"the trainer did not get there in {timeout_s:.0f} s; see {watch.path}")
+
+
+def _reruns(trainer_logs: list[Path]) -> dict:
+    """Microbatches the trainers completed and ran again after a stale refusal (each
+    trainer's last ``train.step`` event), and the re-runs' share of them."""
+    done = reruns = 0
+    for log in trainer_logs:
+        last = next((ev for ev in reversed(Watch(log).poll()) if ev.get("event") == "train.step"), {})
+        done, reruns = done + last.get("microbatches", 0), reruns + last.get("reruns", 0)
+    return {"microbatches": done, "microbatch_reruns": reruns, "rerun_share": round(reruns / done, 4) if done else None}
 
 
 def run_mesh(
@@ -873,6 +891,11 @@ def _row(
         "bytes/token": round(out.bytes_sent / tokens) if tokens else None,
         "compute bound (x pipelining)": round(bound, 2),
         "MFU per stage": _stage_mfu(side, out, plan, sc.stages, tokens, layers),
+        **(
+            {"re-runs": f"{out.extra['microbatch_reruns']} of {out.extra['microbatches']}"}
+            if "microbatches" in out.extra
+            else {}
+        ),
     }
 
 

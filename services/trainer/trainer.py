@@ -297,6 +297,9 @@ class Trainer:
             "loss": _json_number(loss, 4),
             "tokens_per_s": round(tokens_per_s, 1),
             "elapsed_s": round(elapsed_s, 2),
+            # this trainer's so far: microbatches completed, and runs again after a stale backward
+            "microbatches": summary.microbatches_completed,
+            "reruns": summary.microbatch_reruns,
         }
         if self.metrics_file:
             with open(self.metrics_file, "a") as f:

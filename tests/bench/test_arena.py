@@ -94,6 +94,12 @@ def test_quick_arena_trains_every_side_on_shaped_links_and_leaves_nothing(tmp_pa
         assert len(row["MFU per stage"]) == 2 and all(0 < m <= 1 for m in row["MFU per stage"]), (side, row)
     for side in ("mesh_int8", "mesh_fp32"):
         assert all(0 < s["mfu_wall"] <= s["mfu_busy"] for s in detail[side]["extra"]["stages"]), detail[side]["extra"]
+        # the trainers' microbatches and re-runs after a stale refusal, counted (the sync schedule's: none)
+        extra = detail[side]["extra"]
+        assert extra["microbatches"] >= rows[side.replace("_", " ")]["steps to target"], extra
+        assert extra["microbatch_reruns"] == 0 and extra["rerun_share"] == 0, extra
+        # and what the servers counted: samples trained, none into a later step than its forward's weights
+        assert extra["servers"]["samples"] > 0 and extra["servers"]["stale_gradients"] == 0, extra
 
     # torn down: the namespaces it named are gone, with their veths and qdiscs; no cgroup, no process
     assert detail["torn_down"]["namespaces"] and not set(detail["torn_down"]["namespaces"]) & set(namespaces())

@@ -219,3 +219,25 @@ async def _download_while_busy(app, url, blocker, gate, http_session, tmp_path) 
     assert await blocker
     data = await asyncio.wait_for(download, 20.0)
     assert data == await get_state(http_session, url) and len(log.warnings) == 1
+
+
+async def test_the_checkpointer_asks_the_replica_that_gave_its_state_fastest_first(replicas, http_session, tmp_path):
+    """A replica that failed (here: nothing listens at its URL; in the arena: a peer behind a
+    10 Mbit/s link that spends the whole timeout) is asked after the one that answered last
+    time, so one slow replica does not cost every checkpoint its stage."""
+    log = Recorder()
+    checkpointer = Checkpointer(
+        Registry(":memory:", num_stages=4, heartbeat_s=60.0),
+        root=str(tmp_path),
+        run_id="test",
+        keep=1,
+        timeout_s=20.0,
+        log=log,
+        session=http_session,
+    )
+    dead, url = "http://127.0.0.1:9", replicas[1][0][0]  # the discard port: connection refused
+    first = await checkpointer._download(STAGE, [dead, url], 0)
+    assert [f["replica"] for _, f in log.warnings] == [dead]  # never asked before: in the order given
+    assert checkpointer.rates[dead] == 0 and checkpointer.rates[url] > 0
+    again = await checkpointer._download(STAGE, [dead, url], 0)
+    assert again == first and len(log.warnings) == 1  # the one that answered first; the dead one not asked

@@ -266,9 +266,11 @@ async def test_trainer_accounts_for_every_microbatch_and_respects_in_flight(tmp_
     assert len(lines) == steps
     records = [json.loads(line) for line in lines]
     for n, record in enumerate(records, start=1):
-        assert set(record) == {"step", "loss", "tokens_per_s", "elapsed_s"}
+        assert set(record) == {"step", "loss", "tokens_per_s", "elapsed_s", "microbatches", "reruns"}
         assert record["step"] == n
         assert record["tokens_per_s"] >= 0 and record["elapsed_s"] >= 0
+        assert 0 < record["microbatches"] <= summary.microbatches_completed and record["reruns"] == 0
+    assert [r["microbatches"] for r in records] == sorted(r["microbatches"] for r in records)  # counted so far
     assert [r["loss"] for r in records if r["loss"] is not None] == [0.0, 2.5, 4.5, 8.5]
     assert json.loads(summary_json(summary))["microbatches_failed"] == len(fail)
 

@@ -18,7 +18,11 @@ step is at least ``k - lookahead``:
 An admission holds its samples in its step until the step is taken (the microbatch's
 re-runs keep it: asking again for the same id renews it), the trainer releases it (the
 microbatch failed for good), or it is not renewed for ``lease_s`` (its trainer died): then
-another microbatch takes its place in the step. Invariants (checked by the unit tests): a
+another microbatch takes its place in the step. A live trainer renews all of its
+admissions at once, in flight or done, every fraction of the lease (:meth:`renew`, by the
+trainer's part of the ids): a microbatch slower than the lease (weak peers, slow links)
+keeps its place, where a replacement would fill its step at every stage and leave its own
+gradient a step or two late. Invariants (checked by the unit tests): a
 step never admits more than the global batch plus one microbatch short of it (the last
 microbatch may overfill when the microbatch size does not divide the batch); a step is
 admitted only within ``lookahead`` of the swarm's step; one id holds one admission. A
@@ -88,6 +92,15 @@ class Admission:
         self._held[microbatch_id] = _Held(k, samples, now)
         self._order.setdefault(k, []).append(microbatch_id)
         return Admit.ADMITTED, k
+
+    def renew(self, trainer: str) -> int:
+        """The trainer ``trainer`` (the ids' part before their index: ``run:client``) is alive:
+        every admission it holds is renewed. Returns how many."""
+        now, renewed = self.clock(), 0
+        for microbatch_id, held in self._held.items():
+            if microbatch_id.rsplit(":", 1)[0] == trainer:
+                held.renewed_at, renewed = now, renewed + 1
+        return renewed
 
     def release(self, microbatch_id: str) -> bool:
         """The microbatch failed for good: its samples leave its step (another takes them)."""

@@ -4,6 +4,9 @@
         -> {verdict: admitted, step} | {verdict: complete}; 503 + Retry-After while the
         window stays full for the step timeout (the trainer asks again)
     POST /step/release {run_id, microbatch_id} -> {released: bool}
+    POST /step/renew {run_id, trainer} -> {renewed, lease_s}: the trainer (its microbatch ids'
+        part before the index, ``run:client``) is alive: its admissions are renewed. A trainer
+        sends it every quarter of ``lease_s`` (which ``/step/admit`` answers with too)
 
 A held ask is answered as soon as the swarm steps (every stage's step is watched through
 the step scheduler), or with 503 at the step timeout.
@@ -57,7 +60,7 @@ def add_admission_routes(
             admission.stepped(swarm_step())
             verdict, step = admission.admit(mb, samples, until_step)
             if verdict is not Admit.WAIT:
-                return web.json_response({"verdict": verdict.value, "step": step})
+                return web.json_response({"verdict": verdict.value, "step": step, "lease_s": admission.lease_s})
             if closing():
                 raise Draining("the coordinator is stopping: ask again once it is back")
             if loop.time() >= deadline:
@@ -73,5 +76,15 @@ def add_admission_routes(
         _check_run(request, msg)
         return web.json_response({"released": request.app[ADMISSION].release(_microbatch_id(msg))})
 
+    async def renew(request: web.Request) -> web.Response:
+        msg = await read_json(request)
+        _check_run(request, msg)
+        trainer = msg.get("trainer")
+        if not isinstance(trainer, str) or not 0 < len(trainer) <= MAX_ID_LENGTH:
+            raise BadPayload(f"'trainer' must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+        admission = request.app[ADMISSION]
+        return web.json_response({"renewed": admission.renew(trainer), "lease_s": admission.lease_s})
+
     app.router.add_post("/step/admit", admit)
     app.router.add_post("/step/release", release)
+    app.router.add_post("/step/renew", renew)

@@ -1,6 +1,10 @@
 """The trainer's side of admission: ask the coordinator which global step a microbatch is
 for before starting it (``POST /step/admit``; the rules are the coordinator's
 ``admission.py``), and give the admission back when the microbatch failed for good.
+While the trainer runs, :meth:`AdmissionClient.keep_alive` renews all of its admissions
+every quarter of the coordinator's lease (``POST /step/renew``), so that a microbatch
+slower than the lease keeps its place in its step; a trainer that died stops renewing, and
+its places go to others after the lease.
 
 While the window is full the coordinator holds the ask and answers 503 with Retry-After at
 its step timeout; the ask is repeated until ``wait_s`` has passed without an answer, then
@@ -21,6 +25,8 @@ from shared.http import post_json
 ASK_TIMEOUT_MARGIN_S = 10.0  # beyond the coordinator's own hold of an ask
 MIN_RETRY_S = 0.05
 AWAY_S = 1.0  # after the coordinator did not answer, microbatches start unadmitted this long without asking
+RENEWALS_PER_LEASE = 4  # keep_alive renews this many times within the coordinator's lease
+DEFAULT_LEASE_S = 20.0  # the coordinator's lease until it said its own (its SWARM_STEP_TIMEOUT_S default)
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,9 @@ class AdmissionClient:
         self.supported = True  # False once the coordinator said it has no admission (404)
         self.unadmitted = 0  # microbatches started without an admission
         self._away_until = 0.0  # the coordinator did not answer: until then, microbatches start unadmitted
+        self.lease_s = DEFAULT_LEASE_S  # how long the coordinator keeps an admission that is not renewed
+        self.renewing = True  # False once the coordinator said it has no renewals (404: an older one)
+        self.renewals = 0  # renewals the coordinator answered
 
     async def admit(self, microbatch_id: str, samples: int) -> Admitted:
         body = {
@@ -64,6 +73,7 @@ class AdmissionClient:
                 continue
             if answer.get("verdict") == "complete":
                 return Admitted(None, complete=True)
+            self._note_lease(answer)
             step = answer.get("step")
             if answer.get("verdict") == "admitted" and (step is None or type(step) is int):
                 return Admitted(step)
@@ -71,6 +81,40 @@ class AdmissionClient:
             return Admitted(None)
         self.unadmitted += 1
         return Admitted(None)
+
+    async def renew(self, trainer: str) -> int | None:
+        """Tell the coordinator that ``trainer`` (its microbatch ids' part before the index)
+        is alive: every admission it holds is renewed. How many, or None without an answer."""
+        if not (self.supported and self.renewing):
+            return None
+        try:
+            answer = await post_json(
+                self.session,
+                self.url + "/step/renew",
+                {"run_id": self.run_id, "trainer": trainer},
+                timeout_s=ASK_TIMEOUT_MARGIN_S,
+            )
+        except RemoteError as exc:  # the next renewal may get through within the lease
+            if exc.status == 404:  # an older coordinator: admissions without renewals
+                self.renewing = False
+            if self.log:
+                self.log.warning("admission.renew.failed", trainer=trainer, error=str(exc))
+            return None
+        self._note_lease(answer)
+        self.renewals += 1
+        renewed = answer.get("renewed")
+        return renewed if type(renewed) is int else None
+
+    async def keep_alive(self, trainer: str) -> None:
+        """Renew ``trainer``'s admissions every quarter of the lease, until cancelled."""
+        while self.supported and self.renewing:
+            await asyncio.sleep(self.lease_s / RENEWALS_PER_LEASE)
+            await self.renew(trainer)
+
+    def _note_lease(self, answer: dict) -> None:
+        lease = answer.get("lease_s")
+        if type(lease) in (int, float) and 0 < lease < 10**6:
+            self.lease_s = float(lease)
 
     async def release(self, microbatch_id: str) -> None:
         """The microbatch failed for good: its place in its step goes to another."""

@@ -13,6 +13,7 @@ sequence, so trainers sharing a run take the same data as one trainer would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import math
@@ -152,6 +153,20 @@ class Trainer:
         return self.shard_index + self.num_shards * k
 
     async def run(self) -> TrainSummary:
+        """Train the run's steps (see :meth:`__init__`); with admission, this trainer's
+        admissions are renewed throughout (:meth:`AdmissionClient.keep_alive`)."""
+        if self.admission is None:
+            return await self._run()
+        trainer = self.client.microbatch_id(0).rsplit(":", 1)[0]
+        keep_alive = asyncio.create_task(self.admission.keep_alive(trainer), name="admission.keep_alive")
+        try:
+            return await self._run()
+        finally:
+            keep_alive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keep_alive
+
+    async def _run(self) -> TrainSummary:
         budget = (
             max(0, self.steps - self.start_step) * self.microbatches_per_step
         )  # microbatches enough to finish alone, unless steps overshoot

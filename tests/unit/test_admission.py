@@ -94,3 +94,15 @@ def test_a_step_left_short_by_a_dead_trainer_takes_microbatches_admitted_further
     clock.now = 12.0
     assert a.floor(2) == 0 and a.expired == 2  # the dead trainer's step 0 has room again
     assert a.floor(0) == 0
+
+
+def test_a_trainer_renews_all_of_its_admissions_at_once_and_only_its_own():
+    clock = Clock()
+    a = admission(global_batch=16, lease_s=10.0, clock=clock)
+    for mb in ("run:t0:0", "run:t0:2", "run:t1:1"):
+        assert a.admit(mb, 4)[0] is Admit.ADMITTED
+    clock.now = 8.0
+    assert a.renew("run:t0") == 2 and a.renew("run:t2") == 0
+    clock.now = 15.0  # t1's admission is 15 s old, t0's 7 s
+    assert a.admit("run:t2:3", 4) == (Admit.ADMITTED, 0) and a.expired == 1
+    assert a.batch(0) == ["run:t0:0", "run:t0:2", "run:t2:3"]

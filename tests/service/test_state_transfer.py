@@ -197,9 +197,9 @@ async def test_a_busy_replica_gives_its_state_once_its_queue_has_room(start_stag
         gate.set()  # never leave the compute thread blocked
 
 
-async def _download_while_busy(app, url, blocker, gate, http_session, tmp_path) -> None:
-    log = Recorder()
-    checkpointer = Checkpointer(
+def checkpointer_for(http_session, tmp_path, log) -> Checkpointer:
+    """A checkpointer of a 4-stage run into ``tmp_path`` (20 s a download), logging to ``log``."""
+    return Checkpointer(
         Registry(":memory:", num_stages=4, heartbeat_s=60.0),
         root=str(tmp_path),
         run_id="test",
@@ -208,6 +208,11 @@ async def _download_while_busy(app, url, blocker, gate, http_session, tmp_path) 
         log=log,
         session=http_session,
     )
+
+
+async def _download_while_busy(app, url, blocker, gate, http_session, tmp_path) -> None:
+    log = Recorder()
+    checkpointer = checkpointer_for(http_session, tmp_path, log)
     download = asyncio.create_task(checkpointer._download(STAGE, [url], 0))  # step 0: where the replica is
     for _ in range(2000):  # bounded: until the first refusal is logged
         if log.warnings or download.done():
@@ -226,15 +231,7 @@ async def test_the_checkpointer_asks_the_replica_that_gave_its_state_fastest_fir
     10 Mbit/s link that spends the whole timeout) is asked after the one that answered last
     time, so one slow replica does not cost every checkpoint its stage."""
     log = Recorder()
-    checkpointer = Checkpointer(
-        Registry(":memory:", num_stages=4, heartbeat_s=60.0),
-        root=str(tmp_path),
-        run_id="test",
-        keep=1,
-        timeout_s=20.0,
-        log=log,
-        session=http_session,
-    )
+    checkpointer = checkpointer_for(http_session, tmp_path, log)
     dead, url = "http://127.0.0.1:9", replicas[1][0][0]  # the discard port: connection refused
     first = await checkpointer._download(STAGE, [dead, url], 0)
     assert [f["replica"] for _, f in log.warnings] == [dead]  # never asked before: in the order given

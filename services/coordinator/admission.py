@@ -18,16 +18,18 @@ step is at least ``k - lookahead``:
 An admission holds its samples in its step until the step is taken (the microbatch's
 re-runs keep it: asking again for the same id renews it), the trainer releases it (the
 microbatch failed for good), or it is not renewed for ``lease_s`` (its trainer died): then
-another microbatch takes its place in the step. A live trainer renews all of its
-admissions at once, in flight or done, every fraction of the lease (:meth:`renew`, by the
-trainer's part of the ids): a microbatch slower than the lease (weak peers, slow links)
-keeps its place, where a replacement would fill its step at every stage and leave its own
-gradient a step or two late. Invariants (checked by the unit tests): a
-step never admits more than the global batch plus one microbatch short of it (the last
-microbatch may overfill when the microbatch size does not divide the batch); a step is
-admitted only within ``lookahead`` of the swarm's step; one id holds one admission. A
-trainer is told ``complete`` (start no more microbatches) once every step it trains for is
-admitted and taken by every stage: its final evaluation then sees the run's last step.
+another microbatch takes its place in the step. A trainer renews the admissions of its
+microbatches in flight every fraction of the lease (:meth:`renew`): a microbatch slower than
+the lease (weak peers, slow links) keeps its place, where a replacement would fill its step
+at every stage and leave its own gradient a step or two late. A microbatch that completed
+is renewed no more: if a stage lost its samples (a replica that died or moved holding
+them), its place goes to another after the lease, and the stage's step fills again.
+Invariants (checked by the unit tests): a step never admits more than the global batch
+plus one microbatch short of it (the last microbatch may overfill when the microbatch size
+does not divide the batch); a step is admitted only within ``lookahead`` of the swarm's
+step; one id holds one admission. A trainer is told ``complete`` (start no more
+microbatches) once every step it trains for is admitted and taken by every stage: its
+final evaluation then sees the run's last step.
 """
 
 from __future__ import annotations
@@ -93,12 +95,13 @@ class Admission:
         self._order.setdefault(k, []).append(microbatch_id)
         return Admit.ADMITTED, k
 
-    def renew(self, trainer: str) -> int:
-        """The trainer ``trainer`` (the ids' part before their index: ``run:client``) is alive:
-        every admission it holds is renewed. Returns how many."""
+    def renew(self, microbatch_ids) -> int:
+        """These microbatches are still in flight: their admissions are renewed (ids not held
+        are skipped). Returns how many were."""
         now, renewed = self.clock(), 0
-        for microbatch_id, held in self._held.items():
-            if microbatch_id.rsplit(":", 1)[0] == trainer:
+        for microbatch_id in microbatch_ids:
+            held = self._held.get(microbatch_id)
+            if held is not None:
                 held.renewed_at, renewed = now, renewed + 1
         return renewed
 

@@ -4,9 +4,9 @@
         -> {verdict: admitted, step} | {verdict: complete}; 503 + Retry-After while the
         window stays full for the step timeout (the trainer asks again)
     POST /step/release {run_id, microbatch_id} -> {released: bool}
-    POST /step/renew {run_id, trainer} -> {renewed, lease_s}: the trainer (its microbatch ids'
-        part before the index, ``run:client``) is alive: its admissions are renewed. A trainer
-        sends it every quarter of ``lease_s`` (which ``/step/admit`` answers with too)
+    POST /step/renew {run_id, microbatch_ids: [...]} -> {renewed, lease_s}: these microbatches
+        are in flight: their admissions are renewed. A trainer sends it every quarter of
+        ``lease_s`` (which ``/step/admit`` answers with too)
 
 A held ask is answered as soon as the swarm steps (every stage's step is watched through
 the step scheduler), or with 503 at the step timeout.
@@ -23,6 +23,7 @@ from services.coordinator.routes import ADMISSION, _check_run, read_json
 from shared.errors import BadPayload, Draining, Overloaded
 
 MAX_ID_LENGTH = 256
+MAX_RENEWED = 4096  # microbatch ids in one renewal
 
 
 def _microbatch_id(msg: dict) -> str:
@@ -79,11 +80,12 @@ def add_admission_routes(
     async def renew(request: web.Request) -> web.Response:
         msg = await read_json(request)
         _check_run(request, msg)
-        trainer = msg.get("trainer")
-        if not isinstance(trainer, str) or not 0 < len(trainer) <= MAX_ID_LENGTH:
-            raise BadPayload(f"'trainer' must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+        ids = msg.get("microbatch_ids")
+        if not isinstance(ids, list) or len(ids) > MAX_RENEWED:
+            raise BadPayload(f"'microbatch_ids' must be a list of at most {MAX_RENEWED} microbatch ids")
         admission = request.app[ADMISSION]
-        return web.json_response({"renewed": admission.renew(trainer), "lease_s": admission.lease_s})
+        renewed = admission.renew([_microbatch_id({"microbatch_id": mb}) for mb in ids])
+        return web.json_response({"renewed": renewed, "lease_s": admission.lease_s})
 
     app.router.add_post("/step/admit", admit)
     app.router.add_post("/step/release", release)

@@ -1,10 +1,11 @@
 """The trainer's side of admission: ask the coordinator which global step a microbatch is
 for before starting it (``POST /step/admit``; the rules are the coordinator's
 ``admission.py``), and give the admission back when the microbatch failed for good.
-While the trainer runs, :meth:`AdmissionClient.keep_alive` renews all of its admissions
-every quarter of the coordinator's lease (``POST /step/renew``), so that a microbatch
-slower than the lease keeps its place in its step; a trainer that died stops renewing, and
-its places go to others after the lease.
+While the trainer runs, :meth:`AdmissionClient.keep_alive` renews the admissions of its
+microbatches in flight every quarter of the coordinator's lease (``POST /step/renew``), so
+that a microbatch slower than the lease keeps its place in its step; one that completed
+(:meth:`AdmissionClient.finished`) or failed is renewed no more, and a trainer that died
+renews nothing: their places go to others after the lease.
 
 While the window is full the coordinator holds the ask and answers 503 with Retry-After at
 its step timeout; the ask is repeated until ``wait_s`` has passed without an answer, then
@@ -45,6 +46,7 @@ class AdmissionClient:
         self.lease_s = DEFAULT_LEASE_S  # how long the coordinator keeps an admission that is not renewed
         self.renewing = True  # False once the coordinator said it has no renewals (404: an older one)
         self.renewals = 0  # renewals the coordinator answered
+        self.in_flight: set[str] = set()  # admitted microbatches not finished yet: renewed
 
     async def admit(self, microbatch_id: str, samples: int) -> Admitted:
         body = {
@@ -76,40 +78,46 @@ class AdmissionClient:
             self._note_lease(answer)
             step = answer.get("step")
             if answer.get("verdict") == "admitted" and (step is None or type(step) is int):
+                if step is not None:
+                    self.in_flight.add(microbatch_id)
                 return Admitted(step)
             self._unadmitted(microbatch_id, RemoteError(self.url, 200, "bad_reply", f"no step in {answer!r}"))
             return Admitted(None)
         self.unadmitted += 1
         return Admitted(None)
 
-    async def renew(self, trainer: str) -> int | None:
-        """Tell the coordinator that ``trainer`` (its microbatch ids' part before the index)
-        is alive: every admission it holds is renewed. How many, or None without an answer."""
-        if not (self.supported and self.renewing):
+    def finished(self, microbatch_id: str) -> None:
+        """The microbatch completed: its admission is renewed no more."""
+        self.in_flight.discard(microbatch_id)
+
+    async def renew(self) -> int | None:
+        """Renew the admissions of the microbatches in flight: how many the coordinator renewed,
+        or None without an answer (or with nothing in flight)."""
+        if not (self.supported and self.renewing and self.in_flight):
             return None
         try:
             answer = await post_json(
                 self.session,
                 self.url + "/step/renew",
-                {"run_id": self.run_id, "trainer": trainer},
+                {"run_id": self.run_id, "microbatch_ids": sorted(self.in_flight)},
                 timeout_s=ASK_TIMEOUT_MARGIN_S,
             )
         except RemoteError as exc:  # the next renewal may get through within the lease
             if exc.status == 404:  # an older coordinator: admissions without renewals
                 self.renewing = False
             if self.log:
-                self.log.warning("admission.renew.failed", trainer=trainer, error=str(exc))
+                self.log.warning("admission.renew.failed", microbatches=len(self.in_flight), error=str(exc))
             return None
         self._note_lease(answer)
         self.renewals += 1
         renewed = answer.get("renewed")
         return renewed if type(renewed) is int else None
 
-    async def keep_alive(self, trainer: str) -> None:
-        """Renew ``trainer``'s admissions every quarter of the lease, until cancelled."""
+    async def keep_alive(self) -> None:
+        """Renew the admissions in flight every quarter of the lease, until cancelled."""
         while self.supported and self.renewing:
             await asyncio.sleep(self.lease_s / RENEWALS_PER_LEASE)
-            await self.renew(trainer)
+            await self.renew()
 
     def _note_lease(self, answer: dict) -> None:
         lease = answer.get("lease_s")
@@ -118,6 +126,7 @@ class AdmissionClient:
 
     async def release(self, microbatch_id: str) -> None:
         """The microbatch failed for good: its place in its step goes to another."""
+        self.in_flight.discard(microbatch_id)
         if not self.supported:
             return
         try:

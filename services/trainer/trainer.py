@@ -153,12 +153,11 @@ class Trainer:
         return self.shard_index + self.num_shards * k
 
     async def run(self) -> TrainSummary:
-        """Train the run's steps (see :meth:`__init__`); with admission, this trainer's
-        admissions are renewed throughout (:meth:`AdmissionClient.keep_alive`)."""
+        """Train the run's steps (see :meth:`__init__`); with admission, the admissions of the
+        microbatches in flight are renewed throughout (:meth:`AdmissionClient.keep_alive`)."""
         if self.admission is None:
             return await self._run()
-        trainer = self.client.microbatch_id(0).rsplit(":", 1)[0]
-        keep_alive = asyncio.create_task(self.admission.keep_alive(trainer), name="admission.keep_alive")
+        keep_alive = asyncio.create_task(self.admission.keep_alive(), name="admission.keep_alive")
         try:
             return await self._run()
         finally:
@@ -216,6 +215,8 @@ class Trainer:
                         error=str(exc.errors[-1]),
                     )
                     continue
+                if self.admission is not None:
+                    self.admission.finished(self.client.microbatch_id(index))
                 summary.microbatches_completed += 1
                 summary.microbatch_reruns += result.reruns
                 if result.complete:  # stage 0 has every step of the run: no need for more

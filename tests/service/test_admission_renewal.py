@@ -1,4 +1,4 @@
-"""A trainer keeps its admissions alive (``POST /step/renew``), through the coordinator's
+"""A trainer keeps the admissions of its microbatches in flight alive (``POST /step/renew``), through the coordinator's
 real app and the trainer's real :class:`AdmissionClient`; the admissions' lease runs on a
 fake clock, so nothing waits for it.
 
@@ -48,32 +48,45 @@ async def ask(client, microbatch_id: str) -> tuple[int, dict]:
     return reply.status, await reply.json()
 
 
-async def test_a_renewing_trainer_keeps_its_places_past_the_lease_and_a_silent_one_loses_them(coordinator):
+async def test_microbatches_in_flight_keep_their_places_past_the_lease_and_finished_ones_do_not(coordinator):
     client, clock = coordinator
     t0, t1 = trainer_client(client, "t0"), trainer_client(client, "t1")
     a = await t0.admit(f"{RUN_ID}:t0:0", 4)
     b = await t0.admit(f"{RUN_ID}:t0:1", 4)
     assert (a.step, b.step) == (0, 0) and t0.lease_s == LEASE_S  # the lease came with the answer
+    assert t0.in_flight == {f"{RUN_ID}:t0:0", f"{RUN_ID}:t0:1"}
     clock.now = 0.2
-    assert await t0.renew(f"{RUN_ID}:t0") == 2 and t0.renewals == 1
+    assert await t0.renew() == 2 and t0.renewals == 1
     clock.now = 0.4  # past the lease from the admissions, within it from the renewal
     status, answer = await ask(client, f"{RUN_ID}:t1:0")
     assert status == 503 and answer["error"]["code"] == "overloaded"  # step 0 is full; sync: step 1 waits for it
     assert client.app[ADMISSION].expired == 0
-    clock.now = 0.2 + LEASE_S + 0.01  # t0 stopped renewing (it died): its places go to t1
+    t0.finished(f"{RUN_ID}:t0:0")  # completed: if a stage lost its samples, another must be able to take its place
+    assert await t0.renew() == 1
+    clock.now = 0.6  # the finished one was last renewed at 0.2: its lease ran out; the other's at 0.4, renewed again
+    assert await t0.renew() == 1
     second = await t1.admit(f"{RUN_ID}:t1:0", 4)
-    assert second.step == 0 and client.app[ADMISSION].expired == 2
-    assert await t1.renew(f"{RUN_ID}:t1") == 1 and await t0.renew(f"{RUN_ID}:t0") == 0
+    assert second.step == 0 and client.app[ADMISSION].expired == 1  # the finished one's place
+    assert client.app[ADMISSION].batch(0) == [f"{RUN_ID}:t0:1", f"{RUN_ID}:t1:0"]
+    assert await t1.renew() == 1 and t1.in_flight == {f"{RUN_ID}:t1:0"}
+    await t1.release(f"{RUN_ID}:t1:0")
+    assert not t1.in_flight and await t1.renew() is None  # nothing in flight: nothing sent
 
 
-async def test_a_renewal_names_its_trainer_or_is_refused(coordinator):
+async def test_a_renewal_names_its_microbatches_or_is_refused(coordinator):
     client, _ = coordinator
-    for body in ({"run_id": RUN_ID}, {"run_id": RUN_ID, "trainer": ""}, {"run_id": RUN_ID, "trainer": 7}):
+    for body in (
+        {"run_id": RUN_ID},
+        {"run_id": RUN_ID, "microbatch_ids": "a"},
+        {"run_id": RUN_ID, "microbatch_ids": [""]},
+        {"run_id": RUN_ID, "microbatch_ids": [7]},
+        {"run_id": RUN_ID, "microbatch_ids": ["x"] * 4097},
+    ):
         reply = await client.post("/step/renew", json=body)
         assert reply.status == 400 and (await reply.json())["error"]["code"] == "bad_payload", body
-    reply = await client.post("/step/renew", json={"run_id": "another run", "trainer": "x"})
+    reply = await client.post("/step/renew", json={"run_id": "another run", "microbatch_ids": []})
     assert reply.status == 409
-    reply = await client.post("/step/renew", json={"run_id": RUN_ID, "trainer": f"{RUN_ID}:nobody"})
+    reply = await client.post("/step/renew", json={"run_id": RUN_ID, "microbatch_ids": [f"{RUN_ID}:nobody:0"]})
     assert reply.status == 200 and await reply.json() == {"renewed": 0, "lease_s": LEASE_S}
 
 
@@ -88,6 +101,7 @@ async def test_an_older_coordinator_without_renewals_keeps_admission_on(aiohttp_
     app.router.add_post("/step/renew", not_found)
     client = await aiohttp_client(app)
     t0 = trainer_client(client, "t0")
-    assert await t0.renew(f"{RUN_ID}:t0") is None
+    t0.in_flight.add(f"{RUN_ID}:t0:0")
+    assert await t0.renew() is None
     assert not t0.renewing and t0.supported
-    await t0.keep_alive(f"{RUN_ID}:t0")  # returns at once: nothing to renew with
+    await t0.keep_alive()  # returns at once: nothing to renew with

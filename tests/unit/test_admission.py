@@ -96,13 +96,13 @@ def test_a_step_left_short_by_a_dead_trainer_takes_microbatches_admitted_further
     assert a.floor(0) == 0
 
 
-def test_a_trainer_renews_all_of_its_admissions_at_once_and_only_its_own():
+def test_a_renewal_keeps_the_named_admissions_and_only_those():
     clock = Clock()
     a = admission(global_batch=16, lease_s=10.0, clock=clock)
     for mb in ("run:t0:0", "run:t0:2", "run:t1:1"):
         assert a.admit(mb, 4)[0] is Admit.ADMITTED
     clock.now = 8.0
-    assert a.renew("run:t0") == 2 and a.renew("run:t2") == 0
+    assert a.renew(["run:t0:0", "run:t0:2", "run:t0:9"]) == 2  # an id not held is skipped
     clock.now = 15.0  # t1's admission is 15 s old, t0's 7 s
     assert a.admit("run:t2:3", 4) == (Admit.ADMITTED, 0) and a.expired == 1
     assert a.batch(0) == ["run:t0:0", "run:t0:2", "run:t2:3"]

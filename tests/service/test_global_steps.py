@@ -26,7 +26,7 @@ from aiohttp.test_utils import TestServer
 
 from services.coordinator.app import STEPS
 from services.coordinator.app import create_app as create_coordinator
-from services.coordinator.routes import ADMISSION, TRAFFIC
+from services.coordinator.routes import ADMISSION, REGISTRY, TRAFFIC
 from services.stage_server.app import MEMBERSHIP, create_app
 from services.stage_server.averaging import flat_parameters
 from services.stage_server.averaging_routes import AVERAGER as AVERAGER_KEY
@@ -470,11 +470,13 @@ async def test_a_replica_killed_while_its_stage_all_reduces_is_left_out_and_trai
             asyncio.get_running_loop().create_task(die())
 
     # as a process killed mid-round: its round cut short once it took its gradient (a graceful stop would
-    # finish it), then gone
+    # finish it), then gone, and its lease run out at the coordinator (this test's lease is 180 s: a killed
+    # victim that held the whole step would otherwise keep it closed, as live, past the trainers' patience)
     async def die():
         await asyncio.wait_for(gradient_taken.wait(), 30)
         await victim[AVERAGER_KEY].close()
         await s.servers[victim_url].close()
+        s.coordinator[REGISTRY].deregister(victim[MEMBERSHIP].server_id)
 
     victim[AVERAGER_KEY].start = start_then_die
     before = flat_parameters(survivor[RUNTIME].params)

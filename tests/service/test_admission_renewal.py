@@ -11,6 +11,7 @@ the microbatches re-run in that run)."""
 from __future__ import annotations
 
 import pytest
+from aiohttp import web
 
 from services.coordinator.app import create_app
 from services.coordinator.registry import Registry
@@ -39,7 +40,7 @@ async def coordinator(aiohttp_client):
     registry.close()
 
 
-def trainer_client(client, name: str) -> AdmissionClient:
+def trainer_client(client) -> AdmissionClient:
     return AdmissionClient(client.session, str(client.make_url("")), run_id=RUN_ID, until_step=100, wait_s=0.0)
 
 
@@ -50,7 +51,7 @@ async def ask(client, microbatch_id: str) -> tuple[int, dict]:
 
 async def test_microbatches_in_flight_keep_their_places_past_the_lease_and_finished_ones_do_not(coordinator):
     client, clock = coordinator
-    t0, t1 = trainer_client(client, "t0"), trainer_client(client, "t1")
+    t0, t1 = trainer_client(client), trainer_client(client)
     a = await t0.admit(f"{RUN_ID}:t0:0", 4)
     b = await t0.admit(f"{RUN_ID}:t0:1", 4)
     assert (a.step, b.step) == (0, 0) and t0.lease_s == LEASE_S  # the lease came with the answer
@@ -92,7 +93,6 @@ async def test_a_renewal_names_its_microbatches_or_is_refused(coordinator):
 
 async def test_an_older_coordinator_without_renewals_keeps_admission_on(aiohttp_client):
     """404 on /step/renew: the trainer stops renewing, and goes on asking for admissions."""
-    from aiohttp import web
 
     async def not_found(request):
         raise web.HTTPNotFound()
@@ -100,7 +100,7 @@ async def test_an_older_coordinator_without_renewals_keeps_admission_on(aiohttp_
     app = web.Application()
     app.router.add_post("/step/renew", not_found)
     client = await aiohttp_client(app)
-    t0 = trainer_client(client, "t0")
+    t0 = trainer_client(client)
     t0.in_flight.add(f"{RUN_ID}:t0:0")
     assert await t0.renew() is None
     assert not t0.renewing and t0.supported

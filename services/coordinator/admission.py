@@ -105,6 +105,11 @@ class Admission:
                 held.renewed_at, renewed = now, renewed + 1
         return renewed
 
+    def step_of(self, microbatch_id: str) -> int | None:
+        """The step ``microbatch_id`` holds an admission in (None: it holds none, or it lapsed)."""
+        held = self._held.get(microbatch_id)
+        return None if held is None or self.clock() - held.renewed_at > self.lease_s else held.step
+
     def release(self, microbatch_id: str) -> bool:
         """The microbatch failed for good: its samples leave its step (another takes them)."""
         held = self._held.pop(microbatch_id, None)

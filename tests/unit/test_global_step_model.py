@@ -20,7 +20,9 @@ report; or its report held back, or its compute held back after the reservation)
 and its backward at once (the common case, so that runs apply steps: 313 steps in 248 runs,
 against 28 in 167 without it); the
 retry of a microbatch on the same or another replica; a held report arriving late; a held
-backward finishing late; time passing past the reservations' timeout; a replica killed (its
+backward finishing late; the trainer renewing the admissions of its microbatches in flight;
+time passing past the reservations' timeout; microbatches slower than the admissions' lease,
+with the trainer renewing them meanwhile or not; a replica killed (its
 held work lost) and restarted fresh at step 0 (joining from a live replica, or not and told
 to resync); a step round (one member losing a part, its contribution in the others' mean or
 not; or the compute worker overloaded: the apply fails before stepping); the coordinator
@@ -41,7 +43,11 @@ Invariants, after every rule (the accounting is each runtime's own, the ground t
 5. no step applies an empty gradient (``apply_step`` would assert);
 6. every backward runs on its forward's weights: its input gradient equals, bit for bit, the
    one recomputed on a reference model holding the weights its forward ran on.
-7. liveness, checked by the rule ``faults_stop``: once the faults stop (the dead replicas
+7. the admission holds at most the global batch plus one microbatch in a step, and a
+   microbatch in flight whose admission its trainer renewed within the lease keeps its place
+   in its step until the swarm took it (a replacement would fill the step at every stage and
+   leave its gradient a step or two late: the churn arena found it);
+8. liveness, checked by the rule ``faults_stop``: once the faults stop (the dead replicas
    started again, the held work finished, time past every timeout and lease), the trainer's
    work moves the stage a step within 12 rounds, whatever happened before.
 
@@ -81,6 +87,7 @@ from shared.step_protocol import DoneReport, ReserveRequest, Verdict
 CFG = replace(PRESETS["tiny"], n_layer=4, d_model=8, n_head=2, block_size=4)
 G, MAX_MB, SEQ = 6, 3, 2
 TIMEOUT_S = 5.0
+ADMISSION_LEASE_S = 3 * TIMEOUT_S
 LEASE_S = 3.0  # a replica that reported this recently counts as alive (the registry's lease: 3 heartbeats)
 URLS = ("http://r0", "http://r1", "http://r2")
 RULES = {"run": 0, "examples": 0, "steps": 0, "seconds": 0.0}  # measured over the test (printed at its end)
@@ -190,6 +197,7 @@ class GlobalSteps(RuleBasedStateMachine):
         self.applied: list[Applied] = []
         self.other_weights: list[tuple] = []  # backwards whose gradient is not that of their forward's weights
         self.after_catch_up: list[tuple] = []  # those of them on a caught-up step (a hole the model found, fixed)
+        self.renewed: dict[str, float] = {}  # in-flight microbatch -> when the trainer last renewed its admission
         self.next_id = 0
         self.asked_restart = self.asked_kill = self.asked_drain = 0
         self.rounds = 0
@@ -204,7 +212,7 @@ class GlobalSteps(RuleBasedStateMachine):
         return counter
 
     def _new_admission(self) -> Admission:
-        return Admission(global_batch=G, lookahead=1, lease_s=3 * TIMEOUT_S, clock=lambda: self.now)
+        return Admission(global_batch=G, lookahead=1, lease_s=ADMISSION_LEASE_S, clock=lambda: self.now)
 
     def _persist(self) -> None:
         """The counter's journal applied to the window's rows, as ``Registry.save_step_window`` does."""
@@ -421,10 +429,31 @@ class GlobalSteps(RuleBasedStateMachine):
         self.held.remove(work)
         self._finish(work, hold_report=hold_report)
 
+    @precondition(lambda self: self.flights)
+    @rule()
+    def renew(self):
+        """The trainer's keep-alive (``AdmissionClient.keep_alive``): the admissions of its
+        microbatches in flight, and of those only, are renewed."""
+        self.admission.renew(list(self.flights))
+        # those the admission holds: one admitted by a coordinator that restarted since is not
+        # (admissions are not journaled), and the trainer goes on with it as admitted
+        self.renewed = {mb: self.now for mb in self.flights if self.admission.step_of(mb) is not None}
+
     @precondition(lambda self: self.held or any(self.stage.claims.values()) or self.stage.not_before > self.now)
     @rule(dt=st.sampled_from([0.5, 1.5, TIMEOUT_S + 1]))
     def time_passes(self, dt):
         self.now += dt
+
+    @precondition(lambda self: self.flights)
+    @rule(renewals=st.integers(0, 4))
+    def slow_microbatches(self, renewals):
+        """The microbatches in flight take longer than the admissions' lease (weak peers, slow
+        links), with the trainer renewing them every third of it (``renewals`` times; 0: a
+        trainer that died)."""
+        for i in range(4):
+            self.now += ADMISSION_LEASE_S / 3
+            if i < renewals:
+                self.renew()
 
     # ---------------------------------------------------------------- rules: faults
     @precondition(lambda self: self._alive() and (self.flights or self.held))
@@ -559,7 +588,8 @@ class GlobalSteps(RuleBasedStateMachine):
 
     def restart_coordinator(self) -> None:
         self.counter = self._new_counter()
-        self.admission = self._new_admission()
+        self.admission = self._new_admission()  # admissions are not journaled: the trainers ask again
+        self.renewed = {}
         for r in self._alive():
             self.counter.registered(0, r.url, r.rt.step)
 
@@ -576,6 +606,23 @@ class GlobalSteps(RuleBasedStateMachine):
     def a_step_holds_at_most_its_global_batch_and_one_microbatch(self):
         for a in getattr(self, "applied", []):  # also across coordinator restarts (the counts are journaled)
             assert 0 < a.samples <= G + MAX_MB - 1, f"step {a.step} applied {a.samples} samples: {a}"
+
+    @invariant()
+    def admission_holds_at_most_a_global_batch_and_one_microbatch_a_step(self):
+        admission = getattr(self, "admission", None)
+        if admission is not None:
+            assert all(samples <= G + MAX_MB - 1 for samples in admission.admitted.values()), admission.admitted
+
+    @invariant()
+    def a_renewed_microbatch_keeps_its_admission(self):
+        """A microbatch in flight whose trainer renewed it within the lease keeps its place in
+        its step (no other takes it), until the swarm took that step."""
+        for mb, at in getattr(self, "renewed", {}).items():
+            flight = self.flights.get(mb)
+            if flight is None or flight.admitted_step is None or self.now - at > ADMISSION_LEASE_S:
+                continue
+            if flight.admitted_step >= self.admission.swarm_step:
+                assert self.admission.step_of(mb) == flight.admitted_step, (mb, flight, self.now, at)
 
     @invariant()
     def a_microbatch_is_applied_once(self):

@@ -24,11 +24,13 @@ placement), beside the measured tokens/s and time ratios.
 
 The target is the held-out loss the same model reaches in one process after
 ``target_steps`` global steps (computed here, printed). Each side trains until its
-held-out loss (the same 4 held-out microbatches, evaluated every ``eval_every`` steps)
-reaches the target or its budget is spent: time to target is the training time at that
-evaluation: the mesh evaluates beside its training, and an evaluation counts when it
-ends (it may see later stages a step further on); pipelining evaluates between steps, and
-its evaluations are left out of its clock. Tokens/s: tokens of the global steps done over
+held-out loss (the same 4 held-out microbatches, evaluated every ``eval_every`` steps: the
+mesh beside its training, pipelining between steps and off its clock) reaches the target or
+its budget is spent. Steps and time to target are then counted exactly, off the clock:
+every side writes each stage's weights after every global step (the mesh's servers with
+``SWARM_STEP_SNAPSHOT_DIR``, pipelining's ranks likewise), and after the run every step's
+model is evaluated here (:func:`snapshot_curve`); the first step at the target counts, at
+the training time when the side saw it done. Tokens/s: tokens of the global steps done over
 their time. Bytes per
 token: what all the side's peers sent on their links, from the interfaces' counters,
 over those tokens.
@@ -327,7 +329,7 @@ def reference_targets(work: Workload, stages: int, steps: set[int]) -> dict[int,
     """The held-out loss (4 decimals, as the sides print theirs) of the model trained in this
     process, as ``stages`` stages each with the stage servers' optimizer and clipping, after
     each number of global steps in ``steps``: what the sides must reach."""
-    from bench.arena_pipelining import EVAL_MICROBATCHES, loss_fn, stock_adamw, stock_optimizer_config
+    from bench.arena_pipelining import loss_fn, stock_adamw, stock_optimizer_config
     from shared.model import build_stage
 
     optim = stock_optimizer_config()
@@ -335,24 +337,11 @@ def reference_targets(work: Workload, stages: int, steps: set[int]) -> dict[int,
     optimizers = [stock_adamw(m, optim) for m in models]
     batcher, n = work.batcher(), work.microbatches_per_step
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        for m in models:
-            x = m(x)
-        return x
-
-    def held_out() -> float:
-        with torch.no_grad():
-            losses = [
-                float(loss_fn(forward(mb.inputs), mb.targets))
-                for mb in (batcher.microbatch(i, split="eval") for i in range(EVAL_MICROBATCHES))
-            ]
-        return round(sum(losses) / len(losses), 4)
-
     targets = {}
     for step in range(max(steps)):
         for i in range(n):
             mb = batcher.microbatch(step * n + i)
-            (loss_fn(forward(mb.inputs), mb.targets) / n).backward()
+            (loss_fn(_forward(models, mb.inputs), mb.targets) / n).backward()
         for m, opt in zip(models, optimizers):
             torch.nn.utils.clip_grad_norm_(list(m.parameters()), optim.max_grad_norm)
             for group in opt.param_groups:
@@ -360,8 +349,63 @@ def reference_targets(work: Workload, stages: int, steps: set[int]) -> dict[int,
             opt.step()
             opt.zero_grad(set_to_none=True)
         if step + 1 in steps:
-            targets[step + 1] = held_out()
+            targets[step + 1] = held_out_loss(models, work)
     return targets
+
+
+def _forward(models: list[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for m in models:
+        x = m(x)
+    return x
+
+
+def held_out_loss(models: list[torch.nn.Module], work: Workload) -> float:
+    """The held-out loss of the stages ``models`` in a row, on the 4 microbatches every side
+    evaluates, to 4 decimals (as the sides print theirs)."""
+    from bench.arena_pipelining import EVAL_MICROBATCHES, loss_fn
+
+    batcher = work.batcher()
+    with torch.no_grad():
+        losses = [
+            float(loss_fn(_forward(models, mb.inputs), mb.targets))
+            for mb in (batcher.microbatch(i, split="eval") for i in range(EVAL_MICROBATCHES))
+        ]
+    return round(sum(losses) / len(losses), 4)
+
+
+def snapshot_curve(
+    root: Path, work: Workload, stages: int, target: float, step_times: dict[int, float], layers=None
+) -> list[dict]:
+    """Every global step's held-out loss, from the weights each stage wrote after it
+    (``SWARM_STEP_SNAPSHOT_DIR``, or a pipelining rank's ``snapshots``), evaluated here after the
+    run, off its clock: step ``k``'s model is each stage's weights after its step ``k`` (a
+    stage that wrote none at ``k``, one that caught up past it, its latest before; none yet:
+    its initial weights). Stops at the first step that reaches ``target``. Each point: step,
+    loss, and ``elapsed_s``, the side's training time when it saw the step done (None: unseen)."""
+    from bench.arena_pipelining import fresh_stage
+    from shared.checkpoint import read_stage_file, state_from_bytes, step_dir
+
+    written = sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
+    models = [fresh_stage(work, s, stages, layers).eval() for s in range(stages)]
+    loaded = [0] * stages  # the step whose weights each model holds
+    curve = []
+    for k in range(1, (written[-1] if written else 0) + 1):
+        for s, model in enumerate(models):
+            latest = max(
+                (j for j in written if j <= k and (step_dir(root, j) / f"stage-{s}.safetensors").is_file()), default=0
+            )
+            if latest != loaded[s]:
+                tensors, _ = state_from_bytes(read_stage_file(step_dir(root, latest), s))
+                missing, unexpected = model.load_state_dict(tensors, strict=False)
+                assert not unexpected and not [m for m in missing if m in dict(model.named_parameters())], (
+                    f"stage {s} step {latest}: missing {missing}, unexpected {unexpected}"
+                )
+                loaded[s] = latest
+        loss = held_out_loss(models, work)
+        curve.append({"step": k, "loss": loss, "elapsed_s": step_times.get(k)})
+        if loss <= target:
+            break
+    return curve
 
 
 # ------------------------------------------------------------------------------ compute against transfer
@@ -450,12 +494,33 @@ class Outcome:
     stopped: str = ""  # why the run ended: target, budget, a kill (pipelining under churn)
     kills: list[dict] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    step_times: dict[int, float] = field(default_factory=dict)  # step -> training time when the side saw it done
 
     def point(self, step: int, elapsed_s: float, loss: float | None, target: float, **extra: float) -> None:
         if loss is not None:
             self.curve.append({"step": step, "elapsed_s": round(elapsed_s, 2), "loss": round(loss, 4), **extra})
             if self.reached_s is None and loss <= target:
                 self.reached_s, self.reached_step = elapsed_s, step
+
+    def exact(self, snapshots: Path, work: Workload, stages: int, target: float, layers=None) -> None:
+        """Every step evaluated from the side's snapshots (:func:`snapshot_curve`), after the
+        run: the curve, steps and time to target come from them; what the side evaluated
+        while it trained (the mesh beside its training, pipelining every ``eval_every``
+        steps: the stop signal) moves to ``extra["during_training"]``. The snapshots are
+        deleted then (26 MB a step at the full plan's size)."""
+        curve = snapshot_curve(snapshots, work, stages, target, self.step_times, layers)
+        shutil.rmtree(snapshots, ignore_errors=True)
+        self.extra["during_training"] = {
+            "curve": self.curve,
+            "reached_step": self.reached_step,
+            "reached_s": self.reached_s,
+        }
+        hit = next((p for p in curve if p["loss"] <= target), None)
+        self.curve = curve
+        self.reached_step = hit["step"] if hit else None
+        self.reached_s = hit["elapsed_s"] if hit else None
+        if hit and hit["elapsed_s"] is None:  # the side never saw that step done (its last, past its clock)
+            self.reached_s = self.elapsed_s
 
 
 class SideRun:
@@ -497,6 +562,7 @@ class MeshSide(SideRun):
         self.servers: dict[str, object] = {}
         self.coordinator = self.url("coord", COORD_PORT)
         self.checkpoints = self.logs / f"{self.label}-checkpoints"
+        self.snapshots: Path | None = None  # where the servers write every step's weights (the run, not the sweep)
 
     def start_swarm(self) -> None:
         env = {
@@ -557,6 +623,8 @@ class MeshSide(SideRun):
             env["SWARM_MAX_STALENESS"] = str(self.plan.max_staleness)
         if self.sc.checkpoint_every_s:
             env["SWARM_CHECKPOINT_DIR"] = str(self.checkpoints)
+        if self.snapshots is not None:
+            env["SWARM_STEP_SNAPSHOT_DIR"] = str(self.snapshots)
         self.servers[peer] = self.arena.popen(
             peer,
             [sys.executable, "-m", "bench.stage_proc", *self.model_args()],
@@ -657,6 +725,7 @@ class MeshSide(SideRun):
                     started_at = time.monotonic()
                 elif ev.get("event") == "train.step":
                     out.steps, out.elapsed_s = ev["step"], ev["elapsed_s"]
+                    out.step_times.setdefault(ev["step"], ev["elapsed_s"])
                 elif ev.get("event") == "train.eval" and ev.get("when") == "before":
                     t0 = _timestamp(ev)
                     meters = (self.utilisation(), time.monotonic())
@@ -774,11 +843,14 @@ def run_mesh(
         finally:
             arena.stop_processes(first=TRAINERS)
     side = MeshSide(arena, sc, plan, logs, label or codec, codec=codec)
+    side.snapshots = logs / f"{side.label}-snapshots"
+    shutil.rmtree(side.snapshots, ignore_errors=True)
     try:
         side.start_swarm()
         outcome = side.train_to_target(*setting, target=target)
     finally:
         arena.stop_processes(first=TRAINERS)
+    outcome.exact(side.snapshots, plan.work, sc.stages, target)
     return outcome, setting, sweep_rows
 
 
@@ -796,6 +868,8 @@ def run_pipelining(
     ranks = sc.pipeline_ranks()
     out, sweep_rows, microbatches = Outcome(), [], plan.pipeline_candidates[0]
     watch = None
+    snapshots = logs / f"{side.label}-snapshots"
+    shutil.rmtree(snapshots, ignore_errors=True)
     try:
         for r, peer in enumerate(ranks):
             cfg = {
@@ -810,6 +884,7 @@ def run_pipelining(
                 "target": target,
                 "budget_s": sc.budget_s,
                 "layers": layers,
+                "snapshots": str(snapshots),
             }
             log = side.log(f"rank{r}")
             arena.popen(
@@ -831,6 +906,9 @@ def run_pipelining(
                     sweep_rows.append({k: v for k, v in ev.items() if k != "event"})
                 elif ev["event"] == "start":
                     microbatches, started_at, sent0 = ev["microbatches"], time.monotonic(), side.sent(ranks)
+                elif ev["event"] == "step":
+                    out.steps, out.elapsed_s = ev["step"], ev["elapsed_s"]
+                    out.step_times[ev["step"]] = ev["elapsed_s"]
                 elif ev["event"] == "eval":
                     out.steps, out.elapsed_s = ev["step"], ev["elapsed_s"]
                     out.point(ev["step"], ev["elapsed_s"], ev["loss"], target)
@@ -859,6 +937,7 @@ def run_pipelining(
         out.bytes_sent = side.sent(ranks) - sent0 if sent0 is not None else 0
     finally:
         arena.stop_processes()
+    out.exact(snapshots, plan.work, sc.stages, target, layers)
     return out, microbatches, sweep_rows
 
 
@@ -1053,9 +1132,12 @@ def run(ctx) -> BenchResult:
         f"steps of {w.samples_per_step} samples (mesh microbatches of {w.microbatch_size}); the stage servers' AdamW "
         "(lr warm-up 10 steps, each stage clipped to norm 1) on every side",
         f"target: held-out loss {target:.4f}, what the same model reaches in one process after {plan.target_steps} "
-        "global steps (churn: its own, below); every side evaluates the same 4 held-out microbatches every "
-        f"{plan.eval_every} steps; the mesh's evaluation counts when it ends (it runs beside the training), "
-        "pipelining's evaluations (between steps) are left out of its clock",
+        "global steps (churn: its own, below); steps and time to target are exact: every side writes its weights "
+        "after every global step, and after its run every step's model is evaluated here on the same 4 held-out "
+        "microbatches, off the clock; time to target is the side's training time when it saw the first step at the "
+        f"target done. While training, each side evaluates every {plan.eval_every} steps only to know when to stop "
+        "(the mesh beside its training, pipelining between steps, off its clock); those figures are in the JSON "
+        "(during_training)",
         (
             "tokens/s: tokens of the global steps done over their time; bytes/token: bytes all of a side's peers sent "
             "on their links (interface counters) per such token"

@@ -7,7 +7,10 @@ group (rank 0's peer address, this peer's veth), then
    (same seed) takes 2 steps; the second is timed. The fastest count wins (decided on the
    last rank, broadcast to all);
 2. the run: a fresh copy trains with that count until the held-out loss reaches the
-   target or the time budget is spent, evaluated every ``eval_every`` steps.
+   target or the time budget is spent, evaluated every ``eval_every`` steps; with
+   ``snapshots`` in the config, every rank writes its weights after every step there (as
+   the mesh's servers do with ``SWARM_STEP_SNAPSHOT_DIR``), and the arena evaluates every
+   step from them after the run.
 
 The model, the data and the optimizer are the mesh's: ``shared.model.build_stage`` with
 the same seed (or, with ``layers`` in the config, the layers split so: the arena's
@@ -18,8 +21,8 @@ cross the links in fp32, as PyTorch sends them. The evaluation runs the same hel
 microbatches forward through the ranks (point-to-point sends, fp32) between steps; its
 time is left out of the clock: pipelining is credited with its training time only.
 
-Prints JSON lines on stdout: ``sweep`` (per count, seconds per step), ``eval`` (step,
-elapsed_s, loss), ``done``.
+Prints JSON lines on stdout: ``sweep`` (per count, seconds per step), ``step`` (step,
+elapsed_s: its training time), ``eval`` (step, elapsed_s, loss), ``done``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 
 from bench.workload import Workload
 from services.stage_server.runtime import OptimizerConfig
+from services.stage_server.state import StepSnapshots
 from shared.config import StageServerSettings
 from shared.model import StageSpec, build_stage, init_stage, stage_model
 
@@ -73,6 +77,18 @@ def stock_optimizer_config() -> OptimizerConfig:
     )
 
 
+def fresh_stage(work: Workload, rank: int, world: int, layers: list[int] | None = None) -> torch.nn.Module:
+    """Stage ``rank`` of ``world`` as every side starts it (seed 0): the layers split equally
+    (``partition``, the mesh's), or ``layers`` per rank (the speed-balanced pipelining)."""
+    cfg = work.gpt_config()
+    if not layers:
+        return build_stage(cfg, rank, world, seed=0)
+    start = sum(layers[:rank])
+    model = stage_model(cfg, StageSpec(rank, world, range(start, start + layers[rank])))
+    init_stage(model, 0)
+    return model
+
+
 class Rank:
     def __init__(self, cfg: dict):
         import torch.distributed as dist
@@ -87,15 +103,7 @@ class Rank:
     def fresh(self, microbatches: int):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        cfg = self.work.gpt_config()
-        if self.cfg.get("layers"):  # a split of the layers other than partition()'s equal one
-            start = sum(self.cfg["layers"][: self.rank])
-            model = stage_model(
-                cfg, StageSpec(self.rank, self.world, range(start, start + self.cfg["layers"][self.rank]))
-            )
-            init_stage(model, 0)
-        else:
-            model = build_stage(cfg, self.rank, self.world, seed=0)
+        model = fresh_stage(self.work, self.rank, self.world, self.cfg.get("layers"))
         optimizer = stock_adamw(model, self.optim)
         schedule = Schedule1F1B(
             PipelineStage(model, self.rank, self.world, torch.device("cpu")),
@@ -177,10 +185,15 @@ class Rank:
         self.dist.barrier()
         started, step, eval_s = time.perf_counter(), 0, 0.0
         emit("start", microbatches=microbatches)
+        snapshots = StepSnapshots(self.cfg["snapshots"]) if self.cfg.get("snapshots") else None
         while True:
             self.train_step(model, optimizer, schedule, step)
             step += 1
             elapsed = time.perf_counter() - started - eval_s  # training time: evaluations are not in the clock
+            if snapshots is not None:  # every step's weights, for the arena to evaluate after the run
+                snapshots.save(self.rank, step, model.named_parameters())
+            if last:
+                emit("step", step=step, elapsed_s=round(elapsed, 3))
             stop = elapsed >= budget
             if step % every == 0:
                 eval_started = time.perf_counter()
@@ -197,6 +210,8 @@ class Rank:
                     stop = stop or round(loss, 4) <= target  # as the bench reads it
             if self.decide(1.0 if stop else 0.0):
                 break
+        if snapshots is not None:
+            snapshots.close()
         if last:
             emit(
                 "done", steps=step, elapsed_s=round(time.perf_counter() - started - eval_s, 3), eval_s=round(eval_s, 3)

@@ -523,6 +523,14 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
         gt=0,
         description="timeout of the state download when joining a stage",
     )
+    step_snapshot_dir: str = Field(
+        "",
+        description=(
+            "BENCH: write the stage's weights after every global step into this directory "
+            "(DIR/step-K/stage-S.safetensors, the first replica of a step wins), so that a bench evaluates every "
+            "step off the training clock (bench/arena.py); empty: none"
+        ),
+    )
     recovery: Literal["checkpoint", "checkfree", "fresh"] = Field(
         "checkpoint",
         description=(

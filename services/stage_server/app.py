@@ -18,7 +18,7 @@ from services.stage_server.recovery import Neighbour, checkfree_weights, neighbo
 from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, STEPPER, WORKER, add_routes
 from services.stage_server.runtime import OptimizerConfig, StageRuntime
 from services.stage_server.sessions import add_session_routes
-from services.stage_server.state import load_stage_state, stage_state
+from services.stage_server.state import StepSnapshots, load_stage_state, stage_state
 from services.stage_server.state_routes import add_state_routes, download_state
 from services.stage_server.stepping import StepClient
 from services.stage_server.utilisation import StageUtilisation
@@ -87,6 +87,8 @@ def build_runtime(settings: StageServerSettings) -> StageRuntime:
         lora=lora,
     )
     runtime.load_report = report
+    if settings.step_snapshot_dir:
+        runtime.on_step = StepSnapshots(settings.step_snapshot_dir)
     return runtime
 
 

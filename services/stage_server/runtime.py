@@ -43,6 +43,7 @@ import hashlib
 import math
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -257,6 +258,9 @@ class StageRuntime:
         self._cache: OrderedDict[str, _CachedForward] = OrderedDict()
         self._cache_size = cache_size
         self.outer = OuterOptimizer(outer, flat_parameters(self.params)) if outer else None
+        # called with this runtime after every global step it takes (on the compute worker):
+        # SWARM_STEP_SNAPSHOT_DIR's writer (``state.StepSnapshots``), else nothing
+        self.on_step: Callable[[StageRuntime], None] | None = None
 
     # ---------------------------------------------------------------- validation
     def validate(
@@ -574,6 +578,8 @@ class StageRuntime:
             self.stats.optimizer_steps += 1
         for old in [k for k in self._buckets if k < self.step]:  # came in after their step was taken
             self.drop(self.take_gradients(old))
+        if self.on_step is not None:
+            self.on_step(self)
 
     def pass_step(self) -> None:
         """Global step taken without a gradient of this replica (``local`` mode: it served no
@@ -583,6 +589,8 @@ class StageRuntime:
         self.stats.optimizer_steps += 1
         for old in [k for k in self._buckets if k < self.step]:
             self.drop(self.take_gradients(old))
+        if self.on_step is not None:
+            self.on_step(self)
 
     def inner_step(self, taken: Accumulated) -> None:
         """``local`` mode: this replica's own gradient of the step, alone (a pass if it served none)."""

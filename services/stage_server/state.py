@@ -25,14 +25,27 @@ metadata then adds ``lora`` ({rank, alpha, dropout, target_modules}), ``base_fin
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import torch
 
 from services.stage_server.runtime import StageRuntime
-from shared.checkpoint import OPTIM_PREFIX, state_from_bytes, state_to_bytes
+from shared.checkpoint import (
+    OPTIM_PREFIX,
+    stage_file_name,
+    state_from_bytes,
+    state_to_bytes,
+    step_dir,
+)
 from shared.errors import BadPayload, WrongStage
+from shared.log import get_logger
 from shared.model import config_from_dict
 
-__all__ = ["load_stage_state", "stage_state", "state_from_bytes", "state_to_bytes"]
+__all__ = ["StepSnapshots", "load_stage_state", "stage_state", "state_from_bytes", "state_to_bytes"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 OUTER_ANCHOR, OUTER_MOMENTUM = f"{OPTIM_PREFIX}outer/anchor", f"{OPTIM_PREFIX}outer/momentum"
@@ -186,6 +199,51 @@ def _validate(runtime: StageRuntime, tensors: dict[str, torch.Tensor], metadata:
         _check(t.dtype == p.dtype, f"{name!r} has dtype {t.dtype}, this stage needs {p.dtype}")
         _check(bool(torch.isfinite(t).all()), f"{name!r} contains non-finite values")
     return adam_step
+
+
+class StepSnapshots:
+    """For benches (``SWARM_STEP_SNAPSHOT_DIR``): the stage's trainable weights after every
+    global step this replica takes, in a checkpoint directory's layout
+    (``DIR/step-K/stage-S.safetensors``: weights only, no optimizer state, never committed),
+    so that a bench evaluates every step's model off the training clock (``bench/arena.py``).
+    The first replica to have written a step wins (under ``SWARM_SYNC=global`` a step's replicas are
+    identical; under ``local`` this is one replica's weights). Called on the compute worker
+    after the step (``StageRuntime.on_step``): it copies the weights there and writes them
+    from a thread of its own."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="step-snapshots")
+
+    def __call__(self, runtime: StageRuntime) -> None:
+        self.save(runtime.spec.index, runtime.step, runtime.named_params())
+
+    def save(self, stage: int, step: int, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy ``named`` (name, tensor) now, as the weights of ``stage`` after ``step``, and
+        write them in the background (unless that step's file is there already)."""
+        if (step_dir(self.root, step) / stage_file_name(stage)).exists():
+            return
+        tensors = {name: _snapshot(p) for name, p in named}
+        self._writer.submit(self._write, stage, step, tensors)
+
+    def close(self) -> None:
+        """Wait for the files queued so far."""
+        self._writer.shutdown(wait=True)
+
+    def _write(self, stage: int, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        path = step_dir(self.root, step) / stage_file_name(stage)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+                f.write(state_to_bytes(tensors, {"stage": stage, "step": step}))
+            try:
+                os.link(f.name, path)  # whole, and only if no other replica's is there yet
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(f.name)
+        except OSError as exc:  # a measurement aid: training goes on without it
+            get_logger(service="stage_server", stage=stage).warning("step_snapshot.failed", step=step, error=str(exc))
 
 
 def _named_params(runtime: StageRuntime) -> list[tuple[str, torch.nn.Parameter]]:

@@ -81,6 +81,18 @@ def test_quick_arena_trains_every_side_on_shaped_links_and_leaves_nothing(tmp_pa
         assert row["bytes/token"] > 0, row
         curve = detail[side.replace(" ", "_")]["curve"]
         assert curve and curve[-1]["loss"] <= result["params"]["target"], (side, curve)
+        # counted exactly: every step's weights evaluated after the run (from the snapshots the
+        # side wrote), step 1 to the first at the target, each at the time the side saw it done
+        assert [p["step"] for p in curve] == list(range(1, row["steps to target"] + 1)), (side, curve)
+        assert row["time to target s"] == round(curve[-1]["elapsed_s"], 1), (side, row, curve)
+        assert all(a["elapsed_s"] <= b["elapsed_s"] for a, b in zip(curve, curve[1:])), (side, curve)
+        during = detail[side.replace(" ", "_")]["extra"]["during_training"]
+        assert during["curve"] and during["reached_step"] >= row["steps to target"], (side, during)
+    # pipelining evaluated every step between steps itself (eval_every 1 here): the snapshots
+    # give the losses it saw, on the same weights
+    seen = {p["step"]: p["loss"] for p in detail["pipelining"]["extra"]["during_training"]["curve"]}
+    assert all(abs(p["loss"] - seen[p["step"]]) <= 2e-4 for p in detail["pipelining"]["curve"]), (seen, detail)
+    assert not list(tmp_path.rglob("*-snapshots")), "the snapshots are deleted once evaluated"
 
     # the codec each mesh side names is the one its links carried (fp32 is 4x int8's payload).
     # In the quick scenario ~410 B/token are not activations (HTTP, the step protocol, the

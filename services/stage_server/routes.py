@@ -174,6 +174,9 @@ async def run_forward(app: web.Application, req: StageRequest) -> dict:
     """The stage's forward of ``req`` on the compute worker; the reply: ``{stage,
     microbatch_id, step}`` and ``outputs`` (encoded), or ``loss`` on the last stage."""
     runtime, settings = app[RUNTIME], app[SETTINGS]
+    stepper = app.get(STEPPER)
+    if stepper:  # the step a backward here closed, settling in the background: on its weights
+        await stepper.settled()
 
     def compute():
         return runtime.forward(
@@ -241,9 +244,13 @@ async def run_backward(app: web.Application, req: StageRequest) -> dict:
             await stepper.settle(reservation, 0, app[WORKER].run)  # the reservation goes back
         raise
     if reservation:
-        settled = time.perf_counter()
-        await stepper.settle(reservation, _samples(req.inputs) if result.accumulated else 0, app[WORKER].run)
-        waited += time.perf_counter() - settled
+        samples = _samples(req.inputs) if result.accumulated else 0
+        if reservation.closes and not runtime.spec.is_first:  # its gradient is awaited upstream: step beside it
+            stepper.settle_soon(reservation, samples, app[WORKER].run)
+        else:
+            settled = time.perf_counter()
+            await stepper.settle(reservation, samples, app[WORKER].run)
+            waited += time.perf_counter() - settled
     reply: dict = {
         "stage": settings.stage,
         "microbatch_id": req.microbatch_id,

@@ -19,9 +19,13 @@ goes into no earlier step, so its gradient is at most ``SWARM_MAX_STALENESS`` st
 than the step it goes into (0 with ``SWARM_SCHEDULE=sync``).
 
 Most ``done`` reports go in the background. The one of the reservation that completed a
-step's global batch goes in the foreground and, if it started the round, the backward
-answers the trainer only once this replica stepped: so a lone replica with one
-microbatch in flight steps exactly where one process would.
+step's global batch goes in the foreground and, if it started the round, the backward of
+stage 0 answers the trainer only once this replica stepped (the trainer learns the swarm's
+step from it). A later stage answers at once with the gradient its upstream stage waits
+for, and settles in the background (:meth:`StepClient.settle_soon`): a step round no longer
+holds up the stages before it, one after the other. Every forward waits for such a settle
+first (:meth:`StepClient.settled`), so a lone replica with one microbatch in flight still
+steps exactly where one process would.
 
 A replica the coordinator finds behind its stage (it missed a round, or joined from an
 older state) takes the state of a live replica, the furthest (``resync``), before it runs
@@ -95,6 +99,7 @@ class StepClient:
         ] = {}  # the coordinator away: step -> samples of backwards given it, not yet accumulated
         self._background: set[asyncio.Task] = set()
         self._resyncing: asyncio.Task | None = None
+        self._settling: asyncio.Task | None = None  # a closing backward's settle, in the background
         self.failures = 0
 
     async def reserve(
@@ -195,6 +200,29 @@ class StepClient:
                 self.log.info(
                     "step.applied", step=step, alone=True, effective_batch=self.runtime.stats.last_effective_batch
                 )
+
+    def settle_soon(self, reservation: Reservation, samples: int, run_compute: Callable[..., Awaitable]) -> None:
+        """:meth:`settle` in the background, for a backward whose gradient an upstream stage
+        waits for: it answers at once, and this replica's step round (if its reservation
+        closed the step) no longer holds up the stages before it. A forward that comes after
+        it waits for it (:meth:`settled`), so it still runs on the weights of the step."""
+        task = asyncio.create_task(self.settle(reservation, samples, run_compute), name="step.settle")
+        self._background.add(task)
+        task.add_done_callback(self._settled)
+        self._settling = task
+
+    def _settled(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.warning("step.settle.failed", error=repr(task.exception()))
+
+    async def settled(self) -> None:
+        """Wait (at most ``round_wait_s``) for a settle left in the background: the step its
+        backward closed is taken here, or given up, before a later forward runs."""
+        task = self._settling
+        if task is not None and not task.done():
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                await asyncio.wait_for(asyncio.shield(task), self.round_wait_s)
 
     def _step_alone(self) -> int | None:
         if self.runtime.pending() < self.alone_share():

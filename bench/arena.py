@@ -24,9 +24,11 @@ placement), beside the measured tokens/s and time ratios.
 
 The target is the held-out loss the same model reaches in one process after
 ``target_steps`` global steps (computed here, printed). Each side trains until its
-held-out loss (the same 4 held-out microbatches, evaluated every ``eval_every`` steps: the
-mesh beside its training, pipelining between steps and off its clock) reaches the target or
-its budget is spent. Steps and time to target are then counted exactly, off the clock:
+held-out loss reaches the target or its budget is spent (the signal to stop: pipelining
+evaluates every ``eval_every`` steps between steps, off its clock; the mesh's snapshots, see
+below, are evaluated as they come by ``bench.arena_eval`` at the lowest CPU priority, so its
+trainer evaluates nothing on the stage servers' cores). Steps and time to target are then
+counted exactly, off the clock:
 every side writes each stage's weights after every global step (the mesh's servers with
 ``SWARM_STEP_SNAPSHOT_DIR``, pipelining's ranks likewise), and after the run every step's
 model is evaluated here (:func:`snapshot_curve`); the first step at the target counts, at
@@ -45,17 +47,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime
 from pathlib import Path
 
 import torch
 
+from bench.arena_eval import forward, held_out_loss, snapshot_curve
 from bench.arena_net import Arena, PeerSpec, measure_link, unavailable
 from bench.report import BenchResult
 from bench.workload import Workload
@@ -341,7 +345,7 @@ def reference_targets(work: Workload, stages: int, steps: set[int]) -> dict[int,
     for step in range(max(steps)):
         for i in range(n):
             mb = batcher.microbatch(step * n + i)
-            (loss_fn(_forward(models, mb.inputs), mb.targets) / n).backward()
+            (loss_fn(forward(models, mb.inputs), mb.targets) / n).backward()
         for m, opt in zip(models, optimizers):
             torch.nn.utils.clip_grad_norm_(list(m.parameters()), optim.max_grad_norm)
             for group in opt.param_groups:
@@ -351,61 +355,6 @@ def reference_targets(work: Workload, stages: int, steps: set[int]) -> dict[int,
         if step + 1 in steps:
             targets[step + 1] = held_out_loss(models, work)
     return targets
-
-
-def _forward(models: list[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
-    for m in models:
-        x = m(x)
-    return x
-
-
-def held_out_loss(models: list[torch.nn.Module], work: Workload) -> float:
-    """The held-out loss of the stages ``models`` in a row, on the 4 microbatches every side
-    evaluates, to 4 decimals (as the sides print theirs)."""
-    from bench.arena_pipelining import EVAL_MICROBATCHES, loss_fn
-
-    batcher = work.batcher()
-    with torch.no_grad():
-        losses = [
-            float(loss_fn(_forward(models, mb.inputs), mb.targets))
-            for mb in (batcher.microbatch(i, split="eval") for i in range(EVAL_MICROBATCHES))
-        ]
-    return round(sum(losses) / len(losses), 4)
-
-
-def snapshot_curve(
-    root: Path, work: Workload, stages: int, target: float, step_times: dict[int, float], layers=None
-) -> list[dict]:
-    """Every global step's held-out loss, from the weights each stage wrote after it
-    (``SWARM_STEP_SNAPSHOT_DIR``, or a pipelining rank's ``snapshots``), evaluated here after the
-    run, off its clock: step ``k``'s model is each stage's weights after its step ``k`` (a
-    stage that wrote none at ``k``, one that caught up past it, its latest before; none yet:
-    its initial weights). Stops at the first step that reaches ``target``. Each point: step,
-    loss, and ``elapsed_s``, the side's training time when it saw the step done (None: unseen)."""
-    from bench.arena_pipelining import fresh_stage
-    from shared.checkpoint import read_stage_file, state_from_bytes, step_dir
-
-    written = sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
-    models = [fresh_stage(work, s, stages, layers).eval() for s in range(stages)]
-    loaded = [0] * stages  # the step whose weights each model holds
-    curve = []
-    for k in range(1, (written[-1] if written else 0) + 1):
-        for s, model in enumerate(models):
-            latest = max(
-                (j for j in written if j <= k and (step_dir(root, j) / f"stage-{s}.safetensors").is_file()), default=0
-            )
-            if latest != loaded[s]:
-                tensors, _ = state_from_bytes(read_stage_file(step_dir(root, latest), s))
-                missing, unexpected = model.load_state_dict(tensors, strict=False)
-                assert not unexpected and not [m for m in missing if m in dict(model.named_parameters())], (
-                    f"stage {s} step {latest}: missing {missing}, unexpected {unexpected}"
-                )
-                loaded[s] = latest
-        loss = held_out_loss(models, work)
-        curve.append({"step": k, "loss": loss, "elapsed_s": step_times.get(k)})
-        if loss <= target:
-            break
-    return curve
 
 
 # ------------------------------------------------------------------------------ compute against transfer
@@ -450,11 +399,6 @@ def hop_ratios(work: Workload, compute_s: float, servers: tuple[tuple[float, flo
 
 
 # ------------------------------------------------------------------------------ watching a side
-def _timestamp(event: dict) -> float:
-    """A structlog event's ISO timestamp, in seconds."""
-    return datetime.fromisoformat(event["timestamp"]).timestamp()
-
-
 class Watch:
     """Follows a process's JSON-lines log (a trainer's structlog events, a pipelining rank's
     lines): the events seen so far, read as the log grows."""
@@ -711,28 +655,26 @@ class MeshSide(SideRun):
         out, sc = Outcome(), self.sc
         peers = [p for p in self.arena.peers if p.startswith("s")] + [f"t{t}" for t in range(trainers)] + ["coord"]
         sent0 = self.sent(peers)
-        logs = self.start_trainers(
-            trainers, in_flight, start_step=0, steps=100_000, eval_every=self.plan.eval_every, tag="run"
-        )
+        # no evaluation on the stage servers' cores while training: the snapshots are
+        # evaluated beside it, at the lowest CPU priority, as the signal to stop
+        logs = self.start_trainers(trainers, in_flight, start_step=0, steps=100_000, eval_every=0, tag="run")
         watch = Watch(logs[0])
+        evaluator, evaluations = self.follow_snapshots(target, START_TIMEOUT_S + sc.budget_s + 60)
         started_at, churn = None, ChurnPlan(*sc.churn) if sc.churn else None
         meters = None  # the servers' MFU meters when the training clock started, and when
         deadline = time.monotonic() + START_TIMEOUT_S + sc.budget_s + 60
-        t0 = None  # when the trainer's clock started: its first evaluation's end
         while time.monotonic() < deadline:
+            for ev in evaluations.poll():  # credited at the time the trainer saw its step done
+                at = out.step_times.get(ev["step"], out.elapsed_s)
+                out.point(ev["step"], at, ev["loss"], target)
             for ev in watch.poll():
                 if ev.get("event") == "train.start":
                     started_at = time.monotonic()
                 elif ev.get("event") == "train.step":
                     out.steps, out.elapsed_s = ev["step"], ev["elapsed_s"]
                     out.step_times.setdefault(ev["step"], ev["elapsed_s"])
-                elif ev.get("event") == "train.eval" and ev.get("when") == "before":
-                    t0 = _timestamp(ev)
+                elif ev.get("event") == "train.eval" and ev.get("when") == "before":  # its clock starts
                     meters = (self.utilisation(), time.monotonic())
-                elif ev.get("event") == "train.eval" and ev.get("when") == "during" and t0 is not None:
-                    # credited when the evaluation ended, not when its step was seen done: it ran
-                    # beside the training, and later stages may have stepped again meanwhile
-                    out.point(ev["step"], _timestamp(ev) - t0, ev["loss"], target, step_done_s=ev["elapsed_s"])
             now = time.monotonic() - started_at if started_at else 0.0
             if out.reached_s is not None or out.elapsed_s >= sc.budget_s or now >= sc.budget_s + STALL_GRACE_S:
                 out.stopped = (
@@ -744,6 +686,8 @@ class MeshSide(SideRun):
             time.sleep(POLL_S)
         else:
             out.stopped = "timed out"
+        evaluator.kill()
+        evaluator.wait()
         out.bytes_sent = self.sent(peers) - sent0
         failures = [ev for ev in watch.events if ev.get("event") == "microbatch.failed"]
         steps = [ev for ev in watch.events if ev.get("event") == "train.step"]
@@ -760,6 +704,27 @@ class MeshSide(SideRun):
                 for key in ("stale_gradients", "stale_backwards", "samples_dropped", "samples")
             }
         return out
+
+    def follow_snapshots(self, target: float, timeout_s: float) -> tuple[subprocess.Popen, Watch]:
+        """``bench.arena_eval`` on this side's snapshots, in the arena's own namespace at the
+        lowest CPU priority (``nice 19``: what the capped peers leave idle); its log, one
+        JSON line per step evaluated."""
+        log = self.log("snapshot-eval")
+        cfg = {
+            "root": str(self.snapshots),
+            "work": asdict(self.plan.work),
+            "stages": self.sc.stages,
+            "target": target,
+            "timeout_s": timeout_s,
+        }
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(
+                ["nice", "-n", "19", sys.executable, "-m", "bench.arena_eval", json.dumps(cfg)],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+        return proc, Watch(log)
 
     def churn_turn(self, churn: ChurnPlan, out: Outcome, now: float) -> None:
         """Kill and restart servers as ``churn`` says at the side's global step; each kill and
@@ -1135,9 +1100,9 @@ def run(ctx) -> BenchResult:
         "global steps (churn: its own, below); steps and time to target are exact: every side writes its weights "
         "after every global step, and after its run every step's model is evaluated here on the same 4 held-out "
         "microbatches, off the clock; time to target is the side's training time when it saw the first step at the "
-        f"target done. While training, each side evaluates every {plan.eval_every} steps only to know when to stop "
-        "(the mesh beside its training, pipelining between steps, off its clock); those figures are in the JSON "
-        "(during_training)",
+        f"target done. While training, each side evaluates only to know when to stop (pipelining every "
+        f"{plan.eval_every} steps between steps, off its clock; the mesh's snapshots as they come, at the lowest CPU "
+        "priority, nothing on its servers); those figures are in the JSON (during_training)",
         (
             "tokens/s: tokens of the global steps done over their time; bytes/token: bytes all of a side's peers sent "
             "on their links (interface counters) per such token"

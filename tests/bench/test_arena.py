@@ -88,6 +88,8 @@ def test_quick_arena_trains_every_side_on_shaped_links_and_leaves_nothing(tmp_pa
         assert all(a["elapsed_s"] <= b["elapsed_s"] for a, b in zip(curve, curve[1:])), (side, curve)
         during = detail[side.replace(" ", "_")]["extra"]["during_training"]
         assert during["curve"] and during["reached_step"] >= row["steps to target"], (side, during)
+        # what stopped it: the target seen while training (the mesh: its snapshots followed by bench.arena_eval)
+        assert detail[side.replace(" ", "_")]["stopped"] == "target", (side, detail[side.replace(" ", "_")])
     # pipelining evaluated every step between steps itself (eval_every 1 here): the snapshots
     # give the losses it saw, on the same weights
     seen = {p["step"]: p["loss"] for p in detail["pipelining"]["extra"]["during_training"]["curve"]}

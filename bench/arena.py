@@ -676,10 +676,11 @@ class MeshSide(SideRun):
                 elif ev.get("event") == "train.eval" and ev.get("when") == "before":  # its clock starts
                     meters = (self.utilisation(), time.monotonic())
             now = time.monotonic() - started_at if started_at else 0.0
-            if out.reached_s is not None or out.elapsed_s >= sc.budget_s or now >= sc.budget_s + STALL_GRACE_S:
-                out.stopped = (
-                    "target" if out.reached_s is not None else "budget" if out.elapsed_s >= sc.budget_s else "stalled"
-                )
+            # the target's step counts once the trainer saw it done (its time): the evaluator may see
+            # its snapshots first
+            reached = out.reached_step is not None and out.steps >= out.reached_step
+            if reached or out.elapsed_s >= sc.budget_s or now >= sc.budget_s + STALL_GRACE_S:
+                out.stopped = "target" if reached else "budget" if out.elapsed_s >= sc.budget_s else "stalled"
                 break
             if churn is not None and started_at:
                 self.churn_turn(churn, out, now)

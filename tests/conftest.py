@@ -27,10 +27,6 @@ PROCESS_TESTS = ("tests/e2e/", "tests/chaos/", "tests/bench/")
 # measures as set only on idle cores, and each checks that the host's namespaces are as before.)
 MOSTLY_WAITING = (
     "tests/chaos/test_server_kills.py",  # 0.58 cores: servers slowed by an injected delay, kills on a clock
-    # the quick benches: most of their time (joins, rebalancing, churn) waits on heartbeats, leases and
-    # injected delays, and they check sanity bounds only; in the other group they made it the long pole
-    # (888 s of tests against 516 here, with a core kept busy beside the suite, 2026-11-27)
-    "tests/bench/test_bench_smoke.py",
 )
 ONE_AT_A_TIME, IN_PROCESS = "processes", "in-process"
 

@@ -459,12 +459,11 @@ class Outcome:
             "reached_step": self.reached_step,
             "reached_s": self.reached_s,
         }
-        hit = next((p for p in curve if p["loss"] <= target), None)
+        # a step the side never saw done (written past its clock, the run over) has no time: not reached
+        hit = next((p for p in curve if p["loss"] <= target and p["elapsed_s"] is not None), None)
         self.curve = curve
         self.reached_step = hit["step"] if hit else None
         self.reached_s = hit["elapsed_s"] if hit else None
-        if hit and hit["elapsed_s"] is None:  # the side never saw that step done (its last, past its clock)
-            self.reached_s = self.elapsed_s
 
 
 class SideRun:
@@ -660,35 +659,37 @@ class MeshSide(SideRun):
         logs = self.start_trainers(trainers, in_flight, start_step=0, steps=100_000, eval_every=0, tag="run")
         watch = Watch(logs[0])
         evaluator, evaluations = self.follow_snapshots(target, START_TIMEOUT_S + sc.budget_s + 60)
-        started_at, churn = None, ChurnPlan(*sc.churn) if sc.churn else None
-        meters = None  # the servers' MFU meters when the training clock started, and when
-        deadline = time.monotonic() + START_TIMEOUT_S + sc.budget_s + 60
-        while time.monotonic() < deadline:
-            for ev in evaluations.poll():  # credited at the time the trainer saw its step done
-                at = out.step_times.get(ev["step"], out.elapsed_s)
-                out.point(ev["step"], at, ev["loss"], target)
-            for ev in watch.poll():
-                if ev.get("event") == "train.start":
-                    started_at = time.monotonic()
-                elif ev.get("event") == "train.step":
-                    out.steps, out.elapsed_s = ev["step"], ev["elapsed_s"]
-                    out.step_times.setdefault(ev["step"], ev["elapsed_s"])
-                elif ev.get("event") == "train.eval" and ev.get("when") == "before":  # its clock starts
-                    meters = (self.utilisation(), time.monotonic())
-            now = time.monotonic() - started_at if started_at else 0.0
-            # the target's step counts once the trainer saw it done (its time): the evaluator may see
-            # its snapshots first
-            reached = out.reached_step is not None and out.steps >= out.reached_step
-            if reached or out.elapsed_s >= sc.budget_s or now >= sc.budget_s + STALL_GRACE_S:
-                out.stopped = "target" if reached else "budget" if out.elapsed_s >= sc.budget_s else "stalled"
-                break
-            if churn is not None and started_at:
-                self.churn_turn(churn, out, now)
-            time.sleep(POLL_S)
-        else:
-            out.stopped = "timed out"
-        evaluator.kill()
-        evaluator.wait()
+        try:
+            started_at, churn = None, ChurnPlan(*sc.churn) if sc.churn else None
+            meters = None  # the servers' MFU meters when the training clock started, and when
+            deadline = time.monotonic() + START_TIMEOUT_S + sc.budget_s + 60
+            while time.monotonic() < deadline:
+                for ev in evaluations.poll():  # credited at the time the trainer saw its step done
+                    at = out.step_times.get(ev["step"], out.elapsed_s)
+                    out.point(ev["step"], at, ev["loss"], target)
+                for ev in watch.poll():
+                    if ev.get("event") == "train.start":
+                        started_at = time.monotonic()
+                    elif ev.get("event") == "train.step":
+                        out.steps, out.elapsed_s = ev["step"], ev["elapsed_s"]
+                        out.step_times.setdefault(ev["step"], ev["elapsed_s"])
+                    elif ev.get("event") == "train.eval" and ev.get("when") == "before":  # its clock starts
+                        meters = (self.utilisation(), time.monotonic())
+                now = time.monotonic() - started_at if started_at else 0.0
+                # the target's step counts once the trainer saw it done (its time): the evaluator may see
+                # its snapshots first
+                reached = out.reached_step is not None and out.steps >= out.reached_step
+                if reached or out.elapsed_s >= sc.budget_s or now >= sc.budget_s + STALL_GRACE_S:
+                    out.stopped = "target" if reached else "budget" if out.elapsed_s >= sc.budget_s else "stalled"
+                    break
+                if churn is not None and started_at:
+                    self.churn_turn(churn, out, now)
+                time.sleep(POLL_S)
+            else:
+                out.stopped = "timed out"
+        finally:
+            evaluator.kill()
+            evaluator.wait()
         out.bytes_sent = self.sent(peers) - sent0
         failures = [ev for ev in watch.events if ev.get("event") == "microbatch.failed"]
         steps = [ev for ev in watch.events if ev.get("event") == "train.step"]

@@ -17,16 +17,30 @@ from shared.config import CoordinatorSettings, StageServerSettings
 from shared.wiring import ReplicaBalancer
 
 # `make test` runs in two phases (Makefile). First two pytest workers (pytest-xdist, `--dist
-# loadgroup`) with two groups, one per worker: a test that starts real processes and trains
-# keeps both cores busy on its own, and those tests run one at a time in one group; the
-# in-process tests (one core) and the process tests that mostly wait (CPU time / wall time
-# measured on 2 cores) run one at a time in the other. Then, with nothing beside them, the
-# tests marked `alone`: their throughput or staleness checks hold on an idle machine only.
+# loadgroup`): a test that starts real processes and trains keeps both cores busy on its own,
+# and those tests run one at a time in one group; the in-process tests (one core) and the
+# process tests that mostly wait (CPU time / wall time measured on 2 cores) run one at a time
+# in the other. Those two groups start at once, the larger first. Process tests whose checks
+# are only of results (a loss, a file, an answer; no rate, latency or clock) are a group per
+# file: each goes to whichever worker is free first once its group is done, so neither waits
+# while the other still has the training tests' tail (the processes worker was the long pole
+# by about 300 s). Then, with nothing beside them, the tests marked `alone`: their throughput
+# or staleness checks hold on an idle machine only.
 PROCESS_TESTS = ("tests/e2e/", "tests/chaos/", "tests/bench/")
 # (tests/bench/test_arena_net.py and test_arena.py are marked `alone`: their links' latency
 # measures as set only on idle cores, and each checks that the host's namespaces are as before.)
 MOSTLY_WAITING = (
     "tests/chaos/test_server_kills.py",  # 0.58 cores: servers slowed by an injected delay, kills on a clock
+)
+RESULTS_ONLY = (  # their own generous start-up limits, and nothing timed in their checks
+    "tests/e2e/test_resume_export.py",
+    "tests/e2e/test_lora_finetune.py",
+    "tests/e2e/test_llama_from_scratch.py",
+    "tests/e2e/test_lm_eval.py",
+    "tests/e2e/test_generate.py",
+    "tests/e2e/test_progress_e2e.py",
+    "tests/e2e/test_metrics.py",
+    "tests/e2e/test_dashboard_prompt.py",
 )
 ONE_AT_A_TIME, IN_PROCESS = "processes", "in-process"
 
@@ -35,8 +49,13 @@ ONE_AT_A_TIME, IN_PROCESS = "processes", "in-process"
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = item.path.relative_to(config.rootpath).as_posix()
-        training = path.startswith(PROCESS_TESTS) and not path.startswith(MOSTLY_WAITING)
-        item.add_marker(pytest.mark.xdist_group(ONE_AT_A_TIME if training else IN_PROCESS))
+        if path.startswith(RESULTS_ONLY):
+            group = f"{ONE_AT_A_TIME}:{path}"  # a group of its own: the first worker free takes it
+        elif path.startswith(PROCESS_TESTS) and not path.startswith(MOSTLY_WAITING):
+            group = ONE_AT_A_TIME
+        else:
+            group = IN_PROCESS
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one torch thread each

@@ -81,13 +81,13 @@ ADMISSION = web.AppKey("admission", Admission)
 UTILISATION = web.AppKey("utilisation", UtilisationBoard)  # the servers' MFU reports (utilisation.py)
 JOINER_ID, PENDING_PREFIX = "<joiner>", "<pending>"  # peer ids no server can have (server ids are [A-Za-z0-9._-])
 
-JSON = "application/json"
+_JSON = "application/json"
 MAX_BODY_BYTES = 64 * 1024
-MAX_STANDBY_WAIT_S = 20.0  # the longest a standby server's /assign is held open
-STANDBY_CHECK_S = 0.1  # how often a held /assign looks for a stage that needs its standby
+_MAX_STANDBY_WAIT_S = 20.0  # the longest a standby server's /assign is held open
+_STANDBY_CHECK_S = 0.1  # how often a held /assign looks for a stage that needs its standby
 
 
-class WrongRun(SwarmError):
+class _WrongRun(SwarmError):
     """The request belongs to another run than this coordinator's."""
 
     status = 409
@@ -96,7 +96,7 @@ class WrongRun(SwarmError):
 
 async def read_json(request: web.Request) -> dict:
     """Read a JSON object, refusing the wrong content type (415) and oversize bodies (413)."""
-    body = await read_body(request, JSON, MAX_BODY_BYTES, setting="the coordinator's fixed limit")
+    body = await read_body(request, _JSON, MAX_BODY_BYTES, setting="the coordinator's fixed limit")
     try:
         msg = json.loads(body)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -111,10 +111,10 @@ def _check_run(request: web.Request, msg: dict) -> None:
     if not isinstance(run_id, str):
         raise BadPayload("'run_id' must be a string")
     if run_id != expected:
-        raise WrongRun(f"this coordinator runs {expected!r}, not {run_id!r} (setting SWARM_RUN_ID)")
+        raise _WrongRun(f"this coordinator runs {expected!r}, not {run_id!r} (setting SWARM_RUN_ID)")
 
 
-async def register(request: web.Request) -> web.Response:
+async def _register(request: web.Request) -> web.Response:
     msg = await read_json(request)
     _check_run(request, msg)
     registry = request.app[REGISTRY]
@@ -143,7 +143,7 @@ async def register(request: web.Request) -> web.Response:
     )
 
 
-async def assign(request: web.Request) -> web.Response:
+async def _assign(request: web.Request) -> web.Response:
     """The stage a joining server should serve: where a loss would hurt most (the policy's
     rule: an empty stage first, then one with a single replica, ...); once every stage has
     two replicas, by the network cost model when placement plans with it (the joiner's
@@ -188,11 +188,11 @@ async def _assign_standby(request: web.Request, msg: dict, region: str) -> web.R
     """A standby server's ``/assign``, held open until a stage needs it (the policy's
     ``standby_stage``: a stage left with fewer than two replicas) or ``wait_s`` passes."""
     registry, log = request.app[REGISTRY], request.app[LOG]
-    server_id, wait_s = msg.get("server_id"), msg.get("wait_s", MAX_STANDBY_WAIT_S)
+    server_id, wait_s = msg.get("server_id"), msg.get("wait_s", _MAX_STANDBY_WAIT_S)
     if type(wait_s) not in (int, float) or not 0 <= wait_s <= 3600:
         raise BadPayload("'wait_s' must be a number of seconds in [0, 3600]")
     registry.note_standby(server_id, region)  # checks the id
-    deadline = asyncio.get_running_loop().time() + min(float(wait_s), MAX_STANDBY_WAIT_S)
+    deadline = asyncio.get_running_loop().time() + min(float(wait_s), _MAX_STANDBY_WAIT_S)
     while True:
         if request.transport is None or request.transport.is_closing():  # it went away: hand it nothing
             raise asyncio.CancelledError
@@ -205,7 +205,7 @@ async def _assign_standby(request: web.Request, msg: dict, region: str) -> web.R
             registry.note_standby(server_id, region)
         if asyncio.get_running_loop().time() >= deadline:
             return web.json_response({"stage": None, "placement": "standby", "reason": "every stage has two replicas"})
-        await asyncio.sleep(STANDBY_CHECK_S)
+        await asyncio.sleep(_STANDBY_CHECK_S)
     log.info("placement.standby", stage=choice.stage, server_id=server_id, reason=choice.reason, region=region or None)
     return web.json_response({"stage": choice.stage, "placement": "standby", "reason": choice.reason})
 
@@ -219,7 +219,7 @@ def _network_inputs(registry: Registry, settings: CoordinatorSettings, joiner: J
     return network_inputs(registry, settings, registry.live(), [*pending, joiner])
 
 
-async def heartbeat(request: web.Request) -> web.Response:
+async def _heartbeat(request: web.Request) -> web.Response:
     msg = await read_json(request)
     registry, utilisation = request.app[REGISTRY], _utilisation(msg)
     registry.heartbeat(
@@ -239,7 +239,7 @@ def _utilisation(msg: dict) -> dict | None:
     return None if msg.get("utilisation") is None else check_utilisation(msg["utilisation"])
 
 
-async def deregister(request: web.Request) -> web.Response:
+async def _deregister(request: web.Request) -> web.Response:
     server_id = (await read_json(request)).get("server_id")
     removed = request.app[REGISTRY].deregister(server_id)
     request.app[LOG].info("registry.deregistered", server_id=server_id, removed=removed)
@@ -256,11 +256,11 @@ def swarm_view(app: web.Application) -> dict:
     return view
 
 
-async def swarm(request: web.Request) -> web.Response:
+async def _swarm(request: web.Request) -> web.Response:
     return web.json_response({"run_id": request.app[SETTINGS].run_id, **swarm_view(request.app)})
 
 
-async def health(request: web.Request) -> web.Response:
+async def _health(request: web.Request) -> web.Response:
     """Status, live servers, and the bytes the coordinator's own loops sent and received
     (averaging: control messages only; checkpoints: the states it saves)."""
     return web.json_response(
@@ -268,12 +268,12 @@ async def health(request: web.Request) -> web.Response:
     )
 
 
-async def run(request: web.Request) -> web.Response:
+async def _run(request: web.Request) -> web.Response:
     """``GET /run``: the run's id, step and latest checkpoint, and the stage assignment."""
     return web.json_response(request.app[REGISTRY].run_state())
 
 
-async def step_reserve(request: web.Request) -> web.Response:
+async def _step_reserve(request: web.Request) -> web.Response:
     """``POST /step/reserve`` {run_id, stage, url, step, samples, global_batch, microbatch_id, until_step?}
     from a replica about to run a backward -> {verdict, bucket, step, replicas}: see ``steps.py``."""
     msg = await read_json(request)
@@ -284,7 +284,7 @@ async def step_reserve(request: web.Request) -> web.Response:
     return web.json_response(await request.app[STEPS].reserve(req))
 
 
-async def step_done(request: web.Request) -> web.Response:
+async def _step_done(request: web.Request) -> web.Response:
     """``POST /step/done`` {run_id, stage, url, step, bucket, reserved, samples, global_batch,
     microbatch_id, closes?} after the backward -> {round, step}: the step's round (a report that
     ``closes`` its step is answered once the round started)."""
@@ -294,7 +294,7 @@ async def step_done(request: web.Request) -> web.Response:
     return web.json_response(await request.app[STEPS].done(report))
 
 
-async def average_now(request: web.Request) -> web.Response:
+async def _average_now(request: web.Request) -> web.Response:
     """``POST /average``: once the step rounds running now have ended (a trainer asks before
     its final evaluation, which must see the run's last step applied), check that each
     stage's replicas are identical, repair those that drifted, and answer when the repairs
@@ -306,7 +306,7 @@ async def average_now(request: web.Request) -> web.Response:
     return web.json_response({"checks": scheduler.checks, "rounds": [r.as_json() for r in rounds]})
 
 
-async def checkpoint_now(request: web.Request) -> web.Response:
+async def _checkpoint_now(request: web.Request) -> web.Response:
     """``POST /checkpoint``: save the run now; 200 {path, step}, or 503 if a stage had no state."""
     path = await request.app[CHECKPOINTER].checkpoint_once()
     if path is None:
@@ -317,15 +317,15 @@ async def checkpoint_now(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app[ASSIGN_LOCK] = asyncio.Lock()
     app[UTILISATION] = UtilisationBoard()
-    app.router.add_post("/register", register)
-    app.router.add_post("/assign", assign)
-    app.router.add_post("/heartbeat", heartbeat)
-    app.router.add_post("/deregister", deregister)
-    app.router.add_get("/swarm", swarm)
-    app.router.add_get("/run", run)
-    app.router.add_get("/health", health)
-    app.router.add_post("/step/reserve", step_reserve)
-    app.router.add_post("/step/done", step_done)
-    app.router.add_post("/average", average_now)
+    app.router.add_post("/register", _register)
+    app.router.add_post("/assign", _assign)
+    app.router.add_post("/heartbeat", _heartbeat)
+    app.router.add_post("/deregister", _deregister)
+    app.router.add_get("/swarm", _swarm)
+    app.router.add_get("/run", _run)
+    app.router.add_get("/health", _health)
+    app.router.add_post("/step/reserve", _step_reserve)
+    app.router.add_post("/step/done", _step_done)
+    app.router.add_post("/average", _average_now)
     if CHECKPOINTER in app:
-        app.router.add_post("/checkpoint", checkpoint_now)
+        app.router.add_post("/checkpoint", _checkpoint_now)

@@ -16,14 +16,10 @@ from typing import Any
 
 import torch
 
+from services.stage_server.aggregation import EPSILON_WEIGHT, byzantine_values, sample_weight
 from services.stage_server.averaging import (
-    EPSILON_WEIGHT,
-    FETCH_BY,
-    REDUCE_AT,
-    RETRY_FETCH_BY,
-    RETRY_REDUCE_AT,
+    DEADLINES,
     RETRY_SEP,
-    START_WAIT_S,
     AveragingRound,
     CopyOrder,
     PartMessage,
@@ -31,25 +27,21 @@ from services.stage_server.averaging import (
     RoundConflict,
     RoundSpec,
     SourceUnavailable,
-    StepVerdict,
     Transport,
     _off_loop,
-    apply_average,
     backup_reducer,
-    byzantine_values,
     decode_values,
     parse_reduced,
     retry_round_id,
-    sample_weight,
-    settle_step,
-    snapshot,
-    step_verdict,
 )
 from services.stage_server.error_feedback import ErrorFeedback, Tag
-from services.stage_server.runtime import Accumulated
+from services.stage_server.runtime import Accumulated, apply_average, snapshot
 from services.stage_server.state import load_stage_state
+from services.stage_server.stepping import StepVerdict, settle_step, step_verdict
 from shared.codec import encode_tensor, pack_message, unpack_message
 from shared.errors import BadPayload, RemoteError, SwarmError
+
+_START_WAIT_S = 5.0  # how long a result request waits for a round whose parts came before its start
 
 
 class Averager:
@@ -186,7 +178,7 @@ class Averager:
         rnd = self.round
         if (rnd is None or not _of_round(round_id, rnd.spec.round_id)) and self._early[0] == round_id:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._started.wait(), START_WAIT_S)
+                await asyncio.wait_for(self._started.wait(), _START_WAIT_S)
             rnd = self.round
         if rnd is None or not _of_round(round_id, rnd.spec.round_id):
             raise RoundConflict(f"round {round_id.partition(RETRY_SEP)[0]!r} is unknown here")
@@ -433,11 +425,18 @@ class Averager:
         spec = rnd.spec
         try:
             if j == spec.index:
-                reduced = await rnd.main.reduced(rnd.at(REDUCE_AT))
+                reduced = await rnd.main.reduced(rnd.at(DEADLINES.reduce_at))
                 rnd.set_main_contributors(reduced.contributors)
                 return reduced
             reduced = await self._exchange(
-                rnd, flat, spec.members[j], spec.round_id, j, rnd.at(REDUCE_AT), rnd.at(FETCH_BY), log
+                rnd,
+                flat,
+                spec.members[j],
+                spec.round_id,
+                j,
+                rnd.at(DEADLINES.reduce_at),
+                rnd.at(DEADLINES.fetch_by),
+                log,
             )
             if reduced is not None:
                 return reduced
@@ -458,8 +457,8 @@ class Averager:
                     url,
                     retry_round_id(spec.round_id, j),
                     j,
-                    rnd.at(RETRY_REDUCE_AT),
-                    rnd.at(RETRY_FETCH_BY),
+                    rnd.at(DEADLINES.retry_reduce_at),
+                    rnd.at(DEADLINES.retry_fetch_by),
                     log,
                 )
                 if reduced is None:

@@ -19,22 +19,22 @@ from the moment this member accepted ``/average/start``):
 1. On the compute worker: snapshot the flat fp32 vector and its weight ``w_i``: a step
    round takes the accumulated gradient and its samples (0 for a replica that served
    none: it still steps with the others); a params round takes the parameters and the
-   samples processed since this member's last completed round, or ``EPSILON_WEIGHT`` if
+   samples processed since this member's last completed round, or ``EPSILON_WEIGHT`` (``aggregation.py``) if
    none (an idle replica still counts, next to nothing beside a busy one).
 2. Split the vector into ``k`` contiguous parts (sizes differ by at most 1); post part
    ``j`` to member ``j``; keep part ``i``.
-3. As reducer of part ``i``: once all ``k`` parts are in, or at ``REDUCE_AT * T`` with what
+3. As reducer of part ``i``: once all ``k`` parts are in, or at ``DEADLINES.reduce_at * T`` with what
    arrived, compute ``sum(w x) / sum(w)`` and serve it to whoever asks.
-4. Fetch reduced part ``j`` from member ``j`` (by ``FETCH_BY * T``). If member ``j`` cannot
+4. Fetch reduced part ``j`` from member ``j`` (by ``DEADLINES.fetch_by * T``). If member ``j`` cannot
    be reached or fails, re-send the ORIGINAL part ``j`` with its weight to a backup reducer
    (the first member after ``j`` in cyclic index order not seen failing) under round id
-   ``"<round_id>/retry-<j>"`` and fetch its reduction (by ``RETRY_FETCH_BY * T``). The
+   ``"<round_id>/retry-<j>"`` and fetch its reduction (by ``DEADLINES.retry_fetch_by * T``). The
    backup reduces once every member whose part reached it in step 3 (but ``j``) re-sent
-   part ``j``, or at ``RETRY_REDUCE_AT * T``. If that fails too, part ``j`` keeps the
+   part ``j``, or at ``DEADLINES.retry_reduce_at * T``. If that fails too, part ``j`` keeps the
    local values (``averaging.part.failed``).
 5. On the compute worker: a params round loads the concatenated parts (bumps the
    weights' version and drops the backward cache); a step round applies the optimizer
-   step with them only where :func:`step_verdict` says so, else gives the gradient back
+   step with them only where ``stepping.step_verdict`` says so, else gives the gradient back
    and steps not (see "Step rounds" below).
 
 Every member, the reducer included, loads a reduced part as it comes out of the round's
@@ -52,7 +52,7 @@ what the members load, so the members still end with identical values.
 Step rounds. Every member that steps must apply the same gradient, or the replicas drift
 apart for good (the AdamW state remembers it). A member steps only on a gradient that
 every other member that steps can hold too, and never on an empty one
-(:class:`StepVerdict`):
+(``stepping.StepVerdict``, which decides it, and ``stepping.settle_step``, which applies it):
 
 - every part was reduced (else ``part_failed``);
 - a part that came from a backup reducer holds every member of the round's contributors
@@ -75,26 +75,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from services.stage_server.aggregation import AGGREGATORS, centered_clip, weighted_mean
+from services.stage_server.stepping import StepVerdict
 from shared.codec import FLOAT_CODECS, decode_tensor, encode_tensor, pack_message, unpack_message
 from shared.errors import BadPayload, SwarmError, WrongStage
 
-EPSILON_WEIGHT = 1e-3  # the weight of a replica that processed no sample since its last round
-REDUCE_AT, FETCH_BY, RETRY_REDUCE_AT, RETRY_FETCH_BY = 0.4, 0.6, 0.8, 0.95  # fractions of timeout_s
-START_WAIT_S = 5.0  # how long a result request waits for a round whose parts came before its start
-MAX_MEMBERS = 256
-MAX_TIMEOUT_S = 3600.0
-MAX_WEIGHT = 1e15
+_MAX_MEMBERS = 256
+_MAX_TIMEOUT_S = 3600.0
+_MAX_WEIGHT = 1e15
 OFF_LOOP_VALUES = 64 * 1024  # codec and reduction work on larger parts runs in a thread
 RETRY_SEP = "/retry-"
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """When each phase of a round ends, as fractions of its ``timeout_s`` (see above)."""
+
+    reduce_at: float = 0.4
+    fetch_by: float = 0.6
+    retry_reduce_at: float = 0.8
+    retry_fetch_by: float = 0.95
+
+
+DEADLINES = Deadlines()
 _ROUND_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -133,92 +144,6 @@ def split_bounds(n: int, k: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def weighted_mean(contributions: Mapping[int, tuple[float, torch.Tensor]]) -> torch.Tensor:
-    """``sum(w x) / sum(w)`` over ``{member: (w, x)}``, summed in member order in float64; fp32.
-    All weights 0 (a step round of replicas that served no sample): zeros."""
-    assert contributions, "a weighted mean needs a contribution"
-    total = sum(w for w, _ in contributions.values())
-    if total <= 0:
-        return torch.zeros_like(next(iter(contributions.values()))[1], dtype=torch.float32)
-    acc = None
-    for member in sorted(contributions):
-        w, x = contributions[member]
-        if acc is None:
-            acc = x.to(torch.float64) * (w / total)
-        else:
-            acc.add_(x.to(torch.float64), alpha=w / total)
-    return acc.to(torch.float32)
-
-
-AGGREGATORS = ("mean", "centered_clip")
-CLIP_MAX_ITERS = 50
-CLIP_TOL = 1e-7  # relative change of the centre at which CenteredClip has converged
-
-
-def centered_clip(
-    contributions: Mapping[int, tuple[float, torch.Tensor]],
-    *,
-    tau: float | None = None,
-    max_iters: int = CLIP_MAX_ITERS,
-    tol: float = CLIP_TOL,
-) -> tuple[torch.Tensor, int]:
-    """CenteredClip (Karimireddy, He and Jaggi, 2021; the aggregator of BTARD, Gorbunov et
-    al., 2022) over ``{member: (w, x)}``: the fixed point of
-    ``v <- v + sum(w_i (x_i - v) min(1, tau / |x_i - v|)) / sum(w_i)``, iterated from the
-    coordinate-wise median. Returns (centre in fp32, iterations).
-
-    A member can move the result by at most ``tau`` times its share of the weight, however
-    far it sends its values. Robust choices where the caller gives none:
-    - ``tau`` = the median distance of the contributions from the coordinate-wise median
-      (the honest spread while honest members are a majority; 0 when most agree exactly,
-      and then the median is the answer);
-    - weights are capped at the median weight, since a member reports its own weight.
-    """
-    members = sorted(contributions)
-    xs = torch.stack([contributions[m][1].to(torch.float64) for m in members])
-    w = torch.tensor([contributions[m][0] for m in members], dtype=torch.float64)
-    w = torch.minimum(w, w.median())
-    if float(w.sum()) <= 0:  # the median weight is 0: most members served nothing
-        w = torch.ones_like(w)
-    w = w / w.sum()
-    v = xs.median(dim=0).values if len(members) > 2 else xs.mean(dim=0)
-    if tau is None:
-        tau = float((xs - v).norm(dim=1).median())
-    if tau <= 0.0:
-        return v.to(torch.float32), 0
-    for iteration in range(1, max_iters + 1):
-        diff = xs - v
-        norms = diff.norm(dim=1)
-        scale = torch.where(norms > tau, tau / norms.clamp_min(1e-300), torch.ones_like(norms))
-        step = (w * scale) @ diff
-        v = v + step
-        if float(step.norm()) <= tol * (float(v.norm()) + 1e-12):
-            return v.to(torch.float32), iteration
-    return v.to(torch.float32), max_iters
-
-
-BYZANTINE_MODES = ("sign_flip", "scale", "random")
-
-
-def byzantine_values(flat: torch.Tensor, mode: str, factor: float, seed: int) -> torch.Tensor:
-    """Fault injection (``inject.byzantine``): what a faulty or malicious replica sends into
-    a round instead of its parameters: ``-factor x``, ``factor x``, or noise of ``factor`` x
-    the parameters' scale. Tests of robust aggregation use it; never on in a real swarm."""
-    if mode == "sign_flip":
-        return flat * -factor
-    if mode == "scale":
-        return flat * factor
-    if mode == "random":
-        g = torch.Generator().manual_seed(seed)
-        return torch.randn(flat.shape, generator=g) * (factor * float(flat.abs().mean()))
-    raise ValueError(f"byzantine mode must be one of {BYZANTINE_MODES}, got {mode!r}")
-
-
-def sample_weight(samples: int, samples_at_last_round: int) -> float:
-    """A member's weight in a round: samples since its last completed round, else ``EPSILON_WEIGHT``."""
-    return float(samples - samples_at_last_round) if samples > samples_at_last_round else EPSILON_WEIGHT
-
-
 def backup_reducer(part: int, k: int, dead: set[int]) -> int | None:
     """The member that reduces ``part`` when its reducer failed: the next one after it, cyclically, not in ``dead``."""
     return next((b for b in ((part + s) % k for s in range(1, k)) if b not in dead), None)
@@ -235,74 +160,6 @@ def retry_round_id(round_id: str, part: int) -> str:
     return f"{round_id}{RETRY_SEP}{part}"
 
 
-class StepVerdict(enum.Enum):
-    """What a member does with a step round's reduced gradient (see the module docstring)."""
-
-    APPLY = "apply"
-    PART_FAILED = "part_failed"  # a part was reduced by neither its reducer nor a backup
-    SHORT_BACKUP = "short_backup"  # a backup reduction from fewer contributors than the round's
-    EMPTY = "empty"  # the reduced weight is 0 samples: nobody contributed
-
-
-def step_verdict(parts: list[ReducedPart | None], backups: set[int]) -> StepVerdict:
-    """Whether a member steps on ``parts`` (``backups``: the indices of those that came from a
-    backup reducer). Only ``APPLY`` is a step; anything else gives the gradient back."""
-    if not parts or any(p is None for p in parts):
-        return StepVerdict.PART_FAILED
-    contributors = set().union(*(p.contributors for j, p in enumerate(parts) if j not in backups))
-    if any(not contributors <= set(parts[j].contributors) for j in backups):
-        return StepVerdict.SHORT_BACKUP
-    if min(p.weight for p in parts) <= 0:
-        return StepVerdict.EMPTY
-    return StepVerdict.APPLY
-
-
-def settle_step(runtime, taken, gradient, step: int) -> bool:
-    """On the compute worker, the end of a step round: apply ``gradient`` (the round's
-    reduced ``Accumulated``; None: no step) as global step ``step``, or give ``taken``
-    (what this member took for it) back to the step's bucket. True if it stepped. A
-    replica that is no longer at ``step`` does not step (its bucket of ``step`` is then
-    dropped, and counted, by its next step)."""
-    if gradient is None or runtime.step != step:
-        runtime.give_back(taken, step)
-        return False
-    try:
-        runtime.apply_step(gradient)
-    except BaseException:
-        runtime.give_back(taken, step)
-        raise
-    return True
-
-
-def flat_parameters(params: list[torch.Tensor]) -> torch.Tensor:
-    """Every parameter, in order, as one fp32 CPU vector (a copy)."""
-    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params]) if params else torch.empty(0)
-
-
-def snapshot(runtime) -> tuple[torch.Tensor, int]:
-    """(flat parameters, samples processed so far); run on the compute worker."""
-    return flat_parameters(runtime.params), runtime.stats.samples
-
-
-def load_flat_parameters(runtime, flat: torch.Tensor) -> None:
-    """Copy ``flat`` into the runtime's parameters: a new weights version (the old one stays
-    for the backwards of forwards in flight, see ``runtime.py``); run on the compute worker."""
-    total = sum(p.numel() for p in runtime.params)
-    assert flat.dim() == 1 and flat.numel() == total, f"expected {total} values, got shape {list(flat.shape)}"
-    offset = 0
-    with runtime.new_version(), torch.no_grad():
-        for p in runtime.params:
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-
-def apply_average(runtime, snapshot_flat: torch.Tensor, averaged: torch.Tensor) -> None:
-    """Load the round's average, keeping what this replica learned while the round ran:
-    new = averaged + (now - snapshot). Run on the compute worker."""
-    now = flat_parameters(runtime.params)
-    load_flat_parameters(runtime, averaged + (now - snapshot_flat))
-
-
 # ------------------------------------------------------------------ messages
 def _require(cond: bool, message: str) -> None:
     if not cond:
@@ -313,7 +170,7 @@ def _is_number(x: Any) -> bool:
     return type(x) in (int, float) and math.isfinite(x)
 
 
-ROUND_KINDS = ("params", "step")
+_ROUND_KINDS = ("params", "step")
 
 
 @dataclass(frozen=True)
@@ -345,8 +202,8 @@ class RoundSpec:
         )
         _require(type(msg.get("stage")) is int, "'stage' must be an int")
         _require(
-            isinstance(members, list) and 1 <= len(members) <= MAX_MEMBERS,
-            f"'members' must be a list of 1..{MAX_MEMBERS} URLs",
+            isinstance(members, list) and 1 <= len(members) <= _MAX_MEMBERS,
+            f"'members' must be a list of 1..{_MAX_MEMBERS} URLs",
         )
         _require(
             all(isinstance(u, str) and u.startswith(("http://", "https://")) and len(u) <= 2048 for u in members),
@@ -359,15 +216,15 @@ class RoundSpec:
         )
         timeout_s = msg.get("timeout_s")
         _require(
-            _is_number(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S,
-            f"'timeout_s' must be a number in (0, {MAX_TIMEOUT_S}]",
+            _is_number(timeout_s) and 0 < timeout_s <= _MAX_TIMEOUT_S,
+            f"'timeout_s' must be a number in (0, {_MAX_TIMEOUT_S}]",
         )
         aggregator = msg.get("aggregator", "mean")
         _require(
             isinstance(aggregator, str) and aggregator in AGGREGATORS, f"'aggregator' must be one of {AGGREGATORS}"
         )
         kind, step = msg.get("kind", "params"), msg.get("step", 0)
-        _require(isinstance(kind, str) and kind in ROUND_KINDS, f"'kind' must be one of {ROUND_KINDS}")
+        _require(isinstance(kind, str) and kind in _ROUND_KINDS, f"'kind' must be one of {_ROUND_KINDS}")
         _require(type(step) is int and 0 <= step < 2**53, "'step' must be an int >= 0")
         error_feedback = msg.get("error_feedback", False)
         _require(type(error_feedback) is bool, "'error_feedback' must be a boolean")
@@ -400,8 +257,10 @@ class PartMessage:
     def from_message(cls, msg: dict) -> PartMessage:
         round_id, part = parse_part_request(msg)
         sender, weight = msg.get("from"), msg.get("weight")
-        _require(type(sender) is int and 0 <= sender < MAX_MEMBERS, f"'from' must be an int in [0, {MAX_MEMBERS})")
-        _require(_is_number(weight) and 0 <= weight <= MAX_WEIGHT, f"'weight' must be a number in [0, {MAX_WEIGHT:g}]")
+        _require(type(sender) is int and 0 <= sender < _MAX_MEMBERS, f"'from' must be an int in [0, {_MAX_MEMBERS})")
+        _require(
+            _is_number(weight) and 0 <= weight <= _MAX_WEIGHT, f"'weight' must be a number in [0, {_MAX_WEIGHT:g}]"
+        )
         return cls(round_id, sender, part, float(weight))
 
 
@@ -425,8 +284,8 @@ class CopyOrder:
         )
         _require(type(step) is int and 0 <= step < 2**53, "'step' must be an int >= 0")
         _require(
-            _is_number(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S,
-            f"'timeout_s' must be a number in (0, {MAX_TIMEOUT_S}]",
+            _is_number(timeout_s) and 0 < timeout_s <= _MAX_TIMEOUT_S,
+            f"'timeout_s' must be a number in (0, {_MAX_TIMEOUT_S}]",
         )
         if msg["stage"] != stage:
             raise WrongStage(f"this server holds stage {stage}, not {msg['stage']}")
@@ -438,7 +297,7 @@ def parse_part_request(msg: dict) -> tuple[str, int]:
     round_id, part = msg.get("round_id"), msg.get("part")
     base, _, _ = round_id.partition(RETRY_SEP) if isinstance(round_id, str) else ("", "", "")
     _require(bool(_ROUND_ID.fullmatch(base)) and len(round_id) <= 160, "'round_id' must name a round")
-    _require(type(part) is int and 0 <= part < MAX_MEMBERS, f"'part' must be an int in [0, {MAX_MEMBERS})")
+    _require(type(part) is int and 0 <= part < _MAX_MEMBERS, f"'part' must be an int in [0, {_MAX_MEMBERS})")
     return round_id, part
 
 
@@ -609,7 +468,7 @@ class AveragingRound:
                 raise RoundConflict(
                     f"member {spec.index} reduces part {spec.index} of round {spec.round_id!r}, not part {part}"
                 )
-            return self.main, self.at(REDUCE_AT)
+            return self.main, self.at(DEADLINES.reduce_at)
         if round_id != retry_round_id(spec.round_id, part) or part >= spec.k or part == spec.index:
             raise RoundConflict(f"{round_id!r} is no retry this member can reduce in round {spec.round_id!r}")
         if part not in self.retries:
@@ -617,7 +476,7 @@ class AveragingRound:
             self.retries[part] = self._reducer(round_id, part, expected)
             if self.snapshot is not None:
                 self.retries[part].add(spec.index, self.weight, self.own_part(part))
-        return self.retries[part], self.at(RETRY_REDUCE_AT)
+        return self.retries[part], self.at(DEADLINES.retry_reduce_at)
 
     def accept(self, msg: PartMessage, values: torch.Tensor) -> None:
         _require(

@@ -48,7 +48,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.stage_server.averaging import flat_parameters, load_flat_parameters
 from services.stage_server.local_sync import OuterConfig, OuterOptimizer
 from shared.errors import BadPayload, SwarmError
 from shared.lora import LoraConfig, apply_lora
@@ -818,3 +817,33 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
         return a is b
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+
+
+# ------------------------------------------------------------------ the weights as one flat vector
+def flat_parameters(params: list[torch.Tensor]) -> torch.Tensor:
+    """Every parameter, in order, as one fp32 CPU vector (a copy)."""
+    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params]) if params else torch.empty(0)
+
+
+def snapshot(runtime) -> tuple[torch.Tensor, int]:
+    """(flat parameters, samples processed so far); run on the compute worker."""
+    return flat_parameters(runtime.params), runtime.stats.samples
+
+
+def load_flat_parameters(runtime, flat: torch.Tensor) -> None:
+    """Copy ``flat`` into the runtime's parameters: a new weights version (the old one stays
+    for the backwards of forwards in flight, see ``runtime.py``); run on the compute worker."""
+    total = sum(p.numel() for p in runtime.params)
+    assert flat.dim() == 1 and flat.numel() == total, f"expected {total} values, got shape {list(flat.shape)}"
+    offset = 0
+    with runtime.new_version(), torch.no_grad():
+        for p in runtime.params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def apply_average(runtime, snapshot_flat: torch.Tensor, averaged: torch.Tensor) -> None:
+    """Load the round's average, keeping what this replica learned while the round ran:
+    new = averaged + (now - snapshot). Run on the compute worker."""
+    now = flat_parameters(runtime.params)
+    load_flat_parameters(runtime, averaged + (now - snapshot_flat))

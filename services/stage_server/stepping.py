@@ -46,11 +46,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shared.errors import BadPayload, Overloaded, RemoteError
 from shared.step_protocol import DoneReport, ReserveAnswer, ReserveRequest, Verdict
+
+if TYPE_CHECKING:
+    from services.stage_server.averaging import ReducedPart
 
 
 @dataclass(frozen=True)
@@ -314,3 +319,43 @@ class StepClient:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+# ------------------------------------------------------------------ the end of a step round
+class StepVerdict(enum.Enum):
+    """What a member does with a step round's reduced gradient (see ``averaging.py``, "Step rounds")."""
+
+    APPLY = "apply"
+    PART_FAILED = "part_failed"  # a part was reduced by neither its reducer nor a backup
+    SHORT_BACKUP = "short_backup"  # a backup reduction from fewer contributors than the round's
+    EMPTY = "empty"  # the reduced weight is 0 samples: nobody contributed
+
+
+def step_verdict(parts: list[ReducedPart | None], backups: set[int]) -> StepVerdict:
+    """Whether a member steps on ``parts`` (``backups``: the indices of those that came from a
+    backup reducer). Only ``APPLY`` is a step; anything else gives the gradient back."""
+    if not parts or any(p is None for p in parts):
+        return StepVerdict.PART_FAILED
+    contributors = set().union(*(p.contributors for j, p in enumerate(parts) if j not in backups))
+    if any(not contributors <= set(parts[j].contributors) for j in backups):
+        return StepVerdict.SHORT_BACKUP
+    if min(p.weight for p in parts) <= 0:
+        return StepVerdict.EMPTY
+    return StepVerdict.APPLY
+
+
+def settle_step(runtime, taken, gradient, step: int) -> bool:
+    """On the compute worker, the end of a step round: apply ``gradient`` (the round's
+    reduced ``Accumulated``; None: no step) as global step ``step``, or give ``taken``
+    (what this member took for it) back to the step's bucket. True if it stepped. A
+    replica that is no longer at ``step`` does not step (its bucket of ``step`` is then
+    dropped, and counted, by its next step)."""
+    if gradient is None or runtime.step != step:
+        runtime.give_back(taken, step)
+        return False
+    try:
+        runtime.apply_step(gradient)
+    except BaseException:
+        runtime.give_back(taken, step)
+        raise
+    return True

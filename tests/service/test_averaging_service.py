@@ -29,9 +29,9 @@ from aiohttp.test_utils import TestServer
 
 from services.coordinator.averaging import start_round
 from services.stage_server.app import create_app
-from services.stage_server.averaging import REDUCE_AT, flat_parameters, split_bounds
+from services.stage_server.averaging import DEADLINES, split_bounds
 from services.stage_server.routes import RUNTIME, WORKER
-from services.stage_server.runtime import Accumulated
+from services.stage_server.runtime import Accumulated, flat_parameters
 from shared.codec import decode_tensor, encode_tensor, pack_message, unpack_message
 from tests.conftest import coordinator_settings, stage_settings
 
@@ -224,16 +224,16 @@ async def test_a_member_that_refuses_connections_is_not_waited_for(serve, http_s
     gone["server"], gone_url = await serve(member_that_leaves_once_it_accepted(gone))
     members = [urls[0], gone_url, urls[1]]  # it reduces part 1; its backup is member 2
     expected = weighted_mean([await params_of(app) for app in apps], [samples[0], samples[2]])
-    timeout_s = 30.0  # its parts' reduce time: REDUCE_AT x 30 = 12 s after the start
+    timeout_s = 30.0  # its parts' reduce time: DEADLINES.reduce_at x 30 = 12 s after the start
 
     round_id = await start_round(http_session, STAGE, members, codec="fp32", timeout_s=timeout_s)
-    summaries = await wait_for_round(http_session, urls, round_id, within_s=REDUCE_AT * timeout_s)
+    summaries = await wait_for_round(http_session, urls, round_id, within_s=DEADLINES.reduce_at * timeout_s)
 
     for app, summary in zip(apps, summaries):
         assert (await params_of(app) - expected).abs().max().item() <= 1e-6
         assert summary["ok"] and summary["contributors"] == [0, 2], summary
         # a refused connection says it is gone: no reducer waited for it until the reduce time
-        assert summary["seconds"] < REDUCE_AT * timeout_s / 4, summary
+        assert summary["seconds"] < DEADLINES.reduce_at * timeout_s / 4, summary
 
 
 async def test_dead_reducer_is_replaced_by_a_backup(serve, http_session):

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from services.coordinator.app import create_app as create_coordinator
 from services.coordinator.routes import REGISTRY
 from services.stage_server.app import create_app
-from services.stage_server.averaging import flat_parameters
 from services.stage_server.routes import RUNTIME
+from services.stage_server.runtime import flat_parameters
 from shared.codec import encode_tensor
 from tests.conftest import coordinator_settings, stage_settings
 

@@ -28,10 +28,9 @@ from services.coordinator.app import STEPS
 from services.coordinator.app import create_app as create_coordinator
 from services.coordinator.routes import ADMISSION, REGISTRY, TRAFFIC
 from services.stage_server.app import MEMBERSHIP, create_app
-from services.stage_server.averaging import flat_parameters
 from services.stage_server.averaging_routes import AVERAGER as AVERAGER_KEY
 from services.stage_server.routes import RUNTIME
-from services.stage_server.runtime import OptimizerConfig
+from services.stage_server.runtime import OptimizerConfig, flat_parameters
 from services.trainer.admission import AdmissionClient
 from services.trainer.data import ByteBatcher, load_corpus
 from services.trainer.pipeline import PipelineClient

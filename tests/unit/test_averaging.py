@@ -10,27 +10,20 @@ import itertools
 import pytest
 import torch
 
+from services.stage_server.aggregation import EPSILON_WEIGHT, centered_clip, sample_weight, weighted_mean
 from services.stage_server.averaging import (
-    EPSILON_WEIGHT,
     AveragingRound,
     PartMessage,
     PartReducer,
     RoundConflict,
     RoundSpec,
-    apply_average,
     backup_reducer,
-    centered_clip,
-    flat_parameters,
-    load_flat_parameters,
     parse_reduced,
     retry_round_id,
-    sample_weight,
-    snapshot,
     split_bounds,
     values_sent,
-    weighted_mean,
 )
-from services.stage_server.runtime import StageRuntime
+from services.stage_server.runtime import StageRuntime, apply_average, flat_parameters, load_flat_parameters, snapshot
 from shared.codec import unpack_message
 from shared.errors import BadPayload, WrongStage
 from shared.model import PRESETS

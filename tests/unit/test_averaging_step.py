@@ -15,8 +15,9 @@ import torch
 
 from services.coordinator.averaging import plan_repair
 from services.stage_server.averager import Averager
-from services.stage_server.averaging import ReducedPart, RoundSpec, StepVerdict, step_verdict
+from services.stage_server.averaging import ReducedPart, RoundSpec
 from services.stage_server.runtime import Accumulated, StageRuntime
+from services.stage_server.stepping import StepVerdict, step_verdict
 from services.stage_server.worker import ComputeWorker
 from shared.log import get_logger
 from shared.model import PRESETS

@@ -12,7 +12,7 @@ then ask again, at most 3 times), computes into the reserved bucket and reports 
 accumulated (0 samples: given back). A step round starts when ``counter.ready`` says so,
 among ``counter.members``; a member at another step refuses; the others take the step's
 bucket, the sample-weighted mean of their means is computed in member order
-(``averaging.weighted_mean``, as the butterfly's reducers do part by part) and every one
+(``aggregation.weighted_mean``, as the butterfly's reducers do part by part) and every one
 settles it (``averaging.settle_step``); the members' steps and samples end the round.
 
 Rules: a forward (admitted by the coordinator for a step); a backward (reserve, compute,
@@ -78,9 +78,17 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from services.coordinator.admission import Admission, Admit
 from services.coordinator.steps import WINDOW_STEPS, StepCounter
-from services.stage_server.averaging import flat_parameters, settle_step, weighted_mean
-from services.stage_server.runtime import NO_BUCKET, Accumulated, OptimizerConfig, StageRuntime, StaleForward
+from services.stage_server.aggregation import weighted_mean
+from services.stage_server.runtime import (
+    NO_BUCKET,
+    Accumulated,
+    OptimizerConfig,
+    StageRuntime,
+    StaleForward,
+    flat_parameters,
+)
 from services.stage_server.state import load_stage_state, stage_state
+from services.stage_server.stepping import settle_step
 from shared.model import PRESETS, build_stage
 from shared.step_protocol import DoneReport, ReserveRequest, Verdict
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.stage_server.averaging import flat_parameters
 from services.stage_server.local_sync import OuterConfig, OuterOptimizer
-from services.stage_server.runtime import OptimizerConfig, StageRuntime
+from services.stage_server.runtime import OptimizerConfig, StageRuntime, flat_parameters
 from services.stage_server.state import OUTER_ANCHOR, OUTER_MOMENTUM, load_stage_state, stage_state
 from shared.errors import BadPayload
 from shared.model import PRESETS

@@ -8,8 +8,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from services.stage_server.averaging import flat_parameters, load_flat_parameters
-from services.stage_server.runtime import NO_BUCKET, Accumulated, OptimizerConfig, StageRuntime, StaleForward
+from services.stage_server.runtime import (
+    NO_BUCKET,
+    Accumulated,
+    OptimizerConfig,
+    StageRuntime,
+    StaleForward,
+    flat_parameters,
+    load_flat_parameters,
+)
 from services.stage_server.state import load_stage_state, stage_state
 from shared.model import PRESETS
 

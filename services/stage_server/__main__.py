@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 from aiohttp import web, web_app
 
-from services.stage_server.app import create_app
+from services.stage_server.app import create_app, leave
 from services.stage_server.latency import probe_swarm
 from services.stage_server.membership import assign_stage, wait_for_stage
 from services.stage_server.routes import MOVE
@@ -138,10 +138,12 @@ async def serve_stage(settings: StageServerSettings, stop: asyncio.Event, ssl_co
 
     Starting the app joins the stage (downloads its state from a live replica, ``app._join``)
     and starts the membership (registration, heartbeats); shutting it down answers 503 to new
-    work, deregisters and finishes the accepted requests (``app._drain``), then stops the
-    background tasks (the ``cleanup_ctx`` of ``app.create_app``)."""
+    work, ends a step round under way, deregisters and finishes the accepted requests while it
+    still listens (``app.leave``), then stops listening and stops the background tasks (the
+    ``cleanup_ctx`` of ``app.create_app``)."""
     app = create_app(settings)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=settings.drain_timeout_s)
+    listening = False
     try:
         await _unless_stopped(runner.setup(), stop)  # joining may take join_timeout_s: a stop cuts it short
         if stop.is_set():
@@ -150,8 +152,11 @@ async def serve_stage(settings: StageServerSettings, stop: asyncio.Event, ssl_co
             await web.TCPSite(runner, settings.host, settings.port, ssl_context=ssl_context).start()
         except OSError as exc:  # taken since the check in _run
             raise cannot_listen(settings.host, settings.port, exc) from None
+        listening = True
         return await _unless_stopped(app[MOVE].wait(), stop)
     finally:
+        if listening:  # stopping the site first would cut off a step round's peers (SIGTERM waited out its deadline)
+            await leave(app)
         await runner.cleanup()
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 from aiohttp import web
 
-from services.stage_server.averaging_routes import AVERAGER, add_averaging_routes
+from services.stage_server.averaging_routes import AVERAGER, add_averaging_routes, finish_rounds
 from services.stage_server.chain import add_chain_routes
 from services.stage_server.latency import LatencyProbe
 from services.stage_server.local_sync import OuterConfig
@@ -41,6 +41,7 @@ from shared.metrics import Metrics, add_metrics_route, metrics_middleware
 from shared.model import PRESETS, partition
 
 MEMBERSHIP = web.AppKey("membership", Membership)
+_DEPARTURE = web.AppKey("departure", object)  # _Departure: leave() runs once
 
 
 def build_runtime(settings: StageServerSettings) -> StageRuntime:
@@ -160,7 +161,8 @@ def create_app(settings: StageServerSettings, runtime: StageRuntime | None = Non
         app.cleanup_ctx.append(_membership(settings, log))
     if settings.mdns:
         app.cleanup_ctx.append(_announcement(settings))
-    app.on_shutdown.append(_drain(settings, log))
+    app[_DEPARTURE] = _Departure(settings, log)
+    app.on_shutdown.append(leave)
     return app
 
 
@@ -408,15 +410,30 @@ def _announcement(settings: StageServerSettings):
     return ctx
 
 
-def _drain(settings: StageServerSettings, log):
-    """On shutdown: 503 to new work, leave the registry at once, finish what was accepted."""
+async def leave(app: web.Application) -> None:
+    """Leave the swarm, once: 503 to new work; a step round under way here ends; the averager
+    takes no round more; the server leaves the registry; what was accepted finishes. A server
+    leaves while it still listens (``__main__.serve_stage`` calls this before it stops
+    listening): its step round's peers fetch its reduction from it. The app's shutdown calls
+    it too (first, for an app stopped some other way; else a no-op)."""
+    await app[_DEPARTURE].run(app)
 
-    async def on_shutdown(app: web.Application) -> None:
+
+class _Departure:
+    def __init__(self, settings: StageServerSettings, log):
+        self.settings, self.log = settings, log
+        self._task: asyncio.Future | None = None
+
+    async def run(self, app: web.Application) -> None:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._leave(app))
+        await asyncio.shield(self._task)
+
+    async def _leave(self, app: web.Application) -> None:
         worker = app[WORKER]
-        worker.draining = True
-        log.info("server.draining", in_flight=worker.queue_depth)
+        worker.draining = True  # a step round's compute jobs pass (they are unbounded)
+        self.log.info("server.draining", in_flight=worker.queue_depth)
+        await finish_rounds(app)
         if MEMBERSHIP in app:
             await app[MEMBERSHIP].deregister()
-        await worker.drain(settings.drain_timeout_s)
-
-    return on_shutdown
+        await worker.drain(self.settings.drain_timeout_s)

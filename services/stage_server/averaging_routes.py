@@ -163,13 +163,16 @@ def add_averaging_routes(app: web.Application) -> None:
             yield
             await averager.close()
 
-    async def stop_round(app: web.Application) -> None:
-        if (
-            averager.running and averager.round.spec.kind == "step"
-        ):  # its peers would wait for its parts: finish the step first
-            rnd = averager.round
-            await averager.wait_round(rnd.spec.round_id, max(0.0, rnd.deadline - asyncio.get_running_loop().time()))
-        await averager.close()  # before the drain: peers leave this member out of any other round
-
     app.cleanup_ctx.append(client_session)
-    app.on_shutdown.append(stop_round)
+
+
+async def finish_rounds(app: web.Application) -> None:
+    """Before this server leaves: a step round under way here ends first (its peers wait for
+    this member's parts and fetch its reduction from it, so it must still listen: ``app.leave``),
+    at most until the round's deadline; then the averager takes no round more, and its peers
+    leave this member out of any other."""
+    averager = app[AVERAGER]
+    if averager.running and averager.round.spec.kind == "step":
+        rnd = averager.round
+        await averager.wait_round(rnd.spec.round_id, max(0.0, rnd.deadline - asyncio.get_running_loop().time()))
+    await averager.close()

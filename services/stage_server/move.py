@@ -6,9 +6,9 @@ address, as a server of the new stage:
 1. ``POST /move`` (``routes.move``) checks the order, records it with
    :meth:`MoveOrder.order` and answers at once.
 2. The server's main loop (``__main__.serve``), waiting in :meth:`MoveOrder.wait`, wakes
-   up and shuts the app down exactly as on SIGTERM: it stops listening, answers 503 to new
-   work, deregisters from the coordinator and finishes the requests it accepted
-   (``app._drain``), then stops its background tasks.
+   up and shuts the app down exactly as on SIGTERM: it answers 503 to new work, ends a step
+   round under way, deregisters from the coordinator and finishes the requests it accepted
+   (``app.leave``), then stops listening and stops its background tasks.
 3. The loop builds the app again for the new stage and starts it: the app joins by
    downloading the new stage's weights and optimizer state from a live replica
    (``app._join``), listens again and registers under a new server id

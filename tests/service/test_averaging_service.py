@@ -236,6 +236,45 @@ async def test_a_member_that_refuses_connections_is_not_waited_for(serve, http_s
         assert summary["seconds"] < DEADLINES.reduce_at * timeout_s / 4, summary
 
 
+def member_killed_once_it_accepted(its: dict) -> web.Application:
+    """A member that accepts the round and, at the first part it is sent, dies as a killed
+    process does: the connection it had open breaks (not refused) and nothing listens after."""
+
+    async def accept(request: web.Request) -> web.Response:
+        return web.Response(body=pack_message({"accepted": True}), content_type=MSGPACK)
+
+    async def part(request: web.Request) -> web.Response:
+        for site in list(its["server"].runner.sites):
+            await site.stop()
+        request.transport.abort()
+        raise asyncio.CancelledError  # the handler dies with its connection
+
+    app = web.Application()
+    app.router.add_post("/average/start", accept)
+    app.router.add_post("/average/part", part)
+    return app
+
+
+async def test_a_member_killed_mid_round_is_known_gone_and_not_waited_for(serve, http_session):
+    """Its broken connection is asked once more, and the refusal says its process is gone (the
+    joins bench found a step round waiting 8 s for a replica killed as it started)."""
+    samples = [10, 0, 40]
+    apps, _, urls = await replicas(serve, [1, 3], [samples[0], samples[2]])
+    killed: dict = {}
+    killed["server"], killed_url = await serve(member_killed_once_it_accepted(killed))
+    members = [urls[0], killed_url, urls[1]]
+    expected = weighted_mean([await params_of(app) for app in apps], [samples[0], samples[2]])
+    timeout_s = 30.0  # its parts' reduce time: DEADLINES.reduce_at x 30 = 12 s after the start
+
+    round_id = await start_round(http_session, STAGE, members, codec="fp32", timeout_s=timeout_s)
+    summaries = await wait_for_round(http_session, urls, round_id, within_s=DEADLINES.reduce_at * timeout_s)
+
+    for app, summary in zip(apps, summaries):
+        assert (await params_of(app) - expected).abs().max().item() <= 1e-6
+        assert summary["ok"] and summary["contributors"] == [0, 2], summary
+        assert summary["seconds"] < DEADLINES.reduce_at * timeout_s / 4, summary
+
+
 async def test_dead_reducer_is_replaced_by_a_backup(serve, http_session):
     samples = [10, 20, 30]
     apps, _, urls = await replicas(serve, [1, 2], samples[:2])

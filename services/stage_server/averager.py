@@ -472,21 +472,6 @@ class Averager:
             )
         return reduced
 
-    async def _post(self, url: str, body: bytes, by: float) -> dict:
-        """``transport.post`` by loop time ``by``, once more if the connection broke under the
-        request (reset, closed; not a refusal nor a timeout). A peer killed mid-round breaks the
-        connections it had open, and only a new one tells it is gone (refused): then no reducer
-        here waits for its parts until the reduce time (``bench joins`` found a stage, and so
-        the swarm, stalled 8 s by a replica killed as its step round started). A live peer
-        that closed an idle connection just answers the second request; one that took the
-        first part refuses the second as a duplicate, a failure as the first would have been."""
-        try:
-            return await self.transport.post(url, body, timeout_s=_left(by))
-        except RemoteError as exc:
-            if exc.code != "unreachable" or exc.refused:
-                raise
-        return await self.transport.post(url, body, timeout_s=_left(by))
-
     async def _exchange(self, rnd, flat, url, round_id, part, send_by, fetch_by, log) -> ReducedPart | None:
         """Post our original ``part`` to the reducer at ``url`` under ``round_id``, then fetch
         its reduction; None on any failure. Bytes of posts that reached the peer are counted."""
@@ -496,16 +481,22 @@ class Averager:
         body = await _off_loop(stop - start, _pack_part, msg, flat[start:stop], rnd.codec, self.int8_block, lost)
         try:
             try:
-                await self._post(url + "/average/part", body, send_by)
+                await self.transport.post(url + "/average/part", body, timeout_s=_left(send_by))
             except RemoteError as exc:
                 rnd.bytes_sent += 0 if exc.code == "unreachable" else len(body)  # unreachable: nothing went out
                 raise
             rnd.bytes_sent += len(body)
             request = pack_message({"round_id": round_id, "part": part})
-            reply = await self._post(url + "/average/result", request, fetch_by)
+            reply = await self.transport.post(url + "/average/result", request, timeout_s=_left(fetch_by))
             return await _off_loop(stop - start, parse_reduced, reply, stop - start)
         except RemoteError as exc:
-            if exc.refused and url in spec.members:
+            # A peer killed mid-round breaks the connections it had open (reset, not refused),
+            # and the session's other idle connections to it are as dead: only a new connection
+            # tells that it is gone. Else every reducer here waits for its parts until the reduce
+            # time (``bench joins`` found a stage, and so the swarm, stalled 8 s by a replica
+            # killed as its step round started).
+            gone = exc.refused or (exc.code == "unreachable" and await self.transport.refuses(url))
+            if gone and url in spec.members:
                 rnd.gone(spec.members.index(url))
             log.info(
                 "averaging.member.failed",
@@ -515,7 +506,7 @@ class Averager:
                 status=exc.status,
                 code=exc.code,
                 reason=exc.message,
-                gone=exc.refused,
+                gone=gone,
             )
         except BadPayload as exc:
             log.warning(

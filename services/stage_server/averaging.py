@@ -130,6 +130,10 @@ class Transport(Protocol):
     async def get_state(self, url: str, *, timeout_s: float) -> tuple[dict[str, torch.Tensor], dict]:
         """A peer replica's whole state (``GET /state``: tensors, metadata); :class:`RemoteError` on any failure."""
 
+    async def refuses(self, url: str) -> bool:
+        """Whether nothing listens at ``url``'s address now: a new connection is refused (the
+        peer's process is gone). False when it connects, or cannot tell."""
+
 
 # ------------------------------------------------------------------ pure pieces
 def split_bounds(n: int, k: int) -> list[tuple[int, int]]:

@@ -28,6 +28,8 @@ No request here touches the weights but a round's own last step and a repair's l
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import urllib.parse
 
 import aiohttp
 import torch
@@ -60,6 +62,7 @@ from shared.log import get_logger
 AVERAGER = web.AppKey("averager", Averager)
 
 CONTROL_BYTES = 1 << 20  # /average/start and /average/result carry no tensors
+REFUSAL_PROBE_S = 1.0  # the longest a member waits to learn that a failed peer refuses connections
 
 
 class HttpTransport:
@@ -70,6 +73,20 @@ class HttpTransport:
 
     async def post(self, url: str, body: bytes, *, timeout_s: float) -> dict:
         return await post_message(self.session, url, {}, timeout_s=timeout_s, body=body)
+
+    async def refuses(self, url: str) -> bool:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:  # a plain TCP connection, not the session's: its idle ones to a killed peer break the same way
+            _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, port), REFUSAL_PROBE_S)
+        except ConnectionRefusedError:
+            return True
+        except (OSError, asyncio.TimeoutError):
+            return False
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return False
 
     async def get_state(self, url: str, *, timeout_s: float) -> tuple[dict[str, torch.Tensor], dict]:
         target = url.rstrip("/") + "/state"

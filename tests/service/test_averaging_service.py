@@ -256,8 +256,8 @@ def member_killed_once_it_accepted(its: dict) -> web.Application:
 
 
 async def test_a_member_killed_mid_round_is_known_gone_and_not_waited_for(serve, http_session):
-    """Its broken connection is asked once more, and the refusal says its process is gone (the
-    joins bench found a step round waiting 8 s for a replica killed as it started)."""
+    """The connection it broke is no refusal; a new connection to it is, which says its process
+    is gone (the joins bench found a step round waiting 8 s for a replica killed as it started)."""
     samples = [10, 0, 40]
     apps, _, urls = await replicas(serve, [1, 3], [samples[0], samples[2]])
     killed: dict = {}

@@ -10,9 +10,14 @@ Checkpoint layout::
     DIR/step-00000120/stage-0.safetensors   the bytes of state_to_bytes, one file per stage
     DIR/step-00000120/meta.json             {run_id, step, num_stages, model, model_config, stages, created_at}
     DIR/latest                              "step-00000120"
+    DIR/newest/stage-0.safetensors          each stage's newest state saved, committed or not
 
 ``latest`` is replaced (atomically, by rename) only after every stage file and
 ``meta.json`` are on disk, so a crash mid-write never leaves a half checkpoint as latest.
+A checkpoint is committed only when every stage gave its state; when one did not, the
+others' states are still kept in ``newest/`` (each replaced only by a newer one), so that a
+stage that loses every replica recovers from its newest state, not from the last checkpoint
+every stage made (the churn arena found a stage sent back 23 steps that way).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ OPTIM_PREFIX = "optim/"
 METADATA_KEY = "swarm"
 LATEST = "latest"
 META = "meta.json"
+NEWEST = "newest"
 _STEP_PREFIX = "step-"
 
 
@@ -73,6 +79,14 @@ def state_metadata(data: bytes) -> dict:
     if not isinstance(metadata, dict):
         raise BadPayload(f"safetensors metadata field {METADATA_KEY!r} must hold a JSON object")
     return metadata
+
+
+def file_metadata(path: str | os.PathLike) -> dict:
+    """:func:`state_metadata` of a state file, reading only its header."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = int.from_bytes(head, "little") if len(head) == 8 else 0
+        return state_metadata(head + f.read(size))
 
 
 # ---------------------------------------------------------------- checkpoint directory
@@ -126,6 +140,41 @@ def read_meta(ckpt: str | os.PathLike) -> dict:
 
 def read_stage_file(ckpt: str | os.PathLike, stage: int) -> bytes:
     return (Path(ckpt) / stage_file_name(stage)).read_bytes()
+
+
+def keep_newest_stage(root: str | os.PathLike, stage: int, data: bytes) -> bool:
+    """Keep ``data`` as ``stage``'s newest state (``DIR/newest/``) unless the one kept there is
+    as new (its ``optimizer_steps``); True if kept."""
+    path = Path(root) / NEWEST / stage_file_name(stage)
+    step = int(state_metadata(data).get("optimizer_steps", 0))
+    if path.is_file() and int(file_metadata(path).get("optimizer_steps", 0)) >= step:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path, data)
+    return True
+
+
+def newest_stage_file(root: str | os.PathLike, stage: int, not_past: int | None = None) -> tuple[Path, int] | None:
+    """The newest state kept of ``stage`` and its step: the latest checkpoint's, or the one
+    ``newest/`` holds if that is newer and not past step ``not_past`` (the stage's step in the
+    swarm: a run resumed from an older checkpoint must not take a stage from beyond it; None:
+    the checkpoint's only); None if there is neither."""
+    found: list[tuple[int, Path]] = []
+    latest = latest_checkpoint(root)
+    candidates = [latest / stage_file_name(stage)] if latest is not None else []
+    if not_past is not None:
+        candidates.append(Path(root) / NEWEST / stage_file_name(stage))
+    for path in candidates:
+        try:
+            step = int(file_metadata(path).get("optimizer_steps", 0))
+        except (FileNotFoundError, BadPayload):
+            continue
+        if path.parent.name != NEWEST or step <= not_past:
+            found.append((step, path))
+    if not found:
+        return None
+    step, path = max(found, key=lambda f: f[0])  # the checkpoint's first on a tie
+    return path, step
 
 
 def prune(root: str | os.PathLike, keep: int) -> list[Path]:

@@ -9,7 +9,9 @@ global batch step within a pipeline's latency of each other); if a stage stepped
 meanwhile, all are asked again at its step. A stage that does not get there within the timeout
 (training stopped) is saved as it is, and the checkpoint's step is then the smallest
 step among the stages, so a resumed run never claims progress some stage did not make.
-A checkpoint is committed only when every stage was saved.
+A checkpoint is committed only when every stage was saved; when a stage gave no state, the
+states the others gave are kept as their newest (``checkpoint.keep_newest_stage``), for a
+stage that loses every replica to recover from.
 """
 
 from __future__ import annotations
@@ -65,10 +67,17 @@ class Checkpointer:
         target = max(self.stage_steps(), default=0)
         for _ in range(ALIGN_ATTEMPTS):  # all stages at once; again at the furthest step if one stepped meanwhile
             downloads = await asyncio.gather(*(self._download(stage, urls, target) for stage, urls in by_stage.items()))
-            for stage, data in zip(by_stage, downloads):
-                if data is None:
-                    self.log.warning("checkpoint.skipped", stage=stage, reason="no live replica gave its state")
-                    return None
+            missing = [stage for stage, data in zip(by_stage, downloads) if data is None]
+            if missing:
+                kept = [
+                    stage
+                    for stage, data in zip(by_stage, downloads)
+                    if data is not None and checkpoint.keep_newest_stage(self.root, stage, data)
+                ]
+                self.log.warning(
+                    "checkpoint.skipped", stage=missing[0], reason="no live replica gave its state", kept_newest=kept
+                )
+                return None
             states = dict(zip(by_stage, downloads))
             metas = {stage: checkpoint.state_metadata(data) for stage, data in states.items()}
             reached = {int(m.get("optimizer_steps", 0)) for m in metas.values()}

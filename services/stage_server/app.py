@@ -287,16 +287,22 @@ def _join(settings: StageServerSettings, log):
 
 async def _recover(settings: StageServerSettings, app: web.Application, log) -> tuple[tuple | None, str | None]:
     """(state, source) for a stage none of whose replicas has state to give, or (None, None)
-    to start from the initial weights. ``checkpoint``: the stage's latest checkpoint.
+    to start from the initial weights. ``checkpoint``: the stage's newest state saved (the
+    latest checkpoint's, or a newer one the checkpointer kept when another stage had none, if
+    not past the stage's step in the swarm).
     ``checkfree``: the neighbouring stages' weights averaged (``recovery.py``) when they have
     trained past the latest checkpoint (at the run's start, or on a checkpoint as new as they
     are, nothing is lost: the checkpoint, or the initial weights, are right); else as
     ``checkpoint``. ``fresh``: the initial weights. The server then catches up the stage's
     step number; with fresh moments its learning rate warms up again."""
-    ckpt = checkpoint.latest_checkpoint(settings.checkpoint_dir) if settings.checkpoint_dir else None
-    data = None
-    if ckpt is not None and settings.recovery != "fresh":
-        data = await asyncio.to_thread(checkpoint.read_stage_file, ckpt, settings.stage)
+    newest = None
+    if settings.checkpoint_dir:
+        swarm_step = await _swarm_stage_step(settings, log) if settings.coordinator else None
+        newest = checkpoint.newest_stage_file(settings.checkpoint_dir, settings.stage, not_past=swarm_step)
+    ckpt, data = None, None
+    if newest is not None and settings.recovery != "fresh":  # the latest checkpoint's, or a newer state kept
+        ckpt = newest[0]
+        data = await asyncio.to_thread(ckpt.read_bytes)
     if settings.recovery == "checkfree" and settings.coordinator:
         # the header alone: the tensors are decoded only if the checkpoint is what gets loaded
         checkpoint_step = checkpoint.state_metadata(data)["optimizer_steps"] if data is not None else None
@@ -306,6 +312,17 @@ async def _recover(settings: StageServerSettings, app: web.Application, log) -> 
     if data is None:
         return None, None
     return await asyncio.to_thread(checkpoint.state_from_bytes, data), str(ckpt)
+
+
+async def _swarm_stage_step(settings: StageServerSettings, log) -> int | None:
+    """The stage's global step as the coordinator counts it, or None if it does not say."""
+    async with swarm_session(settings) as session:
+        try:
+            view = await get_json(session, settings.coordinator + "/swarm", timeout_s=10)
+            return int(view["stages"][settings.stage]["step"]["step"])
+        except (RemoteError, KeyError, IndexError, TypeError, ValueError) as exc:
+            log.warning("stage.recovery.no_step", error=repr(exc))
+            return None
 
 
 async def _checkfree_state(settings: StageServerSettings, app: web.Application, log, checkpoint_step: int | None):

@@ -280,6 +280,44 @@ def test_prune_keeps_the_newest_committed_and_what_is_being_written(tmp_path):
         checkpoint.prune(tmp_path, keep=0)
 
 
+def state_at(stage: int, step: int) -> bytes:
+    """A state's bytes whose metadata says ``step`` optimizer steps (the only field read here)."""
+    return checkpoint.state_to_bytes({"w": torch.full((2,), float(step))}, {"stage": stage, "optimizer_steps": step})
+
+
+def test_a_stage_s_newest_state_is_kept_only_when_newer_and_found_beside_the_latest_checkpoint(tmp_path):
+    assert checkpoint.newest_stage_file(tmp_path, 0, not_past=5) is None
+    for stage in (0, 1):
+        checkpoint.write_stage_file(tmp_path, 5, stage, state_at(stage, 5))
+    committed = checkpoint.commit_checkpoint(tmp_path, 5, {"num_stages": 2})
+    assert checkpoint.newest_stage_file(tmp_path, 0, not_past=5) == (committed / "stage-0.safetensors", 5)
+
+    # a later checkpoint that stage 1 could not give: stage 0's state of step 9 is kept
+    assert checkpoint.keep_newest_stage(tmp_path, 0, state_at(0, 9))
+    assert not checkpoint.keep_newest_stage(tmp_path, 0, state_at(0, 7))  # older: the newer stays
+    assert not checkpoint.keep_newest_stage(tmp_path, 0, state_at(0, 9))
+    kept = tmp_path / "newest" / "stage-0.safetensors"
+    assert checkpoint.newest_stage_file(tmp_path, 0, not_past=9) == (kept, 9)
+    assert checkpoint.file_metadata(kept)["optimizer_steps"] == 9
+    # not past the stage's step in the swarm (a run resumed from step 5 takes no stage of step 9)
+    assert checkpoint.newest_stage_file(tmp_path, 0, not_past=8) == (committed / "stage-0.safetensors", 5)
+    assert checkpoint.newest_stage_file(tmp_path, 0) == (committed / "stage-0.safetensors", 5)
+    assert checkpoint.newest_stage_file(tmp_path, 1, not_past=9) == (committed / "stage-1.safetensors", 5)
+    assert checkpoint.latest_checkpoint(tmp_path) == committed  # nothing committed meanwhile
+
+    # a checkpoint committed later is newer than what was kept: it wins; pruning keeps newest/
+    for step in (10, 11):
+        for stage in (0, 1):
+            checkpoint.write_stage_file(tmp_path, step, stage, state_at(stage, step))
+        checkpoint.commit_checkpoint(tmp_path, step, {"num_stages": 2})
+    checkpoint.prune(tmp_path, keep=1)
+    assert checkpoint.newest_stage_file(tmp_path, 0, not_past=11) == (
+        tmp_path / "step-00000011" / "stage-0.safetensors",
+        11,
+    )
+    assert kept.is_file() and not list(tmp_path.rglob("*.tmp"))
+
+
 # ---------------------------------------------------------------- export
 def trained_stages() -> list[StageRuntime]:
     stages = [runtime(s, global_batch=2) for s in range(NUM_STAGES)]

@@ -75,7 +75,11 @@ class Checkpointer:
                     if data is not None and checkpoint.keep_newest_stage(self.root, stage, data)
                 ]
                 self.log.warning(
-                    "checkpoint.skipped", stage=missing[0], reason="no live replica gave its state", kept_newest=kept
+                    "checkpoint.skipped",
+                    stage=missing[0],
+                    missing=missing,
+                    reason="no live replica gave its state",
+                    kept_newest=kept,
                 )
                 return None
             states = dict(zip(by_stage, downloads))

@@ -56,7 +56,10 @@ async def test_a_checkpoint_a_stage_could_not_give_keeps_the_others_states_and_a
     assert await checkpointer.checkpoint_once() is None
     assert checkpoint.read_meta(checkpoint.latest_checkpoint(tmp_path))["step"] == 1  # nothing committed
     assert log.warnings == [
-        ("checkpoint.skipped", {"stage": 3, "reason": "no live replica gave its state", "kept_newest": [0, 1, 2]})
+        (
+            "checkpoint.skipped",
+            {"stage": 3, "missing": [3], "reason": "no live replica gave its state", "kept_newest": [0, 1, 2]},
+        )
     ]
     assert [checkpoint.newest_stage_file(tmp_path, s, not_past=2)[1] for s in range(NUM_STAGES)] == [2, 2, 2, 1]
 

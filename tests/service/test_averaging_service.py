@@ -217,25 +217,6 @@ def member_that_leaves_once_it_accepted(its: dict) -> web.Application:
     return app
 
 
-async def test_a_member_that_refuses_connections_is_not_waited_for(serve, http_session):
-    samples = [10, 0, 40]
-    apps, _, urls = await replicas(serve, [1, 3], [samples[0], samples[2]])
-    gone: dict = {}
-    gone["server"], gone_url = await serve(member_that_leaves_once_it_accepted(gone))
-    members = [urls[0], gone_url, urls[1]]  # it reduces part 1; its backup is member 2
-    expected = weighted_mean([await params_of(app) for app in apps], [samples[0], samples[2]])
-    timeout_s = 30.0  # its parts' reduce time: DEADLINES.reduce_at x 30 = 12 s after the start
-
-    round_id = await start_round(http_session, STAGE, members, codec="fp32", timeout_s=timeout_s)
-    summaries = await wait_for_round(http_session, urls, round_id, within_s=DEADLINES.reduce_at * timeout_s)
-
-    for app, summary in zip(apps, summaries):
-        assert (await params_of(app) - expected).abs().max().item() <= 1e-6
-        assert summary["ok"] and summary["contributors"] == [0, 2], summary
-        # a refused connection says it is gone: no reducer waited for it until the reduce time
-        assert summary["seconds"] < DEADLINES.reduce_at * timeout_s / 4, summary
-
-
 def member_killed_once_it_accepted(its: dict) -> web.Application:
     """A member that accepts the round and, at the first part it is sent, dies as a killed
     process does: the connection it had open breaks (not refused) and nothing listens after."""
@@ -255,14 +236,20 @@ def member_killed_once_it_accepted(its: dict) -> web.Application:
     return app
 
 
-async def test_a_member_killed_mid_round_is_known_gone_and_not_waited_for(serve, http_session):
-    """The connection it broke is no refusal; a new connection to it is, which says its process
-    is gone (the joins bench found a step round waiting 8 s for a replica killed as it started)."""
+@pytest.mark.parametrize(
+    "gone_member",
+    [member_that_leaves_once_it_accepted, member_killed_once_it_accepted],
+    ids=["refuses connections", "killed mid-round"],
+)
+async def test_a_member_whose_process_is_gone_is_not_waited_for(serve, http_session, gone_member):
+    """A refused connection says the member's process is gone. A connection it broke (killed
+    mid-round) is no refusal, but a new connection to it is: the joins bench found a step round
+    waiting 8 s for a replica killed as it started. No reducer waits for it until the reduce time."""
     samples = [10, 0, 40]
     apps, _, urls = await replicas(serve, [1, 3], [samples[0], samples[2]])
-    killed: dict = {}
-    killed["server"], killed_url = await serve(member_killed_once_it_accepted(killed))
-    members = [urls[0], killed_url, urls[1]]
+    gone: dict = {}
+    gone["server"], gone_url = await serve(gone_member(gone))
+    members = [urls[0], gone_url, urls[1]]  # it reduces part 1; its backup is member 2
     expected = weighted_mean([await params_of(app) for app in apps], [samples[0], samples[2]])
     timeout_s = 30.0  # its parts' reduce time: DEADLINES.reduce_at x 30 = 12 s after the start
 

@@ -167,7 +167,7 @@ def newest_stage_file(root: str | os.PathLike, stage: int, not_past: int | None 
     for path in candidates:
         try:
             step = int(file_metadata(path).get("optimizer_steps", 0))
-        except (FileNotFoundError, BadPayload):
+        except FileNotFoundError:  # a damaged file is an error (BadPayload), never skipped silently
             continue
         if path.parent.name != NEWEST or step <= not_past:
             found.append((step, path))

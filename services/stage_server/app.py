@@ -296,11 +296,11 @@ async def _recover(settings: StageServerSettings, app: web.Application, log) -> 
     ``checkpoint``. ``fresh``: the initial weights. The server then catches up the stage's
     step number; with fresh moments its learning rate warms up again."""
     newest = None
-    if settings.checkpoint_dir:
+    if settings.checkpoint_dir and settings.recovery != "fresh":
         swarm_step = await _swarm_stage_step(settings, log) if settings.coordinator else None
         newest = checkpoint.newest_stage_file(settings.checkpoint_dir, settings.stage, not_past=swarm_step)
     ckpt, data = None, None
-    if newest is not None and settings.recovery != "fresh":  # the latest checkpoint's, or a newer state kept
+    if newest is not None:  # the latest checkpoint's, or a newer state kept
         ckpt = newest[0]
         data = await asyncio.to_thread(ckpt.read_bytes)
     if settings.recovery == "checkfree" and settings.coordinator:

@@ -231,6 +231,8 @@ class Plan:
     routing: str = ""  # the mesh trainers' SWARM_ROUTING ("": the trainer's default)
     max_staleness: int = 0  # the mesh servers' SWARM_MAX_STALENESS (0: the server's default)
     schedule: str = ""  # the mesh coordinator's SWARM_SCHEDULE ("": its default)
+    optimizer: str = ""  # the mesh servers' SWARM_OPTIMIZER, and pipelining's optimizer ("": the servers' default)
+    beta1: float = 0.0  # the mesh servers' SWARM_BETA1, and pipelining's (0: the servers' default)
     codecs: tuple[str, ...] = (
         "int8",
         "fp32",
@@ -333,12 +335,12 @@ def reference_targets(work: Workload, stages: int, steps: set[int]) -> dict[int,
     """The held-out loss (4 decimals, as the sides print theirs) of the model trained in this
     process, as ``stages`` stages each with the stage servers' optimizer and clipping, after
     each number of global steps in ``steps``: what the sides must reach."""
-    from bench.arena_pipelining import loss_fn, stock_adamw, stock_optimizer_config
+    from bench.arena_pipelining import loss_fn, stock_optimizer, stock_optimizer_config
     from shared.model import build_stage
 
     optim = stock_optimizer_config()
     models = [build_stage(work.gpt_config(), s, stages, seed=0) for s in range(stages)]
-    optimizers = [stock_adamw(m, optim) for m in models]
+    optimizers = [stock_optimizer(m, optim) for m in models]
     batcher, n = work.batcher(), work.microbatches_per_step
 
     targets = {}
@@ -564,6 +566,10 @@ class MeshSide(SideRun):
         }
         if self.plan.max_staleness:
             env["SWARM_MAX_STALENESS"] = str(self.plan.max_staleness)
+        if self.plan.optimizer:
+            env["SWARM_OPTIMIZER"] = self.plan.optimizer
+        if self.plan.beta1:
+            env["SWARM_BETA1"] = str(self.plan.beta1)
         if self.sc.checkpoint_every_s:
             env["SWARM_CHECKPOINT_DIR"] = str(self.checkpoints)
         if self.snapshots is not None:
@@ -852,6 +858,8 @@ def run_pipelining(
                 "budget_s": sc.budget_s,
                 "layers": layers,
                 "snapshots": str(snapshots),
+                "optimizer": plan.optimizer,
+                "beta1": plan.beta1,
             }
             log = side.log(f"rank{r}")
             arena.popen(
@@ -1199,6 +1207,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--schedule", choices=("async", "sync"), help="the mesh coordinator's SWARM_SCHEDULE")
     p.add_argument(
+        "--optimizer", choices=("adamw", "nadamw"), help="the mesh servers' SWARM_OPTIMIZER, and pipelining's optimizer"
+    )
+    p.add_argument("--beta1", type=float, default=0.0, help="the mesh servers' SWARM_BETA1, and pipelining's")
+    p.add_argument(
         "--codecs", metavar="C,...", help="the mesh sides' wire codecs (default int8,fp32; e.g. int4,int8,fp32)"
     )
     p.add_argument(
@@ -1230,6 +1242,12 @@ def main(argv: list[str] | None = None) -> int:
         changes["max_staleness"] = args.max_staleness
     if args.schedule:
         changes["schedule"] = args.schedule
+    if args.optimizer:
+        changes["optimizer"] = args.optimizer
+    if args.beta1:
+        if not 0 < args.beta1 < 1:
+            p.error(f"--beta1 must be in (0, 1), got {args.beta1}")
+        changes["beta1"] = args.beta1
     if args.codecs:
         from shared.codec import FLOAT_CODECS
 

@@ -15,11 +15,12 @@ group (rank 0's peer address, this peer's veth), then
 The model, the data and the optimizer are the mesh's: ``shared.model.build_stage`` with
 the same seed (or, with ``layers`` in the config, the layers split so: the arena's
 speed-balanced pipelining), the same samples per global step (the mesh's microbatches ``step * n ..``
-concatenated), AdamW with the stage servers' defaults (weight decay on matrices only,
-betas, linear warm-up, the stage's gradient clipped to ``max_grad_norm``). Activations
-cross the links in fp32, as PyTorch sends them. The evaluation runs the same held-out
-microbatches forward through the ranks (point-to-point sends, fp32) between steps; its
-time is left out of the clock: pipelining is credited with its training time only.
+concatenated), the stage servers' optimizer with their defaults (weight decay on matrices
+only, betas, linear warm-up, the stage's gradient clipped to ``max_grad_norm``; the
+arena's ``--optimizer`` and ``--beta1`` where given). Activations cross the links in fp32,
+as PyTorch sends them. The evaluation runs the same held-out microbatches forward through
+the ranks (point-to-point sends, fp32) between steps; its time is left out of the clock:
+pipelining is credited with its training time only.
 
 Prints JSON lines on stdout: ``sweep`` (per count, seconds per step), ``step`` (step,
 elapsed_s: its training time), ``eval`` (step, elapsed_s, loss), ``done``.
@@ -38,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.workload import Workload
-from services.stage_server.runtime import OptimizerConfig
+from services.stage_server.runtime import OptimizerConfig, make_optimizer
 from services.stage_server.state import StepSnapshots
 from shared.config import StageServerSettings
 from shared.model import StageSpec, build_stage, init_stage, stage_model
@@ -55,23 +56,20 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def stock_adamw(model: torch.nn.Module, optim: OptimizerConfig) -> torch.optim.AdamW:
-    """AdamW as a stage server builds it: weight decay on matrices only."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=optim.lr,
-        betas=optim.betas,
-    )
+def stock_optimizer(model: torch.nn.Module, optim: OptimizerConfig) -> torch.optim.Optimizer:
+    """The optimizer as a stage server builds it (``make_optimizer``): weight decay on matrices only."""
+    return make_optimizer(list(model.parameters()), optim)
 
 
-def stock_optimizer_config() -> OptimizerConfig:
-    """The stage servers' defaults (``SWARM_LR``, ``SWARM_WEIGHT_DECAY``, ...)."""
+def stock_optimizer_config(optimizer: str = "", beta1: float = 0.0) -> OptimizerConfig:
+    """The stage servers' defaults (``SWARM_LR``, ``SWARM_WEIGHT_DECAY``, ...), with the
+    arena's ``SWARM_OPTIMIZER`` and ``SWARM_BETA1`` where it sets them."""
     field = StageServerSettings.model_fields
     return OptimizerConfig(
         lr=field["lr"].default,
         weight_decay=field["weight_decay"].default,
+        name=optimizer or field["optimizer"].default,
+        betas=(beta1 or field["beta1"].default, OptimizerConfig.betas[1]),
         warmup_steps=field["warmup_steps"].default,
         max_grad_norm=field["max_grad_norm"].default,
     )
@@ -97,14 +95,14 @@ class Rank:
         self.rank, self.world = cfg["rank"], cfg["world"]
         self.work = Workload(**cfg["work"])
         self.batcher = self.work.batcher()
-        self.optim = stock_optimizer_config()
+        self.optim = stock_optimizer_config(cfg.get("optimizer", ""), cfg.get("beta1", 0.0))
         self.cfg = cfg
 
     def fresh(self, microbatches: int):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         model = fresh_stage(self.work, self.rank, self.world, self.cfg.get("layers"))
-        optimizer = stock_adamw(model, self.optim)
+        optimizer = stock_optimizer(model, self.optim)
         schedule = Schedule1F1B(
             PipelineStage(model, self.rank, self.world, torch.device("cpu")),
             n_microbatches=microbatches,

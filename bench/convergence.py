@@ -77,8 +77,11 @@ CONFIGS = (
 
 
 @contextlib.asynccontextmanager
-async def local_swarm(run_id: str, plan: Plan, codec: str, replicas: int, sync: str = "global"):
-    """A coordinator and ``stages x replicas`` stage servers as apps on loopback ports; yields the coordinator URL."""
+async def local_swarm(
+    run_id: str, plan: Plan, codec: str, replicas: int, sync: str = "global", schedule: str = "async", **server
+):
+    """A coordinator (``SWARM_SCHEDULE=schedule``) and ``stages x replicas`` stage servers
+    (``server``: more of their settings) as apps on loopback ports; yields the coordinator URL."""
     runners: list[web.AppRunner] = []
 
     async def serve(app: web.Application, port: int) -> None:
@@ -94,7 +97,12 @@ async def local_swarm(run_id: str, plan: Plan, codec: str, replicas: int, sync: 
         await serve(
             create_coordinator(
                 CoordinatorSettings(
-                    **common, port=port, state_db=":memory:", average_every_s=0.0, rebalance_every_s=0.0
+                    **common,
+                    port=port,
+                    state_db=":memory:",
+                    average_every_s=0.0,
+                    rebalance_every_s=0.0,
+                    schedule=schedule,
                 )
             ),
             port,
@@ -114,6 +122,7 @@ async def local_swarm(run_id: str, plan: Plan, codec: str, replicas: int, sync: 
                     drain_timeout_s=5.0,
                     sync=sync,
                     local_steps=plan.local_steps,
+                    **server,
                 )
                 await serve(create_stage(settings), port)
         yield coordinator
@@ -122,10 +131,15 @@ async def local_swarm(run_id: str, plan: Plan, codec: str, replicas: int, sync: 
             await runner.cleanup()
 
 
-async def train_one(plan: Plan, codec: str, replicas: int, trainers: int, sync: str = "global") -> dict:
+async def train_one(
+    plan: Plan, codec: str, replicas: int, trainers: int, sync: str = "global", schedule: str = "async", **server
+) -> dict:
     run_id = f"bench-convergence-{codec}-{replicas}-{trainers}-{sync}"
     steps = plan.samples // plan.global_batch
-    async with local_swarm(run_id, plan, codec, replicas, sync) as coordinator, contextlib.AsyncExitStack() as stack:
+    async with (
+        local_swarm(run_id, plan, codec, replicas, sync, schedule, **server) as coordinator,
+        contextlib.AsyncExitStack() as stack,
+    ):
         runs = []
         for t in range(trainers):
             mesh = await stack.enter_async_context(

@@ -415,6 +415,16 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     )
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.01, ge=0)
+    optimizer: Literal["adamw", "nadamw"] = Field(
+        "adamw",
+        description=(
+            "'adamw', or 'nadamw': NAdam's Nesterov look-ahead with decoupled weight decay, Pluralis' correction for "
+            "gradients that arrive a step late (measured in docs/benchmarks.md); the same on every server of a run"
+        ),
+    )
+    beta1: float = Field(
+        0.9, ge=0, lt=1, description="the optimizer's first-moment decay (Pluralis use 0.99 with nadamw)"
+    )
     global_batch: int = Field(
         32,
         ge=1,

@@ -67,6 +67,8 @@ def build_runtime(settings: StageServerSettings) -> StageRuntime:
         optim=OptimizerConfig(
             lr=settings.lr,
             weight_decay=settings.weight_decay,
+            name=settings.optimizer,
+            betas=(settings.beta1, OptimizerConfig.betas[1]),
             global_batch=settings.global_batch,
             warmup_steps=settings.warmup_steps,
             schedule=settings.lr_schedule,

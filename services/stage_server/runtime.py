@@ -54,6 +54,9 @@ from shared.lora import LoraConfig, apply_lora
 from shared.model import ModelConfig, build_stage
 
 LR_SCHEDULES = ("constant", "cosine")
+# 'adamw'; 'nadamw': AdamW's moments with Nesterov's look-ahead (NAdam, decoupled weight
+# decay), Pluralis' correction for gradients that arrive a step late (docs/architecture.md)
+OPTIMIZERS = ("adamw", "nadamw")
 NO_BUCKET = -1  # backward(bucket=NO_BUCKET): the input gradient only, nothing accumulated
 DEDUP_STEPS = 16  # a microbatch accumulated in one of this many last steps is not accumulated again (a re-run, a retry)
 MAX_FORWARDS_IN_FLIGHT = 4096  # records of forwards awaiting their backward (the oldest forgotten past this)
@@ -68,11 +71,13 @@ class StaleForward(SwarmError):
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW and its schedule, in global steps; the same on every replica of a run."""
+    """The optimizer (AdamW, or NAdamW) and its schedule, in global steps; the same on every replica of a run."""
 
     lr: float = 1e-3
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.95)
+    name: str = "adamw"  # one of OPTIMIZERS
+    momentum_decay: float = 0.004  # nadamw: psi of NAdam's look-ahead schedule mu_t = beta1 (1 - 0.5 x 0.96^(t psi))
     global_batch: int = 32  # samples of one global step (all replicas of the stage together)
     warmup_steps: int = 0  # learning rate rises linearly from lr/warmup_steps to lr
     schedule: str = "constant"  # after warm-up: 'constant', or 'cosine' down to min_lr_ratio x lr at total_steps
@@ -84,6 +89,7 @@ class OptimizerConfig:
     recovery_warmup_steps: int = 0
 
     def __post_init__(self):
+        assert self.name in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {self.name!r}"
         assert self.schedule in LR_SCHEDULES, f"schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}"
         assert self.schedule != "cosine" or self.total_steps > self.warmup_steps, (
             "a cosine schedule needs total_steps > warmup_steps"
@@ -106,6 +112,20 @@ class OptimizerConfig:
         if recovered_at is None or not self.recovery_warmup_steps or step < recovered_at:
             return 1.0
         return min(1.0, (step - recovered_at + 1) / self.recovery_warmup_steps)
+
+
+def make_optimizer(params: list[torch.Tensor], optim: OptimizerConfig) -> torch.optim.Optimizer:
+    """The optimizer of ``optim.name`` over ``params``, weight decay on matrices only: the
+    stage servers' and the arena's pipelining baseline's."""
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if optim.name == "nadamw":
+        return torch.optim.NAdam(
+            groups, lr=optim.lr, betas=optim.betas, momentum_decay=optim.momentum_decay, decoupled_weight_decay=True
+        )
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas)
 
 
 @dataclass
@@ -230,13 +250,7 @@ class StageRuntime:
         self._slots = [
             [(m, n) for m in self.model.modules() for n, q in m._parameters.items() if q is p] for p in self.params
         ]
-        decay = [p for p in self.params if p.dim() >= 2]
-        no_decay = [p for p in self.params if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=optim.lr,
-            betas=optim.betas,
-        )
+        self.optimizer = make_optimizer(self.params, optim)
         self._buckets: dict[int, _Bucket] = {}  # global step -> what was accumulated for it
         self._recent_ids: deque[tuple[int, frozenset[str]]] = deque(
             maxlen=DEDUP_STEPS

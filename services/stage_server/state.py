@@ -12,6 +12,7 @@ starts a local-mode replica's anchor at its weights). Metadata::
 
     {stage, num_stages, layers: [start, stop], model_config, weights_version,
      optimizer_steps, samples, adam_step: {param name: AdamW step count},
+     mu_product: {param name: NAdam's product of look-ahead momenta} (SWARM_OPTIMIZER=nadamw),
      caught_up: [step numbers these weights took without their updates (catch_up)],
      recovered_at: the step the learning rate warms up again from (null: no recovery),
      grad_norm: the norm of the last step's gradient}
@@ -45,7 +46,7 @@ from shared.errors import BadPayload, WrongStage
 from shared.log import get_logger
 from shared.model import config_from_dict
 
-__all__ = ["StepSnapshots", "load_stage_state", "stage_state", "state_from_bytes", "state_to_bytes"]
+__all__ = ["StepSnapshots", "load_stage_state", "nadam_mu_product", "stage_state", "state_from_bytes", "state_to_bytes"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 OUTER_ANCHOR, OUTER_MOMENTUM = f"{OPTIM_PREFIX}outer/anchor", f"{OPTIM_PREFIX}outer/momentum"
@@ -55,6 +56,7 @@ def stage_state(runtime: StageRuntime) -> tuple[dict[str, torch.Tensor], dict]:
     """A snapshot of the stage: CPU, contiguous copies that later steps do not change."""
     tensors: dict[str, torch.Tensor] = {}
     adam_step: dict[str, int] = {}
+    mu_product: dict[str, float] = {}
     for name, p in _named_params(runtime):
         tensors[name] = _snapshot(p)
         state = runtime.optimizer.state.get(p)
@@ -62,6 +64,8 @@ def stage_state(runtime: StageRuntime) -> tuple[dict[str, torch.Tensor], dict]:
             for moment in _MOMENTS:
                 tensors[f"{OPTIM_PREFIX}{name}/{moment}"] = _snapshot(state[moment])
             adam_step[name] = int(state["step"])
+            if "mu_product" in state:  # NAdamW: a float32 scalar, exact as a JSON float
+                mu_product[name] = float(state["mu_product"])
     if runtime.outer is not None:
         tensors[OUTER_ANCHOR], tensors[OUTER_MOMENTUM] = (
             _snapshot(runtime.outer.anchor),
@@ -77,6 +81,7 @@ def stage_state(runtime: StageRuntime) -> tuple[dict[str, torch.Tensor], dict]:
         "optimizer_steps": runtime.stats.optimizer_steps,
         "samples": runtime.stats.samples,
         "adam_step": adam_step,
+        **({"mu_product": mu_product} if mu_product else {}),
         "caught_up": sorted(runtime.caught_up),  # step numbers these weights took without their updates
         "recovered_at": runtime.recovered_at,  # the learning rate warms up from this step (None: no recovery)
         "grad_norm": runtime.stats.last_grad_norm,  # of the last step's gradient: CheckFree weighs neighbours by it
@@ -98,6 +103,7 @@ def load_stage_state(runtime: StageRuntime, tensors: dict[str, torch.Tensor], me
     backwards of forwards in flight) and drops the accumulated gradients.
     """
     adam_step = _validate(runtime, tensors, metadata)
+    mu_products = metadata.get("mu_product") or {}
     with runtime.new_version():
         with torch.no_grad():
             for name, p in _named_params(runtime):
@@ -113,6 +119,13 @@ def load_stage_state(runtime: StageRuntime, tensors: dict[str, torch.Tensor], me
                         for m in _MOMENTS
                     },
                 }
+                if runtime.optim_cfg.name == "nadamw":  # the state's product; an AdamW run's state: replayed
+                    product = mu_products.get(name)
+                    runtime.optimizer.state[p]["mu_product"] = (
+                        torch.tensor(product, dtype=torch.float32)
+                        if product is not None
+                        else nadam_mu_product(runtime.optim_cfg, adam_step[name])
+                    )
         runtime.stats.optimizer_steps = metadata["optimizer_steps"]
         runtime.caught_up = set(metadata.get("caught_up", []))  # the loaded weights' history, not ours
         runtime.recovered_at = metadata.get("recovered_at")
@@ -124,6 +137,15 @@ def load_stage_state(runtime: StageRuntime, tensors: dict[str, torch.Tensor], me
                 torch.cat([tensors[name].reshape(-1).to(torch.float32) for name, _ in _named_params(runtime)])
             )
     runtime.reset_accumulation()
+
+
+def nadam_mu_product(optim, steps: int) -> torch.Tensor:
+    """NAdam's ``mu_product`` after ``steps`` steps, multiplied in the order and precision torch's NAdam does."""
+    product = torch.tensor(1.0, dtype=torch.float32)
+    beta1 = optim.betas[0]
+    for step in range(1, steps + 1):
+        product *= beta1 * (1.0 - 0.5 * (0.96 ** (step * optim.momentum_decay)))
+    return product
 
 
 # ---------------------------------------------------------------- validation
@@ -178,6 +200,13 @@ def _validate(runtime: StageRuntime, tensors: dict[str, torch.Tensor], metadata:
     unknown = sorted(set(adam_step) - set(params))
     _check(not unknown, f"'adam_step' names parameters this stage does not have: {unknown[:5]}")
     _check(all(type(s) is int and s >= 1 for s in adam_step.values()), "'adam_step' values must be ints >= 1")
+    mu_product = metadata.get("mu_product", {})
+    _check(
+        type(mu_product) is dict
+        and set(mu_product) <= set(adam_step)
+        and all(type(v) is float and 0.0 < v <= 1.0 for v in mu_product.values()),
+        "'mu_product' must map parameters of 'adam_step' to floats in (0, 1]",
+    )
     expected = set(params) | {f"{OPTIM_PREFIX}{n}/{m}" for n in adam_step for m in _MOMENTS}
     outer = {name: tensors[name] for name in (OUTER_ANCHOR, OUTER_MOMENTUM) if name in tensors}
     if outer:

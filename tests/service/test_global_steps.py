@@ -17,7 +17,7 @@ stage servers on loopback (in this process), trained by the real trainer.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -213,10 +213,14 @@ async def test_replicas_of_a_stage_are_identical_after_every_step(swarm, http_se
     assert 0 < per_round < 16 * 1024 < 0.01 * 4 * parameters, per_round
 
 
-async def test_one_replica_one_microbatch_in_flight_is_one_process_training(swarm, http_session):
-    """10 global steps through 4 stages over HTTP (fp32 wire) vs the whole model in one process."""
+@pytest.mark.parametrize("optimizer", ["adamw", "nadamw"])
+async def test_one_replica_one_microbatch_in_flight_is_one_process_training(swarm, http_session, optimizer):
+    """10 global steps through 4 stages over HTTP (fp32 wire) vs the whole model in one
+    process, with AdamW and with NAdamW (``SWARM_OPTIMIZER``, the paper's beta1 0.99)."""
     steps, global_batch, num_stages = 10, 2 * MICROBATCH, 4
     optim = reference_optimizer(global_batch, steps)
+    if optimizer == "nadamw":
+        optim = replace(optim, name="nadamw", betas=(0.99, optim.betas[1]))
     s = await reference_swarm(swarm, [1] * num_stages, optim)
     summary = await trainer(http_session, s.urls, steps=steps, global_batch=global_batch, in_flight=1).run()
     assert summary.microbatches_completed == steps * 2 and summary.microbatch_reruns == 0
@@ -324,6 +328,8 @@ async def reference_swarm(swarm, replicas: list[int], optim: OptimizerConfig, **
         total_steps=optim.total_steps,
         min_lr_ratio=optim.min_lr_ratio,
         max_grad_norm=optim.max_grad_norm,
+        optimizer=optim.name,
+        beta1=optim.betas[0],
         **overrides,
     )
 
@@ -333,7 +339,8 @@ def one_process_training(
 ) -> dict[str, torch.Tensor]:
     """The whole tiny model, the same batches (``batches[step]``: the run's microbatch indices of
     each step; default 0, 1, ... in order), gradient means over each global batch, each stage's
-    gradient clipped on its own, AdamW (decay on matrices only) at the schedule's learning rate."""
+    gradient clipped on its own, AdamW or NAdamW (``optim.name``; decay on matrices only) at the
+    schedule's learning rate."""
     cfg = PRESETS["tiny"]
     assert cfg.dropout == 0.0
     model = build_gpt(cfg, seed=0)
@@ -343,11 +350,11 @@ def one_process_training(
     ]
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=optim.lr,
-        betas=optim.betas,
-    )
+    groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if optim.name == "nadamw":
+        opt = torch.optim.NAdam(groups, lr=optim.lr, betas=optim.betas, decoupled_weight_decay=True)
+    else:
+        opt = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas)
     batcher = ByteBatcher(load_corpus(), SEQ_LEN, MICROBATCH, seed=0)
     per_step = optim.global_batch // MICROBATCH
     for step in range(steps):

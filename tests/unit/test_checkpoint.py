@@ -26,8 +26,11 @@ NUM_STAGES = 4
 BATCH, SEQ = 2, 8
 
 
-def runtime(stage: int, *, seed: int = 0, global_batch: int = 4, cfg=CFG, num_stages: int = NUM_STAGES) -> StageRuntime:
-    return StageRuntime(cfg, stage, num_stages, seed=seed, optim=OptimizerConfig(global_batch=global_batch))
+def runtime(
+    stage: int, *, seed: int = 0, global_batch: int = 4, cfg=CFG, num_stages: int = NUM_STAGES, optimizer="adamw"
+) -> StageRuntime:
+    optim = OptimizerConfig(global_batch=global_batch, name=optimizer, betas=(0.99, 0.95))
+    return StageRuntime(cfg, stage, num_stages, seed=seed, optim=optim)
 
 
 def microbatch(seed: int, cfg=CFG):
@@ -79,12 +82,13 @@ def via_bytes(rt: StageRuntime):
 
 
 # ---------------------------------------------------------------- state round trip
+@pytest.mark.parametrize("optimizer", ["adamw", "nadamw"])
 @pytest.mark.parametrize("stage", [0, 1, NUM_STAGES - 1])
-def test_loaded_state_has_the_same_weights_and_optimizer_state_and_steps_the_same(stage):
-    source = runtime(stage, seed=1)
+def test_loaded_state_has_the_same_weights_and_optimizer_state_and_steps_the_same(stage, optimizer):
+    source = runtime(stage, seed=1, optimizer=optimizer)
     train(source, range(4))  # 2 optimizer steps, nothing pending
     assert source.stats.optimizer_steps == 2 and source.pending_samples == 0
-    joiner = runtime(stage, seed=2)
+    joiner = runtime(stage, seed=2, optimizer=optimizer)
     train(joiner, [100])  # pending gradients of the old weights, to be dropped
     version = joiner.version
 
@@ -100,6 +104,26 @@ def test_loaded_state_has_the_same_weights_and_optimizer_state_and_steps_the_sam
     assert source.stats.optimizer_steps == joiner.stats.optimizer_steps == 3
     assert_same(params(joiner), params(source))
     assert_same(optimizer_state(joiner), optimizer_state(source))
+
+
+def test_an_adamw_state_loaded_by_a_nadamw_stage_gets_the_look_ahead_product_of_its_steps():
+    """NAdamW keeps the product of its look-ahead momenta; a state without it (an AdamW run's
+    checkpoint) gets the product its step count makes, as torch's NAdam multiplies it."""
+    nadamw, adamw = runtime(1, seed=1, optimizer="nadamw"), runtime(1, seed=1)
+    for rt in (nadamw, adamw):
+        train(rt, range(6))  # 3 steps
+    tensors, metadata = via_bytes(adamw)
+    assert "mu_product" not in metadata
+    joiner = runtime(1, seed=2, optimizer="nadamw")
+    load_stage_state(joiner, tensors, metadata)
+    for p, q in zip(joiner.params, nadamw.params):
+        ours, theirs = joiner.optimizer.state[p]["mu_product"], nadamw.optimizer.state[q]["mu_product"]
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    _, metadata = via_bytes(nadamw)
+    assert set(metadata["mu_product"]) == set(metadata["adam_step"]) and 0 < min(metadata["mu_product"].values()) < 1
+    bad = dict(metadata, mu_product={"no.such.param": 0.5})
+    with pytest.raises(BadPayload, match="mu_product"):
+        load_stage_state(joiner, *via_bytes(nadamw)[:1], bad)
 
 
 def test_state_is_a_cpu_snapshot_with_metadata():

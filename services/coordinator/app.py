@@ -216,9 +216,10 @@ def _rebalancing(settings: CoordinatorSettings, log):
     A stage short of replicas (none, or one while the swarm has two servers a stage) gets
     one first; else, with topology placement (see ``placement.py``), the network cost model
     replans, moving a few servers at most; else the single move that raises the weakest
-    stage's capacity. Each move is logged with the policy's reason, and so is a move the
-    policy holds back (``rebalance.held``, when its reason changes); a moving server's new
-    stage counts as handed out until it registers there."""
+    stage's capacity (or, every stage at its replica floor, the exchange of two replicas
+    that does). Each move is logged with the policy's reason, and so is a move the policy
+    holds back (``rebalance.held``, when its reason changes); a moving server's new stage
+    counts as handed out until it registers there."""
 
     async def loop(registry: Registry, session: aiohttp.ClientSession) -> None:
         policy = rebalancing_policy(settings)

@@ -11,8 +11,9 @@ metrics, ``swarm status``, the simulator):
 - :mod:`.resilience`: where a loss would hurt most: the stage a joiner takes
   (:func:`~.resilience.join_stage`), the replica floor no move goes below, and the move
   that repairs a stage under it (:func:`~.resilience.repair_move`);
-- :mod:`.throughput`: the weakest-stage rule (:func:`~.throughput.weakest`) and the
-  best single move between stages (:func:`~.throughput.plan_move`);
+- :mod:`.throughput`: the weakest-stage rule (:func:`~.throughput.weakest`), the
+  best single move between stages (:func:`~.throughput.plan_move`) and, where every stage
+  is at its replica floor, the best exchange of two replicas (:func:`~.throughput.plan_swap`);
 - :mod:`.hysteresis`: :class:`~.hysteresis.Confirmation`, a decision confirmed on
   consecutive checks before anyone acts on it;
 - :mod:`.topology`: replans with the network cost model (:mod:`shared.topology`),

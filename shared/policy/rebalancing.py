@@ -26,7 +26,8 @@ class RebalancingPolicy:
     replicas than the swarm can give it (none; or one while the swarm has two servers a
     stage) gets one from a stage with spare, and the other rules wait meanwhile. Else a view
     without topology inputs goes to the ``throughput`` rule (the single move that raises the
-    weakest stage's capacity most, if its gain is large enough); a view with them goes to
+    weakest stage's capacity most, if its gain is large enough; else the exchange of two
+    replicas that does, where every stage is at its replica floor); a view with them goes to
     the ``topology`` rule (a replan with the network cost model), except while a replica
     has not measured its throughput yet (the check waits for it and counts as no check).
     Every rule confirms its moves on consecutive checks, each with its own count. No stage
@@ -62,13 +63,13 @@ class RebalancingPolicy:
         if repair is not None:
             return [] if confirmed is None else [confirmed[-1]]
         if view.topology is None:
-            move = self.throughput.check(view.throughputs(), view.num_stages)
+            moves = self.throughput.check(view.throughputs(), view.num_stages)
             if self.throughput.held is not None:
                 held = self.throughput.held
                 self.held = (
                     f"not moving {held.server_id} to stage {held.to_stage}: {self._thins(view, held.from_stage)}"
                 )
-            return [] if move is None else [move]
+            return moves
         if self.topology is None:
             raise ValueError("the view has topology inputs but the policy has no topology rule (topology=...)")
         if any(r.throughput <= 0 for r in view.replicas):

@@ -1,4 +1,4 @@
-"""The throughput rule: stage capacities, the weakest stage, and the best single move.
+"""The throughput rule: stage capacities, the weakest stage, the best single move, and the best exchange.
 
 A swarm runs at the speed of its weakest stage, whose capacity is the sum of its
 replicas' throughputs. ``replicas`` maps ``server_id -> (stage, throughput)``; a
@@ -107,41 +107,95 @@ def _capacities_after(capacity: list[float], from_stage: int, to_stage: int, thr
     return sorted(moved)
 
 
-class ThroughputRebalancer:
-    """Orders a move only once it has been the best, and good enough, on consecutive checks.
+def plan_swap(replicas: Replicas, num_stages: int) -> tuple[Move, Move] | None:
+    """The exchange of a replica of the weakest stage with a faster one of another stage that
+    raises the minimum capacity most: what the throughput rule does where no single move
+    can, every stage being at its replica floor (two servers a stage: a pairing of slow with
+    slow that a move cannot undo without leaving a stage one replica). As :func:`plan_move`:
+    none while the weakest stage is tied; the largest minimum after it, then the leximin-best
+    capacities, then the smallest exchanged throughput, then the smallest ids. Returns the
+    two moves (the faster replica's into the weakest stage first), each with the swarm's
+    minimum capacity before and after the exchange, or ``None`` (also while a replica has not
+    measured its speed: two state downloads are not spent on a guess). O(replicas^2 x stages log stages)."""
+    if any(speed <= 0 for _, speed in replicas.values()):
+        return None
+    capacity = stage_capacities(replicas, num_stages)
+    before = min(capacity, default=0.0)
+    lowest = [stage for stage in range(num_stages) if capacity[stage] == before]
+    if len(lowest) != 1:
+        return None
+    (target,) = lowest
+    best: tuple | None = None
+    for slow, (slow_stage, slow_speed) in replicas.items():
+        if slow_stage != target:
+            continue
+        for fast, (fast_stage, fast_speed) in replicas.items():
+            if fast_stage == target or fast_speed <= slow_speed:
+                continue
+            after = _capacities_after(capacity, fast_stage, target, fast_speed - slow_speed)
+            key = (tuple(-c for c in after), fast_speed - slow_speed, fast, slow)
+            if after[0] > before and (best is None or key < best):
+                best = key
+    if best is None:
+        return None
+    fast, slow, after = best[2], best[3], -best[0][0]
+    fast_stage = replicas[fast][0]
+    reason = (
+        f"an exchange of {fast} (stage {fast_stage}) with {slow} (stage {target}) raises the weakest stage's "
+        f"capacity from {before:.3g} to {after:.3g} samples/s"
+    )
+    return (
+        Move(fast, fast_stage, target, before, after, reason=reason),
+        Move(slow, target, fast_stage, before, after, reason=reason),
+    )
 
-    A move is returned only when :func:`plan_move`'s best move has ``gain >= min_gain`` on
-    ``confirmations`` consecutive calls of :meth:`check` and is the same move (same
-    replica, from and to stage) each time. A check without such a move, or with a
-    different best move, starts the count again (a different qualifying move counts as its
-    own first confirmation); returning a move also resets it. ``held``: after a check, the
-    move that would have qualified but for :func:`~shared.policy.resilience.replica_floor`
-    (it would leave its stage with one replica), else ``None``.
+
+def _same_moves(earlier: tuple[Move, ...], later: tuple[Move, ...]) -> bool:
+    return len(earlier) == len(later) and all(a.same_as(b) for a, b in zip(earlier, later))
+
+
+class ThroughputRebalancer:
+    """Orders moves only once they have been the best, and good enough, on consecutive checks.
+
+    The candidate of a check is :func:`plan_move`'s best move if its ``gain >= min_gain``;
+    else :func:`plan_swap`'s exchange if its gain is (two moves ordered together). Moves are
+    returned only when the same candidate (same replicas, from and to stages) was found on
+    ``confirmations`` consecutive calls of :meth:`check`. A check without a candidate, or
+    with a different one, starts the count again (a different candidate counts as its own
+    first confirmation); returning moves also resets it. ``held``: after a check without a
+    candidate, the single move that would have qualified but for
+    :func:`~shared.policy.resilience.replica_floor` (it would leave its stage with one
+    replica), else ``None``.
     """
 
     def __init__(self, min_gain: float = DEFAULT_MIN_GAIN, confirmations: int = 2):
         if not min_gain >= 1:
             raise ValueError(f"min_gain must be >= 1 (a ratio of minimum capacities), got {min_gain}")
         self.min_gain = min_gain
-        self._confirmation: Confirmation[Move] = Confirmation(confirmations, same=Move.same_as)
+        self._confirmation: Confirmation[tuple[Move, ...]] = Confirmation(confirmations, same=_same_moves)
         self.held: Move | None = None
 
     @property
     def confirmations(self) -> int:
         return self._confirmation.confirmations
 
-    def check(self, replicas: Replicas, num_stages: int) -> Move | None:
-        """Plan on the current throughputs; the move to order now, or ``None``."""
+    def check(self, replicas: Replicas, num_stages: int) -> list[Move]:
+        """Plan on the current throughputs; the moves to order now (often none)."""
+        candidate: tuple[Move, ...] | None = None
         move = plan_move(replicas, num_stages)
-        if move is not None and move.gain < self.min_gain:
-            move = None
+        if move is not None and move.gain >= self.min_gain:
+            candidate = (move,)
+        else:
+            swap = plan_swap(replicas, num_stages)
+            if swap is not None and swap[0].gain >= self.min_gain:
+                candidate = swap
         self.held = None
-        if move is None and replica_floor(len(replicas), num_stages) > 1:
+        if candidate is None and replica_floor(len(replicas), num_stages) > 1:
             unguarded = plan_move(replicas, num_stages, floor=1)
             if unguarded is not None and unguarded.gain >= self.min_gain:
                 self.held = unguarded
-        confirmed = self._confirmation.observe(move)
-        return None if confirmed is None else confirmed[-1]
+        confirmed = self._confirmation.observe(candidate)
+        return [] if confirmed is None else list(confirmed[-1])
 
 
 def best_assignment(throughputs: list[float], num_stages: int) -> tuple[list[int], float]:

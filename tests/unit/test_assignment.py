@@ -15,6 +15,8 @@ from shared.policy.throughput import (
     ThroughputRebalancer,
     best_assignment,
     plan_move,
+    plan_swap,
+    replica_counts,
     stage_capacities,
     weakest_stage,
 )
@@ -121,26 +123,26 @@ BALANCED = {"a": (0, 1.0), "b": (0, 1.0), "c": (1, 1.0), "d": (1, 1.0)}
 
 def test_a_move_is_ordered_on_its_second_consecutive_confirmation_only():
     rebalancer = ThroughputRebalancer()
-    assert rebalancer.check(MOVE_A, 2) is None
-    assert rebalancer.check(MOVE_A, 2) == plan_move(MOVE_A, 2)
-    assert rebalancer.check(MOVE_A, 2) is None  # the count starts again after an order
-    assert rebalancer.check(MOVE_A, 2) is not None
+    assert rebalancer.check(MOVE_A, 2) == []
+    assert rebalancer.check(MOVE_A, 2) == [plan_move(MOVE_A, 2)]
+    assert rebalancer.check(MOVE_A, 2) == []  # the count starts again after an order
+    assert rebalancer.check(MOVE_A, 2) != []
 
 
 def test_a_different_best_move_or_no_move_in_between_resets_the_count():
     rebalancer = ThroughputRebalancer()
     for replicas in (MOVE_A, MOVE_B, MOVE_A, BALANCED, MOVE_A):
-        assert rebalancer.check(replicas, 2) is None
-    assert rebalancer.check(MOVE_A, 2).server_id == "a"
+        assert rebalancer.check(replicas, 2) == []
+    assert [m.server_id for m in rebalancer.check(MOVE_A, 2)] == ["a"]
 
 
 def test_a_move_below_min_gain_is_never_ordered():
     replicas = {"a": (0, 5.0), "b": (0, 1.0), "c": (0, 1.0), "d": (1, 5.0)}  # [7, 5] -> moving b: [6, 6], gain 1.2
     assert plan_move(replicas, 2).gain == pytest.approx(1.2)
     rebalancer = ThroughputRebalancer()
-    assert all(rebalancer.check(replicas, 2) is None for _ in range(5))
-    assert ThroughputRebalancer(min_gain=1.1).check(replicas, 2) is None
-    assert ThroughputRebalancer(min_gain=1.1, confirmations=1).check(replicas, 2) == plan_move(replicas, 2)
+    assert all(rebalancer.check(replicas, 2) == [] for _ in range(5))
+    assert ThroughputRebalancer(min_gain=1.1).check(replicas, 2) == []
+    assert ThroughputRebalancer(min_gain=1.1, confirmations=1).check(replicas, 2) == [plan_move(replicas, 2)]
 
 
 def test_rebalancer_rejects_bad_settings():
@@ -157,15 +159,16 @@ def test_noise_on_a_balanced_swarm_orders_no_move():
     rebalancer = ThroughputRebalancer()
     for _ in range(200):
         noisy = [speed * rng.uniform(0.9, 1.1) for speed in speeds]
-        assert rebalancer.check(replicas_of(noisy, stages), 4) is None
+        assert rebalancer.check(replicas_of(noisy, stages), 4) == []
 
 
-def rebalance(replicas: dict[str, tuple[int, float]], rebalancer: ThroughputRebalancer, checks: int = 30) -> list[Move]:
+def rebalance(
+    replicas: dict[str, tuple[int, float]], rebalancer: ThroughputRebalancer, checks: int = 30, num_stages: int = 3
+) -> list[Move]:
     """Check ``checks`` times, applying every ordered move; returns the moves in order."""
     moves = []
     for _ in range(checks):
-        move = rebalancer.check(replicas, 3)
-        if move is not None:
+        for move in rebalancer.check(replicas, num_stages):
             apply(replicas, move)
             moves.append(move)
     return moves
@@ -218,3 +221,48 @@ def test_best_assignment_on_hand_checked_cases(speeds, num_stages, stages, capac
 def test_best_assignment_needs_a_replica_per_stage():
     with pytest.raises(ValueError, match="num_stages"):
         best_assignment([1.0, 2.0], 3)
+
+
+# --- exchanges where every stage is at its replica floor --------------------------------------
+
+HETERO_SPEEDS = [1.0, 1.0, 2.0, 2.0, 2.0, 4.0, 4.0, 4.0]  # the arena's heterogeneous CPU caps
+
+
+def test_a_pairing_of_slow_with_slow_is_undone_by_exchanges_no_single_move_can_make():
+    """8 servers on 4 stages (floor 2): no single move may leave a stage one replica, so
+    placed as they came ({1,1} on one stage) only exchanges raise the weakest stage; they
+    reach the optimum's minimum (4 of the 20 units) and stop, every stage keeping 2."""
+    replicas = replicas_of(HETERO_SPEEDS, [0, 0, 1, 1, 2, 2, 3, 3])  # capacities 2, 4, 6, 8
+    assert plan_move(replicas, 4) is None
+    swap = plan_swap(replicas, 4)
+    assert swap is not None and swap[0].to_stage == 0 and swap[1].from_stage == 0
+    assert swap[0].capacity_before == 2.0 and swap[0].gain >= 1 / 0.75
+    moves = rebalance(replicas, ThroughputRebalancer(), num_stages=4)
+    assert 2 <= len(moves) <= 6 and len(moves) % 2 == 0
+    assert replica_counts(replicas, 4) == [2, 2, 2, 2]
+    _, optimum = best_assignment(HETERO_SPEEDS, 4)  # any counts: {4,1} {4,1} {4,2} {2,2}, no stage reaches 5
+    assert optimum == 4.0 and min(stage_capacities(replicas, 4)) == optimum
+    assert rebalance(replicas, ThroughputRebalancer(), num_stages=4) == [], "it keeps moving"
+
+
+def test_an_exchange_is_confirmed_like_a_move_and_ordered_as_two_moves_together():
+    replicas = replicas_of(HETERO_SPEEDS, [0, 0, 1, 1, 2, 2, 3, 3])
+    rebalancer = ThroughputRebalancer()
+    assert rebalancer.check(replicas, 4) == []
+    moves = rebalancer.check(replicas, 4)
+    assert moves == list(plan_swap(replicas, 4)) and len(moves) == 2
+    assert {moves[0].server_id, moves[1].server_id} <= set(replicas)
+    assert (moves[0].from_stage, moves[0].to_stage) == (moves[1].to_stage, moves[1].from_stage)
+
+
+@pytest.mark.parametrize(
+    "replicas",
+    [
+        replicas_of([1.0, 1.0, 1.0, 1.0], [0, 0, 1, 1]),  # equal speeds: an exchange changes nothing
+        replicas_of([1.0, 3.0, 2.0, 2.0], [0, 0, 1, 1]),  # tied weakest stages
+        replicas_of([3.0, 3.0, 3.5, 3.5], [0, 0, 1, 1]),  # the best exchange gains less than min_gain
+    ],
+)
+def test_no_exchange_without_a_gain_worth_two_state_downloads(replicas):
+    rebalancer = ThroughputRebalancer()
+    assert all(rebalancer.check(replicas, 2) == [] for _ in range(4))

@@ -20,7 +20,7 @@ from shared.policy.resilience import (
     standby_stage,
     thinned_stage,
 )
-from shared.policy.throughput import ThroughputRebalancer, plan_move
+from shared.policy.throughput import ThroughputRebalancer, plan_move, plan_swap
 from shared.policy.view import PlacementInputs, Replica, SwarmView
 from shared.topology import Peer, Replan, Workload, world_network
 
@@ -105,19 +105,32 @@ def test_thinned_stage_flags_a_plan_that_leaves_a_stage_below_the_floor():
 
 
 def test_no_throughput_move_leaves_a_stage_with_one_replica_and_the_policy_says_why():
-    fast_and_slow = {"a": (0, 10.0), "b": (0, 10.0), "c": (1, 1.0), "d": (1, 1.0)}
-    assert plan_move(fast_and_slow, 2) is None
-    assert plan_move(fast_and_slow, 2, floor=1) == Move("a", 0, 1, 2.0, 10.0)  # what it would do without the floor
+    # stage 0 {2, 2}, stage 1 {2, 9}: moving c to stage 0 would give [6 | 9] but leave stage 1
+    # one replica; no exchange raises stage 0 (d for a or b leaves stage 1 at 4)
+    uneven = {"a": (0, 2.0), "b": (0, 2.0), "c": (1, 2.0), "d": (1, 9.0)}
+    assert plan_move(uneven, 2) is None and plan_swap(uneven, 2) is None
+    assert plan_move(uneven, 2, floor=1) == Move("c", 1, 0, 4.0, 6.0)  # what it would do without the floor
     policy = RebalancingPolicy(ThroughputRebalancer(confirmations=1))
-    view = view_of(("a", 0, 10.0), ("b", 0, 10.0), ("c", 1, 1.0), ("d", 1, 1.0), num_stages=2)
+    view = view_of(("a", 0, 2.0), ("b", 0, 2.0), ("c", 1, 2.0), ("d", 1, 9.0), num_stages=2)
     assert policy.check(view) == []
     assert policy.held == (
-        "not moving a to stage 1: stage 0 would keep fewer than 2 replicas, and the swarm has that many a stage"
+        "not moving c to stage 0: stage 1 would keep fewer than 2 replicas, and the swarm has that many a stage"
     )
-    # with a third replica on stage 0, one may move, and the move says why
-    (move,) = policy.check(dataclasses.replace(view, replicas=view.replicas + (Replica("e", 0, 10.0),)))
-    assert move == Move("a", 0, 1, 2.0, 12.0) and policy.held is None
-    assert move.reason == "raises the weakest stage's capacity (stage 1) from 2 to 12 samples/s"
+    # with a third replica on stage 1, one may move, and the move says why
+    (move,) = policy.check(dataclasses.replace(view, replicas=view.replicas + (Replica("e", 1, 2.0),)))
+    assert move == Move("c", 1, 0, 4.0, 6.0) and policy.held is None
+    assert move.reason == "raises the weakest stage's capacity (stage 0) from 4 to 6 samples/s"
+
+
+def test_where_no_move_may_leave_a_stage_one_replica_an_exchange_pairs_fast_with_slow():
+    fast_and_slow = view_of(("a", 0, 10.0), ("b", 0, 10.0), ("c", 1, 1.0), ("d", 1, 1.0), num_stages=2)
+    policy = RebalancingPolicy(ThroughputRebalancer(confirmations=1))
+    moves = policy.check(fast_and_slow)
+    assert moves == [Move("a", 0, 1, 2.0, 11.0), Move("c", 1, 0, 2.0, 11.0)] and policy.held is None
+    assert (
+        moves[0].reason
+        == "an exchange of a (stage 0) with c (stage 1) raises the weakest stage's capacity from 2 to 11 samples/s"
+    )
 
 
 def test_a_repair_is_confirmed_on_two_checks_and_comes_before_the_throughput_rule():
@@ -167,8 +180,9 @@ swarms = st.integers(1, 4).flatmap(
 @settings(max_examples=300, deadline=None)
 @given(swarms)
 def test_no_check_leaves_a_stage_below_the_floor_and_repairs_reach_it(swarm):
-    """Whatever the swarm, no move the policy orders leaves its stage below the floor, and
-    ordering its moves until none comes reaches a placement where every stage has the floor."""
+    """Whatever the swarm, no check's moves (ordered together: a move, or an exchange of two
+    replicas) leave a stage below the floor or take one already below it lower, and ordering
+    its moves until none comes reaches a placement where every stage has the floor."""
     num_stages, placed = swarm
     replicas = {f"s{i}": (stage, speed) for i, (stage, speed) in enumerate(placed)}
     floor = replica_floor(len(replicas), num_stages)
@@ -178,10 +192,12 @@ def test_no_check_leaves_a_stage_below_the_floor_and_repairs_reach_it(swarm):
         moves = policy.check(view)
         if not moves:
             break
+        before = view.replica_counts()
         for move in moves:
-            counts = view.replica_counts()
-            assert counts[move.from_stage] > floor, (move, counts)
+            assert replicas[move.server_id][0] == move.from_stage, (move, replicas)
             replicas[move.server_id] = (move.to_stage, replicas[move.server_id][1])
+        after = [sum(stage == s for stage, _ in replicas.values()) for s in range(num_stages)]
+        assert all(a >= min(floor, b) for a, b in zip(after, before)), (moves, before, after)
     counts = [sum(stage == s for stage, _ in replicas.values()) for s in range(num_stages)]
     if len(replicas) >= num_stages:
         assert min(counts) >= floor, counts

@@ -516,6 +516,7 @@ class MeshSide(SideRun):
             "SWARM_PORT": str(COORD_PORT),
             "SWARM_STATE_DB": str(self.logs / f"{self.label}-coordinator.sqlite"),
             "SWARM_REBALANCE_EVERY_S": str(self.sc.rebalance_every_s),
+            "SWARM_LOG_LEVEL": "info",  # its joins, moves and rounds: a few lines a step, none per microbatch
         }
         if self.plan.schedule:
             env["SWARM_SCHEDULE"] = self.plan.schedule

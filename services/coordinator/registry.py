@@ -26,6 +26,13 @@ from shared.policy.view import SwarmView
 SERVER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 MAX_URL_LEN = 512
 MAX_VERSION_LEN = 64
+# How long a stage handed out by /assign (or a move) counts for a server that has not
+# registered yet: a weak peer takes tens of seconds between its /assign and its
+# registration (torch's import, the model, the stage's state over a slow link: 30-50 s
+# under a fifteenth of a core in the arena), and a hand-out that lapsed sooner sent the
+# next joiners to the stage it covered (three replicas there, one on another stage). A
+# joiner that died meanwhile holds its stage's place this long at most.
+JOIN_WINDOW_S = 60.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS servers (
@@ -353,21 +360,22 @@ class Registry:
         return self._select("WHERE last_heartbeat >= ?", (self._clock() - self.lease_s,))
 
     def pending_joins(self) -> list[PendingJoin]:
-        """Stages handed out in the last lease period to servers that have not registered yet."""
+        """Stages handed out in the last join window to servers that have not registered yet."""
         now = self._clock()
         self._pending = [p for p in self._pending if p.until > now and p.stage < self.num_stages]
         return list(self._pending)
 
     def hand_out(self, stage: int, region: str = "", rtt_ms: dict[str, float] | None = None) -> int:
         """Note that ``stage`` was handed to a joining server (it counts until it registers
-        or a lease period passes); returns ``stage``."""
-        self._pending.append(PendingJoin(stage, self._clock() + self.lease_s, region, dict(rtt_ms or {})))
+        or :data:`JOIN_WINDOW_S` passes, or a lease period if longer); returns ``stage``."""
+        until = self._clock() + max(self.lease_s, JOIN_WINDOW_S)
+        self._pending.append(PendingJoin(stage, until, region, dict(rtt_ms or {})))
         return stage
 
     def join_choice(self) -> JoinChoice:
         """Where a joining server should go, and why: the policy's stage where a loss would hurt
         most (:func:`shared.policy.resilience.join_stage`: an empty stage, then one with a single
-        replica, ...), the stages handed out in the last lease period to servers that have not
+        replica, ...), the stages handed out in the last join window to servers that have not
         registered yet counted as pending joins."""
         return self.swarm([p.stage for p in self.pending_joins()]).join_stage()
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from services.coordinator.registry import Registry, RegistryFull, StageOutOfRange, UnknownServer
+from services.coordinator.registry import JOIN_WINDOW_S, Registry, RegistryFull, StageOutOfRange, UnknownServer
 from shared.errors import BadPayload, Overloaded
 
 HEARTBEAT_S = 2.0
@@ -163,16 +163,30 @@ def test_assign_stage_ties_fewest_replicas_then_lowest_index(registry):
 
 def test_assign_stage_spreads_servers_that_ask_before_they_register(registry, clock):
     """Servers started together (a Deployment scaled to 6, stage auto) all ask before any
-    registers: each hand-out counts until its server registers or a lease period passes."""
+    registers: each hand-out counts until its server registers or the join window passes."""
     assert [registry.assign_stage() for _ in range(6)] == [0, 1, 2, 3, 0, 1]
     for n, stage in enumerate([0, 1, 2, 3, 0, 1]):
         add(registry, n + 1, stage=stage, throughput=1.0)  # each registration uses up its hand-out
     assert registry.assign_stage() == 2  # 2 and 3 have one replica each; no hand-out left over
-    clock.advance(LEASE_S - 1)
-    for n in range(1, 7):
-        registry.heartbeat(f"s{n}", 1.0, 0)
-    clock.advance(2)  # a lease period passed since the hand-out to stage 2; the servers heartbeated: live
+    for _ in range(int(JOIN_WINDOW_S // (LEASE_S - 1)) + 1):  # the window passes; the servers heartbeat: live
+        clock.advance(LEASE_S - 1)
+        for n in range(1, 7):
+            registry.heartbeat(f"s{n}", 1.0, 0)
     assert registry.assign_stage() == 2  # had the lapsed hand-out counted, stage 2 would have 2 and 3 be chosen
+
+
+def test_a_slow_joiner_s_hand_out_still_counts_after_several_lease_periods(registry, clock):
+    """A weak peer registers tens of seconds after its /assign: its stage stays covered
+    meanwhile, so the next joiner goes to a stage with one replica, not a third to its own."""
+    assert [registry.assign_stage() for _ in range(6)] == [0, 1, 2, 3, 0, 1]
+    for n, stage in enumerate([0, 1, 2, 3, 1]):  # the second server of stage 0 is slow to start
+        add(registry, n + 1, stage=stage, throughput=1.0)
+    for _ in range(5):  # 25 s: five lease periods
+        clock.advance(LEASE_S - 1)
+        for n in range(1, 6):
+            registry.heartbeat(f"s{n}", 1.0, 0)
+    assert [p.stage for p in registry.pending_joins()] == [0]
+    assert registry.assign_stage() in (2, 3)
 
 
 def test_assign_stage_counts_zero_throughput_and_ignores_expired(registry, clock):

@@ -531,7 +531,10 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
     join_timeout_s: float = Field(
         60.0,
         gt=0,
-        description="timeout of the state download when joining a stage",
+        description=(
+            "timeout of the state download when joining a stage, and how long a --stage auto server asks a "
+            "coordinator not reachable yet for its stage"
+        ),
     )
     step_snapshot_dir: str = Field(
         "",

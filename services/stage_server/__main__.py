@@ -74,7 +74,15 @@ async def resolve(settings: StageServerSettings, log) -> StageServerSettings:
             )
         async with swarm_session(settings) as session:
             rtt_ms = await probe_swarm(session, coordinator)  # the coordinator places by the network where it can
-            stage = await assign_stage(session, coordinator, settings.run_id, region=settings.region, rtt_ms=rtt_ms)
+            stage = await assign_stage(
+                session,
+                coordinator,
+                settings.run_id,
+                region=settings.region,
+                rtt_ms=rtt_ms,
+                timeout_s=settings.join_timeout_s,
+                log=log,
+            )
         log.info("stage.assigned", stage=stage, region=settings.region or None, peers_timed=len(rtt_ms))
     return settings.model_copy(update={"coordinator": coordinator, "stage": stage})
 

@@ -24,6 +24,9 @@ STANDBY_WAIT_S = 20.0  # a standby's /assign is held open this long when no stag
 STANDBY_RETRY = RetryPolicy(max_retries=1_000_000, base_delay_s=0.2, max_delay_s=2.0)
 
 
+ASSIGN_RETRY = RetryPolicy(max_retries=1_000_000, base_delay_s=0.2, max_delay_s=2.0)
+
+
 async def assign_stage(
     session: aiohttp.ClientSession,
     coordinator: str,
@@ -31,16 +34,36 @@ async def assign_stage(
     *,
     region: str = "",
     rtt_ms: dict[str, float] | None = None,
+    timeout_s: float = 60.0,
+    log=None,
 ) -> int:
     """Ask the coordinator which stage a server started with ``--stage auto`` should serve,
     telling it where the server is (``region``) and its round-trip times to the swarm's
-    servers (``rtt_ms``, peer URL -> ms), so that it can place the server by the network."""
+    servers (``rtt_ms``, peer URL -> ms), so that it can place the server by the network.
+
+    A coordinator not reachable yet (started after the servers, restarting, overloaded) is
+    asked again with backoff for up to ``timeout_s``; then, or at once for an answer that
+    retrying cannot change (a wrong run id, a bad request), :class:`RemoteError`."""
     body: dict = {"run_id": run_id}
     if region:
         body["region"] = region
     if rtt_ms:
         body["rtt_ms"] = rtt_ms
-    return int((await post_json(session, coordinator + "/assign", body, timeout_s=CONTROL_TIMEOUT_S))["stage"])
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    failures = 0
+    while True:
+        try:
+            reply = await post_json(session, coordinator + "/assign", body, timeout_s=CONTROL_TIMEOUT_S)
+            return int(reply["stage"])
+        except RemoteError as err:
+            failures += 1
+            wait_s = ASSIGN_RETRY.delay_s(failures)
+            transient = err.status is None or err.status >= 500  # unreachable, or not able to answer yet
+            if not transient or asyncio.get_running_loop().time() + wait_s > deadline:
+                raise
+            if log is not None:
+                log.warning("assign.retry", error=str(err), failures=failures)
+            await asyncio.sleep(wait_s)
 
 
 async def wait_for_stage(

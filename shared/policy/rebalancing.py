@@ -29,7 +29,10 @@ class RebalancingPolicy:
     weakest stage's capacity most, if its gain is large enough; else the exchange of two
     replicas that does, where every stage is at its replica floor); a view with them goes to
     the ``topology`` rule (a replan with the network cost model), except while a replica
-    has not measured its throughput yet (the check waits for it and counts as no check).
+    has not measured its throughput yet (the check waits for it and counts as no check);
+    a replan held because it would leave a stage short (see below) gives way to the
+    throughput rule's exchange of two replicas, if one qualifies (the planner does not
+    search under the replica floor, so with two servers a stage it would never move).
     Every rule confirms its moves on consecutive checks, each with its own count. No stage
     is ever emptied (moves that would empty one are left for a later check), and while the
     swarm has two servers a stage no move leaves a stage with one replica
@@ -75,12 +78,18 @@ class RebalancingPolicy:
         if any(r.throughput <= 0 for r in view.replicas):
             return []  # a server that has not measured its speed yet: wait for it
         replan = self.topology.check(view.topology, view.num_stages)
+        thinned = None if replan is None else thinned_stage(view.topology.current, replan.moves, view.num_stages)
+        if thinned is None:
+            self.throughput.reset()  # its exchanges are confirmed on consecutive held replans only
         if replan is None:
             return []
-        thinned = thinned_stage(view.topology.current, replan.moves, view.num_stages)
         if thinned is not None:
-            self.held = f"not replanning: {self._thins(view, thinned)}"
-            return []
+            # the planner would leave a stage short; an exchange of two replicas keeps every count
+            exchange = self.throughput.check(view.throughputs(), view.num_stages)
+            self.held = f"not replanning: {self._thins(view, thinned)}" + (
+                "; exchanging two replicas instead" if exchange else ""
+            )
+            return exchange
         reason = f"the network cost model predicts {replan.cost_before_s:.3g} -> {replan.cost_after_s:.3g} s per step"
         now, self.deferred = split_moves(
             view.topology.current, [dataclasses.replace(m, reason=reason) for m in replan.moves]

@@ -179,6 +179,10 @@ class ThroughputRebalancer:
     def confirmations(self) -> int:
         return self._confirmation.confirmations
 
+    def reset(self) -> None:
+        """Forget the candidate seen so far (a check that did not ask this rule breaks the streak)."""
+        self._confirmation.reset()
+
     def check(self, replicas: Replicas, num_stages: int) -> list[Move]:
         """Plan on the current throughputs; the moves to order now (often none)."""
         candidate: tuple[Move, ...] | None = None

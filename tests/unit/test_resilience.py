@@ -150,6 +150,31 @@ class ScriptedTopology:
         return self.replan
 
 
+def test_a_held_topology_replan_gives_way_to_an_exchange_confirmed_on_consecutive_held_checks():
+    """With two servers a stage the planner's moves would thin a stage, so it never moves
+    anything; a slow pair is then split by the throughput rule's exchange, which keeps the counts."""
+    current = {"a": 0, "b": 0, "c": 1, "d": 1}
+    speeds = {"a": 10.0, "b": 10.0, "c": 1.0, "d": 1.0}
+    peers = [Peer(sid, "Ohio", 1.0) for sid in current]
+    inputs = PlacementInputs(peers, world_network(), Workload(32, 1e-6, 1e-3, 10.0), current)
+    view = dataclasses.replace(
+        view_of(*((sid, stage, speeds[sid]) for sid, stage in current.items()), num_stages=2), topology=inputs
+    )
+    thinning = Replan({**current, "a": 1}, [Move("a", 0, 1)], {}, 2.0, 1.0)
+    scripted = ScriptedTopology(thinning)
+    policy = RebalancingPolicy(topology=scripted)
+    assert policy.check(view) == [] and policy.held.startswith("not replanning: stage 0 would keep fewer")
+    moves = policy.check(view)  # the exchange's second consecutive confirmation
+    assert moves == [Move("a", 0, 1, 2.0, 11.0), Move("c", 1, 0, 2.0, 11.0)]
+    assert policy.held.endswith("; exchanging two replicas instead") and policy.replan is None
+    # a check whose replan is not held (here: no replan) breaks the streak
+    assert policy.check(view) == []
+    scripted.replan = None
+    assert policy.check(view) == []
+    scripted.replan = thinning
+    assert policy.check(view) == [], "an exchange confirmed across a check that did not hold it"
+
+
 def test_a_topology_replan_that_leaves_a_stage_with_one_replica_is_not_ordered():
     current = {"a": 0, "b": 0, "c": 1, "d": 1}
     peers = [Peer(sid, "Ohio", 1.0) for sid in current]

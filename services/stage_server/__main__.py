@@ -13,7 +13,9 @@ again, in this process, for the new stage (the steps: ``move.py``).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
+import os
 import signal
 import sys
 from collections.abc import Awaitable
@@ -87,6 +89,28 @@ async def resolve(settings: StageServerSettings, log) -> StageServerSettings:
     return settings.model_copy(update={"coordinator": coordinator, "stage": stage})
 
 
+MALLOC_ARENAS = 2  # glibc heap arenas a stage server's threads share (glibc's default: 8 per core)
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Cap glibc's heap arenas (``mallopt(M_ARENA_MAX)``), unless ``MALLOC_ARENA_MAX`` is set
+    (glibc then reads it itself); whether the cap was set. Each thread that allocates (the
+    event loop, the compute worker, aiohttp's and torch's) otherwise gets an arena of its
+    own, each growing to its own high-water mark: under the chaos suite's 32-stream load a
+    server's RSS climbed 100-200 MB over half a minute and flattened (40-60 MB in the
+    second half alone), and with two arenas it stayed 60-70 MB lower and grew 3-22 MB.
+    Nothing to do where the C library is not glibc."""
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_arena_max = -8  # M_ARENA_MAX in glibc's malloc.h
+    return mallopt(m_arena_max, arenas) == 1
+
+
 def main(
     argv: list[str] | None = None,
     *,
@@ -96,6 +120,7 @@ def main(
     ``bench.stage_proc``) run the same way, moves included."""
     settings = parse_settings(settings_class, argv, "swarm server", "Serve one pipeline stage over HTTP.")
     configure_logging(settings.log_format, settings.log_level)
+    limit_malloc_arenas()  # before the server's threads allocate
     torch.set_num_threads(settings.num_threads)
     try:
         asyncio.run(_run(settings))

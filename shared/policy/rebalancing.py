@@ -86,9 +86,8 @@ class RebalancingPolicy:
         if thinned is not None:
             # the planner would leave a stage short; an exchange of two replicas keeps every count
             exchange = self.throughput.check(view.throughputs(), view.num_stages)
-            self.held = f"not replanning: {self._thins(view, thinned)}" + (
-                "; exchanging two replicas instead" if exchange else ""
-            )
+            instead = {0: "", 1: "; moving one replica by throughput instead", 2: "; exchanging two replicas instead"}
+            self.held = f"not replanning: {self._thins(view, thinned)}{instead[len(exchange)]}"
             return exchange
         reason = f"the network cost model predicts {replan.cost_before_s:.3g} -> {replan.cost_after_s:.3g} s per step"
         now, self.deferred = split_moves(

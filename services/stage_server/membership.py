@@ -21,9 +21,8 @@ from shared.retry import RetryPolicy
 
 CONTROL_TIMEOUT_S = 5.0
 STANDBY_WAIT_S = 20.0  # a standby's /assign is held open this long when no stage needs it
-STANDBY_RETRY = RetryPolicy(max_retries=1_000_000, base_delay_s=0.2, max_delay_s=2.0)
-
-
+# asking /assign again while the coordinator cannot answer
+# (--stage auto: up to SWARM_JOIN_TIMEOUT_S; a standby: while it waits)
 ASSIGN_RETRY = RetryPolicy(max_retries=1_000_000, base_delay_s=0.2, max_delay_s=2.0)
 
 
@@ -92,7 +91,7 @@ async def wait_for_stage(
             failures += 1
             if log is not None:
                 log.warning("standby.ask_failed", error=str(err), failures=failures)
-            await asyncio.sleep(STANDBY_RETRY.delay_s(failures))
+            await asyncio.sleep(ASSIGN_RETRY.delay_s(failures))
             continue
         failures = 0
         if type(reply.get("stage")) is int:

@@ -150,6 +150,8 @@ def recover(args, root: Path, fork_dir: Path, fork_step: int, recovery: str) -> 
                 time.sleep(0.1)
             victim = next(n for n in swarm.servers if n.startswith(f"stage{args.stage}-"))
             row["killed_at_step"] = stage_step(swarm.coordinator, args.stage)
+            # the kill lands when the poll sees the step, a step late or so on a busy machine
+            row["steps_after_kill"] = total - row["killed_at_step"]
             procs.kill(victim)
             del swarm.servers[victim]
             row["killed_after_s"] = round(time.monotonic() - started, 1)

@@ -36,6 +36,13 @@ class WrongStage(SwarmError):
     code = "wrong_stage"
 
 
+class WrongRun(SwarmError):
+    """The request belongs to another run than the one this service takes part in."""
+
+    status = 409
+    code = "wrong_run"
+
+
 class PayloadTooLarge(SwarmError):
     status = 413
     code = "payload_too_large"

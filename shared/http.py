@@ -22,7 +22,7 @@ import structlog
 from aiohttp import web
 
 from shared.codec import pack_message, unpack_message
-from shared.errors import PayloadTooLarge, RemoteError, SwarmError, UnsupportedMediaType
+from shared.errors import BadPayload, PayloadTooLarge, RemoteError, SwarmError, UnsupportedMediaType, WrongRun
 
 T = TypeVar("T")
 MIN_RETRY_WAIT_S = 0.1  # a Retry-After of 0 still waits this long before asking again
@@ -102,6 +102,27 @@ async def read_body(
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(f"body exceeds the limit of {max_bytes} bytes (setting {setting})") from None
+
+
+async def read_json(request: web.Request, max_bytes: int, setting: str) -> dict:
+    """Read a JSON object (see :func:`read_body` for the refusals; 400 if it is no JSON object)."""
+    body = await read_body(request, JSON, max_bytes, setting=setting)
+    try:
+        msg = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadPayload(f"body is not valid JSON: {exc}") from None
+    if not isinstance(msg, dict):
+        raise BadPayload("body must be a JSON object")
+    return msg
+
+
+def check_run(msg: dict, expected: str) -> None:
+    """:class:`WrongRun` unless the message's ``run_id`` is ``expected`` (400 if it has none)."""
+    run_id = msg.get("run_id")
+    if not isinstance(run_id, str):
+        raise BadPayload("'run_id' must be a string")
+    if run_id != expected:
+        raise WrongRun(f"this coordinator runs {expected!r}, not {run_id!r} (setting SWARM_RUN_ID)")
 
 
 async def read_message(request: web.Request, max_bytes: int) -> dict:

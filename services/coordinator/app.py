@@ -28,11 +28,10 @@ from services.coordinator.routes import (
     MAX_BODY_BYTES,
     REGISTRY,
     SETTINGS,
-    STEPS,
     TRAFFIC,
     add_routes,
 )
-from services.coordinator.steps import StepScheduler
+from services.coordinator.steps import STEPS, StepScheduler, add_step_routes
 from shared import package_version
 from shared.auth import OPEN_PATHS
 from shared.config import CoordinatorSettings, advertised_url
@@ -157,6 +156,7 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
         lease_s=settings.step_timeout_s,  # an admission not renewed for a step timeout: its trainer is gone
         clock=time.monotonic,
     )
+    add_step_routes(app, run_id=settings.run_id, num_stages=settings.num_stages, admitted_floor=app[ADMISSION].floor)
     add_admission_routes(
         app,
         swarm_step=lambda: min(st.step for st in app[STEPS].counter.stages),
@@ -178,7 +178,7 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
             stage_steps=lambda: [st.step for st in app[STEPS].counter.stages],
         )
         app.cleanup_ctx.append(_checkpoints(settings))
-    add_routes(app)  # the registry's, steps', averaging's and checkpoints' handlers (routes.py)
+    add_routes(app)  # the registry's, averaging's and checkpoints' handlers (routes.py)
     if settings.mdns:
         app.cleanup_ctx.append(_announcement(settings))
     return app

@@ -1,123 +1,23 @@
 """Averaging rounds, coordinator side: name a round and tell each member its place; and the
 periodic check that the replicas of each stage are one model, with its drift repair.
 
-Control messages only: the members move the tensors among themselves (butterfly
-all-reduce, see the stage server's ``averaging.py``; a repair's state goes from one
-replica to another). Every member gets the same member list, so a member that refuses or
-cannot be reached stays in the list as a failed member: the others leave it out of the
-round when it does not answer them, and nobody waits on it past ``timeout_s``.
+Control messages only: a repair's state goes from one replica to another. (A step
+round is started by ``steps.py``.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
-from shared.codec import FLOAT_CODECS
 from shared.errors import RemoteError
 from shared.http import get_json, post_message
-from shared.log import get_logger
 
-START_TIMEOUT_S = 5.0  # cap on each /average/start call (a member answers it at once)
-
-
-async def start_round(
-    session: aiohttp.ClientSession,
-    stage: int,
-    member_urls: list[str],
-    *,
-    codec: str,
-    timeout_s: float,
-    log=None,
-    with_accepted: bool = False,
-    aggregator: str = "mean",
-    kind: str = "params",
-    step: int = 0,
-    error_feedback: bool = False,
-):
-    """Start one averaging round of ``stage`` among ``member_urls`` (index = position); return its
-    id (``with_accepted``: the id and how many members accepted). ``error_feedback``: a step
-    round's members compensate what the codec lost last step (stage server's ``error_feedback.py``).
-
-    Posts ``/average/start`` to every member at once; members that refuse (e.g. 409: busy
-    with a round, or another stage now) or cannot be reached are logged
-    (``averaging.start.refused``) and left out of the round.
-    """
-    if not member_urls:
-        raise ValueError("an averaging round needs at least one member")
-    if codec not in FLOAT_CODECS:
-        raise ValueError(f"averaging codec must be one of {FLOAT_CODECS}, got {codec!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"averaging timeout_s must be > 0, got {timeout_s}")
-    log = log or get_logger(service="coordinator")
-    members = [url.rstrip("/") for url in member_urls]
-    round_id = f"{'step' if kind == 'step' else 'avg'}-s{stage}-{uuid.uuid4().hex[:12]}"
-
-    async def tell(index: int, url: str) -> bool:
-        msg = {
-            "round_id": round_id,
-            "stage": stage,
-            "members": members,
-            "index": index,
-            "codec": codec,
-            "timeout_s": timeout_s,
-            "aggregator": aggregator,
-            "kind": kind,
-            "step": step,
-            **({"error_feedback": True} if error_feedback else {}),
-        }
-        try:
-            await post_message(session, url + "/average/start", msg, timeout_s=min(START_TIMEOUT_S, timeout_s))
-            return True
-        except RemoteError as exc:
-            log.warning(
-                "averaging.start.refused",
-                round_id=round_id,
-                stage=stage,
-                member=url,
-                index=index,
-                status=exc.status,
-                code=exc.code,
-                reason=exc.message,
-            )
-            return False
-
-    accepted = await asyncio.gather(*(tell(i, url) for i, url in enumerate(members)))
-    if kind != "step":  # a step round is logged by its scheduler, with its step (step.round.started)
-        log.info(
-            "averaging.round.started",
-            round_id=round_id,
-            kind=kind,
-            stage=stage,
-            members=len(members),
-            accepted=sum(accepted),
-            codec=codec,
-            aggregator=aggregator,
-            timeout_s=timeout_s,
-        )
-    return (round_id, sum(accepted)) if with_accepted else round_id
-
-
-STATUS_POLL_S = 0.05  # how often a pass asks members whether their round ended (first wait; doubles to 0.5)
-
-
-@dataclass
-class StageRound:
-    """One stage's round in a pass, as the coordinator saw it."""
-
-    stage: int
-    round_id: str
-    members: list[str]
-    accepted: int
-    ended: int = 0  # members seen done with the round (or gone) before the pass gave up
-
-    def as_json(self) -> dict:
-        return asdict(self)
+_COPY_GRACE_S = 5.0  # a repair target answers once it loaded the state: its copy timeout plus this
 
 
 def plan_repair(digests: Mapping[str, str]) -> tuple[str, list[str]]:
@@ -280,7 +180,7 @@ class AveragingScheduler:
             msg = {"stage": stage, "source": source, "step": step, "timeout_s": self.timeout_s}
             try:
                 reply = await post_message(
-                    self.session, url + "/average/copy", msg, timeout_s=self.timeout_s + START_TIMEOUT_S
+                    self.session, url + "/average/copy", msg, timeout_s=self.timeout_s + _COPY_GRACE_S
                 )
             except RemoteError as exc:
                 self.log.warning(
@@ -304,35 +204,3 @@ class AveragingScheduler:
             "averaging.repair.done", stage=stage, step=step, repaired=len(repair.repaired), targets=len(targets)
         )
         return repair
-
-
-async def wait_round_ended(session: aiohttp.ClientSession, rnd: StageRound, timeout_s: float) -> dict[str, dict]:
-    """Until every member's round ``rnd`` ended (its status no longer runs it) or it cannot
-    be asked, bounded by the round's timeout plus a grace period; sets ``rnd.ended`` and
-    returns the last status of each member that answered (URL -> ``/average/status``)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s + START_TIMEOUT_S
-    pending, delay, statuses = set(rnd.members), STATUS_POLL_S, {}
-
-    async def ask(url: str) -> None:  # a member answers once the round ended there (or its wait ran out)
-        left = max(0.1, deadline - loop.time())
-        try:
-            status = await get_json(
-                session,
-                f"{url}/average/status?wait={rnd.round_id}&wait_s={min(left, 10.0):.3f}",
-                timeout_s=min(left, 10.0) + START_TIMEOUT_S,
-            )
-        except RemoteError:
-            pending.discard(url)  # gone: its peers leave it out
-            return
-        statuses[url] = status
-        if status.get("running") != rnd.round_id:
-            pending.discard(url)
-
-    while pending and loop.time() < deadline:
-        await asyncio.gather(*(ask(url) for url in list(pending)))
-        if pending:  # an older member that does not wait: poll
-            await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
-            delay = min(0.5, delay * 2)
-    rnd.ended = len(rnd.members) - len(pending)
-    return statuses

@@ -1,6 +1,7 @@
-"""HTTP handlers of the coordinator: decode JSON, call the registry, the step scheduler,
-the averaging scheduler or the checkpointer, encode JSON. The dashboard's and the
-OpenAI-compatible API's handlers are in ``dashboard_routes.py`` and ``completions.py``.
+"""HTTP handlers of the coordinator: decode JSON, call the registry, the averaging
+scheduler or the checkpointer, encode JSON. The global step's handlers (``/step/reserve``,
+``/step/done``) are in ``steps.py``, the dashboard's and the OpenAI-compatible API's in
+``dashboard_routes.py`` and ``completions.py``.
 
 Request bodies are JSON objects (``Content-Type: application/json``, at most 64 KiB);
 unknown fields are ignored, so old and new servers interoperate::
@@ -28,10 +29,10 @@ unknown fields are ignored, so old and new servers interoperate::
                      -> {verdict, bucket, step, replicas}
     POST /step/done  {run_id, stage, url, step, bucket, reserved, samples, global_batch, microbatch_id,
                       closes?} -> {round, step}
-                     global steps: which step a backward's gradient goes to (or a verdict
-                     without one: resync, catch_up, complete, duplicate), and what it
-                     accumulated; the step round starts once a step is complete (steps.py,
-                     the messages in shared/step_protocol.py)
+                     global steps (their handlers are in steps.py, the messages in
+                     shared/step_protocol.py): which step a backward's gradient goes to (or a
+                     verdict without one: resync, catch_up, complete, duplicate), and what it
+                     accumulated; the step round starts once a step is complete
     GET  /health     -> {status: "ok", servers}
     GET  /metrics, GET /, GET /dashboard.json, POST /progress: metrics.py, dashboard_routes.py
     GET  /v1/models, POST /v1/completions, POST /v1/chat/completions: the OpenAI-compatible
@@ -48,8 +49,6 @@ Errors are ``{"error": {"code", "message"}}``: 400 bad_payload, 404 unknown_serv
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 
 import structlog
 from aiohttp import web
@@ -60,19 +59,18 @@ from services.coordinator.averaging import AveragingScheduler
 from services.coordinator.checkpointer import Checkpointer
 from services.coordinator.placement import Joiner, stage_for_joiner, uses_topology
 from services.coordinator.registry import Registry, check_region, check_report, check_rtt
-from services.coordinator.steps import StepScheduler
+from services.coordinator.steps import STEPS
 from services.coordinator.utilisation import UtilisationBoard, check_utilisation
 from shared import checkpoint
 from shared.config import CoordinatorSettings
-from shared.errors import BadPayload, Overloaded, SwarmError
-from shared.http import read_body
+from shared.errors import BadPayload, Overloaded
+from shared.http import check_run
+from shared.http import read_json as http_read_json
 from shared.policy.view import PlacementInputs
-from shared.step_protocol import DoneReport, ReserveRequest
 
 SETTINGS = web.AppKey("settings", CoordinatorSettings)
 REGISTRY = web.AppKey("registry", Registry)
 TRAFFIC = web.AppKey("traffic", dict)  # loop name -> {"sent": bytes, "received": bytes}
-STEPS = web.AppKey("steps", StepScheduler)
 AVERAGING = web.AppKey("averaging", AveragingScheduler)
 CHECKPOINTER = web.AppKey("checkpointer", Checkpointer)
 LOG = web.AppKey("log", structlog.typing.FilteringBoundLogger)
@@ -81,37 +79,18 @@ ADMISSION = web.AppKey("admission", Admission)
 UTILISATION = web.AppKey("utilisation", UtilisationBoard)  # the servers' MFU reports (utilisation.py)
 JOINER_ID, PENDING_PREFIX = "<joiner>", "<pending>"  # peer ids no server can have (server ids are [A-Za-z0-9._-])
 
-_JSON = "application/json"
 MAX_BODY_BYTES = 64 * 1024
 _MAX_STANDBY_WAIT_S = 20.0  # the longest a standby server's /assign is held open
 _STANDBY_CHECK_S = 0.1  # how often a held /assign looks for a stage that needs its standby
 
 
-class _WrongRun(SwarmError):
-    """The request belongs to another run than this coordinator's."""
-
-    status = 409
-    code = "wrong_run"
-
-
 async def read_json(request: web.Request) -> dict:
     """Read a JSON object, refusing the wrong content type (415) and oversize bodies (413)."""
-    body = await read_body(request, _JSON, MAX_BODY_BYTES, setting="the coordinator's fixed limit")
-    try:
-        msg = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise BadPayload(f"body is not valid JSON: {exc}") from None
-    if not isinstance(msg, dict):
-        raise BadPayload("body must be a JSON object")
-    return msg
+    return await http_read_json(request, MAX_BODY_BYTES, setting="the coordinator's fixed limit")
 
 
 def _check_run(request: web.Request, msg: dict) -> None:
-    run_id, expected = msg.get("run_id"), request.app[SETTINGS].run_id
-    if not isinstance(run_id, str):
-        raise BadPayload("'run_id' must be a string")
-    if run_id != expected:
-        raise _WrongRun(f"this coordinator runs {expected!r}, not {run_id!r} (setting SWARM_RUN_ID)")
+    check_run(msg, request.app[SETTINGS].run_id)
 
 
 async def _register(request: web.Request) -> web.Response:
@@ -273,27 +252,6 @@ async def _run(request: web.Request) -> web.Response:
     return web.json_response(request.app[REGISTRY].run_state())
 
 
-async def _step_reserve(request: web.Request) -> web.Response:
-    """``POST /step/reserve`` {run_id, stage, url, step, samples, global_batch, microbatch_id, until_step?}
-    from a replica about to run a backward -> {verdict, bucket, step, replicas}: see ``steps.py``."""
-    msg = await read_json(request)
-    _check_run(request, msg)
-    req = ReserveRequest.from_json(msg, request.app[REGISTRY].num_stages)
-    if req.admitted_step is not None and ADMISSION in request.app:
-        req = dataclasses.replace(req, admitted_step=request.app[ADMISSION].floor(req.admitted_step))
-    return web.json_response(await request.app[STEPS].reserve(req))
-
-
-async def _step_done(request: web.Request) -> web.Response:
-    """``POST /step/done`` {run_id, stage, url, step, bucket, reserved, samples, global_batch,
-    microbatch_id, closes?} after the backward -> {round, step}: the step's round (a report that
-    ``closes`` its step is answered once the round started)."""
-    msg = await read_json(request)
-    _check_run(request, msg)
-    report = DoneReport.from_json(msg, request.app[REGISTRY].num_stages)
-    return web.json_response(await request.app[STEPS].done(report))
-
-
 async def _average_now(request: web.Request) -> web.Response:
     """``POST /average``: once the step rounds running now have ended (a trainer asks before
     its final evaluation, which must see the run's last step applied), check that each
@@ -324,8 +282,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/swarm", _swarm)
     app.router.add_get("/run", _run)
     app.router.add_get("/health", _health)
-    app.router.add_post("/step/reserve", _step_reserve)
-    app.router.add_post("/step/done", _step_done)
     app.router.add_post("/average", _average_now)
     if CHECKPOINTER in app:
         app.router.add_post("/checkpoint", _checkpoint_now)

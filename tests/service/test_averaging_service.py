@@ -27,7 +27,7 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from services.coordinator.averaging import start_round
+from services.coordinator.steps import start_round
 from services.stage_server.app import create_app
 from services.stage_server.averaging import DEADLINES, split_bounds
 from services.stage_server.routes import RUNTIME, WORKER

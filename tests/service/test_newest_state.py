@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestServer
 from services.coordinator.app import create_app as create_coordinator
 from services.coordinator.checkpointer import Checkpointer
 from services.coordinator.registry import Registry
-from services.coordinator.routes import STEPS
+from services.coordinator.steps import STEPS
 from services.stage_server.app import create_app
 from services.stage_server.routes import RUNTIME
 from services.stage_server.state import stage_state, state_to_bytes

@@ -99,8 +99,8 @@ async def measure(
     """Train ``steps`` global steps of ``model_dir`` through ``stages x replicas`` servers."""
     from services.coordinator.app import STEPS
     from services.coordinator.app import create_app as create_coordinator
+    from services.stage_server.allreduce import AVERAGER
     from services.stage_server.app import MEMBERSHIP, create_app
-    from services.stage_server.averaging_routes import AVERAGER
     from services.stage_server.routes import RUNTIME, SETTINGS
     from services.trainer.admission import AdmissionClient
     from services.trainer.data import ByteBatcher, load_corpus

@@ -44,9 +44,9 @@ from aiohttp import web
 
 from bench.report import BenchResult, format_markdown, format_table, machine, write_json
 from services.coordinator.app import create_app as create_coordinator
+from services.stage_server.allreduce import AVERAGER
 from services.stage_server.app import MEMBERSHIP
 from services.stage_server.app import create_app as create_stage
-from services.stage_server.averaging_routes import AVERAGER
 from services.stage_server.routes import RUNTIME
 from services.trainer.admission import AdmissionClient
 from services.trainer.data import ByteBatcher, load_corpus

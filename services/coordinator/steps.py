@@ -11,7 +11,7 @@ steps, bounded by ``step_timeout_s``. After the backward the replica says what i
 accumulated (``POST /step/done``; 0 samples for a failed backward, which gives the
 reservation back). Once every sample reserved for the stage's step is accumulated, the
 coordinator starts a ``step`` round among the stage's live replicas (the butterfly
-all-reduce of the stage server's ``averaging.py``; the coordinator moves no tensor), waits
+all-reduce of the stage server's ``allreduce.py``; the coordinator moves no tensor), waits
 until the members report it ended, and moves the stage to the step they reached.
 Reservations still out ``step_timeout_s`` after the step closed (a replica died with them)
 are given up: the round starts with what was accumulated, and the step holds fewer samples.

@@ -1,5 +1,5 @@
 """How a reducer combines the members' values of one part of an averaging round
-(``averaging.py``): the weighted mean, or CenteredClip against faulty or malicious
+(``allreduce.py``, whose default is the weighted mean): CenteredClip against faulty or malicious
 members (``SWARM_AVERAGING_AGGREGATOR``); each member's weight; and the fault injection
 that tests of robust aggregation send instead of a member's values. Plain tensor maths."""
 
@@ -10,23 +10,6 @@ from collections.abc import Mapping
 import torch
 
 EPSILON_WEIGHT = 1e-3  # the weight of a replica that processed no sample since its last round
-
-
-def weighted_mean(contributions: Mapping[int, tuple[float, torch.Tensor]]) -> torch.Tensor:
-    """``sum(w x) / sum(w)`` over ``{member: (w, x)}``, summed in member order in float64; fp32.
-    All weights 0 (a step round of replicas that served no sample): zeros."""
-    assert contributions, "a weighted mean needs a contribution"
-    total = sum(w for w, _ in contributions.values())
-    if total <= 0:
-        return torch.zeros_like(next(iter(contributions.values()))[1], dtype=torch.float32)
-    acc = None
-    for member in sorted(contributions):
-        w, x = contributions[member]
-        if acc is None:
-            acc = x.to(torch.float64) * (w / total)
-        else:
-            acc.add_(x.to(torch.float64), alpha=w / total)
-    return acc.to(torch.float32)
 
 
 AGGREGATORS = ("mean", "centered_clip")

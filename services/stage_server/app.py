@@ -6,7 +6,7 @@ import asyncio
 
 from aiohttp import web
 
-from services.stage_server.averaging_routes import AVERAGER, add_averaging_routes, finish_rounds
+from services.stage_server.allreduce import AVERAGER, add_allreduce_routes, finish_rounds
 from services.stage_server.chain import add_chain_routes
 from services.stage_server.latency import LatencyProbe
 from services.stage_server.local_sync import OuterConfig
@@ -16,13 +16,12 @@ from services.stage_server.metrics import STAGE_METRICS, StageMetrics
 from services.stage_server.move import MoveOrder
 from services.stage_server.recovery import Neighbour, checkfree_weights, neighbour_stages
 from services.stage_server.routes import MOVE, RUNTIME, SETTINGS, STEPPER, WORKER, add_routes
-from services.stage_server.runtime import OptimizerConfig, StageRuntime
+from services.stage_server.runtime import ComputeWorker, OptimizerConfig, StageRuntime
 from services.stage_server.sessions import add_session_routes
 from services.stage_server.state import StepSnapshots, load_stage_state, stage_state
-from services.stage_server.state_routes import add_state_routes, download_state
-from services.stage_server.stepping import StepClient
+from services.stage_server.state_routes import add_state_routes, download_state, state_from_peers
+from services.stage_server.stepping import StepClient, StepRound
 from services.stage_server.utilisation import StageUtilisation
-from services.stage_server.worker import ComputeWorker
 from shared import checkpoint, package_version
 from shared.config import StageServerSettings, advertised_url
 from shared.errors import RemoteError
@@ -32,7 +31,6 @@ from shared.http import (
     error_middleware,
     from_any_replica,
     get_json,
-    post_json,
     request_log_middleware,
     swarm_session,
 )
@@ -120,7 +118,8 @@ def create_app(settings: StageServerSettings, runtime: StageRuntime | None = Non
     add_routes(app)
     add_chain_routes(app, settings)
     add_session_routes(app, settings)
-    add_averaging_routes(app)
+    add_allreduce_routes(app)
+    app[AVERAGER].kinds["step"] = StepRound(app[AVERAGER])  # global steps (stepping.py)
     add_state_routes(app)
     add_metrics_route(app, metrics)
     app[STAGE_METRICS] = StageMetrics(
@@ -221,7 +220,7 @@ def _membership(settings: StageServerSettings, log):
                 report=_report(settings, app),
             )
             app[MEMBERSHIP] = membership
-            app[STEPPER] = _stepper(app, settings, session, log)
+            app[STEPPER] = StepClient.for_server(app, settings, session, log)
             task = asyncio.create_task(membership.run())
             yield
             task.cancel()
@@ -232,42 +231,6 @@ def _membership(settings: StageServerSettings, log):
     return ctx
 
 
-def _stepper(app: web.Application, settings: StageServerSettings, session, log) -> StepClient:
-    """Global steps counted by the coordinator (see ``stepping.py``)."""
-    url = advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls)
-    runtime, worker = app[RUNTIME], app[WORKER]
-
-    async def resync() -> None:
-        state = await _state_from_peers(settings, log, exclude=url, furthest_first=True)
-        if state is None:
-            raise RemoteError(
-                settings.coordinator + "/swarm", None, "no_state", "no other live replica of this stage gave its state"
-            )
-        await worker.run(load_stage_state, runtime, *state)
-        log.info("step.resynced", step=runtime.step)
-
-    async def post(path: str, body: dict) -> dict:
-        # a reservation may be held while the stage is a whole step ahead (the coordinator's step_timeout_s)
-        return await post_json(session, settings.coordinator + path, body, timeout_s=settings.join_timeout_s)
-
-    app[AVERAGER].resync = resync  # a local-mode replica that missed an outer step takes a peer's anchor
-    return StepClient(
-        runtime,
-        post=post,
-        resync=resync,
-        wait_round=app[AVERAGER].wait_round,
-        in_round=lambda: app[AVERAGER].running,
-        identity={
-            "run_id": settings.run_id,
-            "stage": settings.stage,
-            "url": url,
-            "global_batch": settings.global_batch,
-        },
-        round_wait_s=settings.join_timeout_s,
-        log=log,
-    )
-
-
 def _join(settings: StageServerSettings, log):
     """Before serving (and registering): take the stage's current state from a live replica
     (weights and optimizer state); else, every replica of the stage being gone, recover it
@@ -275,7 +238,7 @@ def _join(settings: StageServerSettings, log):
 
     async def ctx(app: web.Application):
         runtime = app[RUNTIME]
-        state = await _state_from_peers(settings, log) if settings.coordinator else None
+        state = await state_from_peers(settings, log) if settings.coordinator else None
         source = "peer" if state else None
         if state is None:
             state, source = await _recover(settings, app, log)
@@ -364,52 +327,6 @@ async def _checkfree_state(settings: StageServerSettings, app: web.Application, 
         return None
     log.warning("stage.recovered", how="checkfree", neighbour_steps=steps, **done)
     return tensors, {**meta, "adam_step": {}, "caught_up": [], "recovered_at": None}
-
-
-async def _state_from_peers(settings: StageServerSettings, log, *, exclude: str = "", furthest_first: bool = False):
-    """The state of the first live replica of this stage (but ``exclude``) that gives it, or
-    None; ``furthest_first``: the replicas at the furthest global step are asked first."""
-    async with swarm_session(settings) as session:
-        # An unreachable coordinator (restarting) is waited for up to join_timeout_s: a
-        # server that gave up at once would serve fresh weights into a trained stage.
-        loop = asyncio.get_running_loop()
-        deadline, attempt = loop.time() + settings.join_timeout_s, 0
-        while True:
-            try:
-                view = await get_json(session, settings.coordinator + "/swarm", timeout_s=10)
-                peers = [r["url"] for r in view["stages"][settings.stage]["replicas"] if r["url"] != exclude]
-                break
-            except RemoteError as exc:
-                attempt += 1
-                if exc.status is not None or loop.time() >= deadline:
-                    log.warning("stage.join.no_view", error=repr(exc))
-                    return None
-                log.info("stage.join.waiting_for_coordinator", error=exc.code, attempt=attempt)
-                await asyncio.sleep(min(2.0, 0.2 * attempt))
-            except (KeyError, IndexError, TypeError) as exc:
-                log.warning("stage.join.no_view", error=repr(exc))
-                return None
-        if furthest_first:
-            peers = await _furthest_first(session, peers)
-        return await from_any_replica(
-            peers,
-            lambda url: download_state(session, url, settings.join_timeout_s),
-            deadline_s=max(0.0, deadline - loop.time()),
-            on_error=lambda url, exc: log.warning("stage.join.download_failed", replica=url, error=str(exc)),
-        )
-
-
-async def _furthest_first(session, peers: list[str]) -> list[str]:
-    """``peers`` ordered by their global step (``GET /health``), furthest first; unreachable ones last."""
-
-    async def step_of(url: str) -> int:
-        try:
-            return int((await get_json(session, url + "/health", timeout_s=5))["step"])
-        except (RemoteError, KeyError, TypeError, ValueError):
-            return -1
-
-    steps = await asyncio.gather(*(step_of(u) for u in peers))
-    return [u for _, u in sorted(zip(steps, peers), key=lambda pair: -pair[0])]
 
 
 def _announcement(settings: StageServerSettings):

@@ -2,7 +2,7 @@
 last step round, added back before it compresses the next one (Seide et al., 2014;
 Karimireddy et al., 2019; the memory of PowerSGD). Plain logic, no I/O.
 
-A step round (``averaging.py``) compresses twice, with the round's codec:
+A step round (``allreduce.py``, ``stepping.StepRound``) compresses twice, with the round's codec:
 
 1. reduce-scatter: member ``i`` sends part ``j`` of its gradient ``g_i`` to member ``j``
    (its own part ``i`` stays with it, uncompressed);

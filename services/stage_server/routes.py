@@ -43,9 +43,7 @@ from aiohttp import web
 
 from services.stage_server.metrics import STAGE_METRICS
 from services.stage_server.move import MoveOrder
-from services.stage_server.runtime import NO_BUCKET, StageRuntime
-from services.stage_server.stepping import StepClient
-from services.stage_server.worker import ComputeWorker
+from services.stage_server.runtime import NO_BUCKET, ComputeWorker, StageRuntime
 from shared import WIRE_VERSION, package_version
 from shared.codec import FLOAT_CODECS, decode_tensor, encode_tensor
 from shared.config import StageServerSettings
@@ -54,7 +52,7 @@ from shared.http import MSGPACK, msgpack_response, read_message
 from shared.step_protocol import Verdict
 
 SETTINGS = web.AppKey("settings", StageServerSettings)
-STEPPER = web.AppKey("stepper", StepClient)  # absent without a coordinator (the runtime steps on its own)
+STEPPER = web.AppKey("stepper")  # stepping.StepClient; absent without a coordinator (the runtime steps on its own)
 RUNTIME = web.AppKey("runtime", StageRuntime)
 WORKER = web.AppKey("worker", ComputeWorker)
 MOVE = web.AppKey("move", MoveOrder)

@@ -1,5 +1,6 @@
-"""Global steps, stage-server side: which step a backward's gradient goes to, and when
-this replica steps.
+"""Global steps, stage-server side, one owner: which step a backward's gradient goes to
+(:class:`StepClient`), and the step's round on this replica (:class:`StepRound`: take the
+gradient, have it all-reduced, decide, apply or give back).
 
 Every global step of a stage holds the run's global batch (``SWARM_GLOBAL_BATCH`` samples,
 all replicas and trainers together). The coordinator counts (see its ``steps.py``):
@@ -10,8 +11,9 @@ reservation back). The messages and the verdict are in ``shared/step_protocol.py
 reservation names its microbatch: told ``duplicate`` (another backward of it, on this
 replica or another, holds it at this stage), the backward returns its input gradient and
 accumulates nothing. Once a step's reservations are all accumulated, the coordinator starts
-a ``step`` round among the stage's live replicas (``averaging.py``): they all-reduce that
-step's buckets and apply the same optimizer step. Meanwhile backwards may be reserved
+a ``step`` round among the stage's live replicas (the all-reduce is ``allreduce.py``; this
+replica's side of it is :class:`StepRound`): they all-reduce that step's buckets and apply
+the same optimizer step. Meanwhile backwards may be reserved
 for the next step, never one further: the coordinator holds such a reservation until the
 stage steps. A backward always runs on its forward's weights (the runtime keeps them, see
 ``runtime.py``); a microbatch the trainer's admission bound to a step (``admitted_step``)
@@ -49,13 +51,30 @@ import contextlib
 import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
+import torch
+from aiohttp import web
+
+from services.stage_server.aggregation import EPSILON_WEIGHT
+from services.stage_server.allreduce import (
+    AVERAGER,
+    Averager,
+    AveragingRound,
+    ReducedPart,
+    RoundConflict,
+    RoundSpec,
+    off_loop,
+)
+from services.stage_server.error_feedback import ErrorFeedback, Tag
+from services.stage_server.routes import RUNTIME, WORKER
+from services.stage_server.runtime import Accumulated
+from services.stage_server.state import load_stage_state
+from services.stage_server.state_routes import state_from_peers
+from shared.config import StageServerSettings, advertised_url
 from shared.errors import BadPayload, Overloaded, RemoteError
+from shared.http import post_json
 from shared.step_protocol import DoneReport, ReserveAnswer, ReserveRequest, Verdict
-
-if TYPE_CHECKING:
-    from services.stage_server.averaging import ReducedPart
 
 
 @dataclass(frozen=True)
@@ -106,6 +125,48 @@ class StepClient:
         self._resyncing: asyncio.Task | None = None
         self._settling: asyncio.Task | None = None  # a closing backward's settle, in the background
         self.failures = 0
+
+    @classmethod
+    def for_server(cls, app: web.Application, settings: StageServerSettings, session, log) -> StepClient:
+        """The step client of a running server: it posts to ``settings.coordinator`` with
+        ``session``, resyncs from the furthest live replica of its stage, waits for the rounds
+        of ``app[AVERAGER]``, whose step rounds (:class:`StepRound`) resync the same way."""
+        url = advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls)
+        runtime, worker, averager = app[RUNTIME], app[WORKER], app[AVERAGER]
+
+        async def resync() -> None:
+            state = await state_from_peers(settings, log, exclude=url, furthest_first=True)
+            if state is None:
+                raise RemoteError(
+                    settings.coordinator + "/swarm",
+                    None,
+                    "no_state",
+                    "no other live replica of this stage gave its state",
+                )
+            await worker.run(load_stage_state, runtime, *state)
+            log.info("step.resynced", step=runtime.step)
+
+        async def post(path: str, body: dict) -> dict:
+            # a reservation may be held while the stage is a whole step ahead (the coordinator's step_timeout_s)
+            return await post_json(session, settings.coordinator + path, body, timeout_s=settings.join_timeout_s)
+
+        averager.kinds["step"].resync = resync  # a local-mode replica that missed an outer step takes a peer's anchor
+        identity = {
+            "run_id": settings.run_id,
+            "stage": settings.stage,
+            "url": url,
+            "global_batch": settings.global_batch,
+        }
+        return cls(
+            runtime,
+            post=post,
+            resync=resync,
+            wait_round=averager.wait_round,
+            in_round=lambda: averager.running,
+            identity=identity,
+            round_wait_s=settings.join_timeout_s,
+            log=log,
+        )
 
     async def reserve(
         self, samples: int, until_step: int | None, microbatch_id: str, admitted_step: int | None = None
@@ -323,7 +384,10 @@ class StepClient:
 
 # ------------------------------------------------------------------ the end of a step round
 class StepVerdict(enum.Enum):
-    """What a member does with a step round's reduced gradient (see ``averaging.py``, "Step rounds")."""
+    """What a member does with a step round's reduced gradient. Every member that steps must
+    apply the same gradient, or the replicas drift apart for good (the AdamW state remembers
+    it): a member steps only on a gradient that every other member that steps can hold too,
+    and never on an empty one."""
 
     APPLY = "apply"
     PART_FAILED = "part_failed"  # a part was reduced by neither its reducer nor a backup
@@ -333,7 +397,18 @@ class StepVerdict(enum.Enum):
 
 def step_verdict(parts: list[ReducedPart | None], backups: set[int]) -> StepVerdict:
     """Whether a member steps on ``parts`` (``backups``: the indices of those that came from a
-    backup reducer). Only ``APPLY`` is a step; anything else gives the gradient back."""
+    backup reducer). Only ``APPLY`` is a step; anything else gives the gradient back:
+
+    - every part was reduced (else ``part_failed``);
+    - a part that came from a backup reducer holds every member of the round's contributors
+      (the members whose parts the main reducers, this member's own included, took), else
+      ``short_backup``. A backup of part ``j`` never holds ``j``'s own values, and ``j`` may
+      have served its main reduction to the others: a member left with such a backup gives
+      its gradient back; if the others stepped, the coordinator resyncs it as a replica
+      behind its stage. (A backup for a member that sent nothing, dead from the start, holds
+      the whole round and is a step.)
+    - the reduced weight is more than 0 samples (else ``empty``: nobody contributed, and an
+      AdamW step with a zero gradient still moves the weights by momentum and decay)."""
     if not parts or any(p is None for p in parts):
         return StepVerdict.PART_FAILED
     contributors = set().union(*(p.contributors for j, p in enumerate(parts) if j not in backups))
@@ -359,3 +434,176 @@ def settle_step(runtime, taken, gradient, step: int) -> bool:
         runtime.give_back(taken, step)
         raise
     return True
+
+
+# ------------------------------------------------------------------ the step round
+class StepRound:
+    """The ``step`` kind of the stage's all-reduce rounds (``allreduce.py``): this replica's
+    side of a global step's round. It takes the step's accumulated gradient, has it
+    all-reduced (weighted by samples) and applies the same optimizer step as every other
+    member where :func:`step_verdict` says so. A member that does not step gives its
+    gradient back (if nobody stepped, nothing is lost; if the others stepped, the coordinator
+    tells it to take their state, and its samples count as dropped). Whatever ends the round
+    once the gradient is taken (a verdict, a failure, a shutdown), it is applied, given back,
+    or, when the compute worker is gone, counted as dropped; never lost. The round's compute
+    jobs are the stage's own bookkeeping and pass the compute queue's bound
+    (``ComputeWorker.run(bounded=False)``).
+
+    With ``error_feedback`` and a lossy codec, this replica adds to its gradient what the
+    codec lost last step (``error_feedback.py``; per replica, reset when a state is loaded)."""
+
+    def __init__(self, averager: Averager):
+        self.averager, self.runtime = averager, averager.runtime
+        self.feedback = ErrorFeedback(averager.num_params)  # this replica's residuals of compressed step rounds
+        self.resync: Callable[[], Awaitable[None]] | None = None  # take a live replica's state (set by StepClient)
+
+    def admit(self, spec: RoundSpec) -> None:
+        if spec.step != self.runtime.step:
+            raise RoundConflict(
+                f"round {spec.round_id!r} takes step {spec.step}, this replica is at step {self.runtime.step}"
+            )
+
+    def status(self) -> dict:
+        return {"error_feedback_resets": self.feedback.resets}
+
+    async def run(self, rnd: AveragingRound, log) -> bool:
+        """The step's round; True if this replica stepped."""
+        if self.runtime.outer is not None:
+            return await self._local_step(rnd, log)
+        spec, averager = rnd.spec, self.averager
+        taken, at = await self._take(spec.step, log)
+        rnd.samples = taken.samples
+        gradient, feedback = None, self._feedback(rnd)
+        try:
+            weight = float(taken.samples) or (
+                1.0 if averager.byzantine else 0.0
+            )  # an attacker claims a weight even when it served nothing
+            contribution = taken.mean
+            if feedback is not None:  # what the codec lost last step goes in again (error_feedback.py)
+                contribution = await off_loop(averager.num_params, feedback.contribution, taken.mean, weight, at)
+                rnd.sent_lost = torch.zeros(averager.num_params)
+                rnd.main.feedback = feedback.for_part(*rnd.bounds[spec.index], at)
+            mean = await averager.reduce(rnd, contribution, weight, log)
+            rnd.verdict = step_verdict(rnd.parts, rnd.backups)
+            if rnd.verdict is StepVerdict.APPLY:
+                gradient = Accumulated(mean, int(min(p.weight for p in rnd.parts)), taken.microbatch_ids)
+        finally:  # also on a failure or a cancel: the taken gradient is applied or goes back
+            after = await self._settle(taken, spec.step, gradient, log)
+        rnd.applied = stepped = after is not None
+        if stepped and feedback is not None:
+            own = rnd.parts[spec.index]
+            reduced = (rnd.bounds[spec.index][0], own.lost) if own is not None and own.lost is not None else None
+            feedback.commit(rnd.sent_lost if weight > 0 else None, reduced, after)
+        if stepped:
+            averager.stepped()
+            log.info(
+                "step.applied", step=self.runtime.step, effective_batch=gradient.samples, samples_here=taken.samples
+            )
+        else:
+            log.warning(
+                "step.missed",
+                step=spec.step,
+                verdict=rnd.verdict.value,
+                samples_here=taken.samples,
+                parts_failed=[j for j, p in enumerate(rnd.parts) if p is None],
+                backups=sorted(rnd.backups),
+            )
+        return stepped
+
+    async def _local_step(self, rnd: AveragingRound, log) -> bool:
+        """A step round in ``local`` mode (``local_sync.py``): this member's own gradient of the
+        step, alone; when an outer step is due, the members' outer gradients all-reduced
+        (weighted by the samples each served since the last one) and the same outer step on
+        every member. A member that missed a part, or holds one short of the round
+        (:func:`step_verdict`), keeps its inner weights and its anchor (what it learned goes
+        into its next outer gradient) and takes a live replica's state (``self.resync``), so
+        that the anchors stay one."""
+        taken = await self._unrefused(_take_and_inner_step, self.runtime, rnd.spec.step)
+        rnd.samples = taken.samples
+        self.averager.stepped()
+        outer = self.runtime.outer
+        if not outer.due(self.runtime.step):
+            log.info("step.applied", step=self.runtime.step, local=True, samples_here=taken.samples)
+            return True
+        delta = await self._unrefused(self.runtime.outer_gradient)
+        mean = await self.averager.reduce(rnd, delta, float(outer.samples) or EPSILON_WEIGHT, log)
+        rnd.verdict = step_verdict(rnd.parts, rnd.backups)
+        rnd.applied = rnd.verdict is StepVerdict.APPLY
+        if rnd.applied:
+            await self._unrefused(self.runtime.outer_step, mean)
+            log.info(
+                "step.applied",
+                step=self.runtime.step,
+                local=True,
+                samples_here=taken.samples,
+                outer_step=outer.steps,
+                outer_norm=round(float(mean.norm()), 6),
+            )
+            return True
+        log.warning(
+            "outer.missed",
+            step=self.runtime.step,
+            verdict=rnd.verdict.value,
+            parts_failed=[j for j, p in enumerate(rnd.parts) if p is None],
+            resync=self.resync is not None,
+        )
+        if self.resync is not None:
+            await self.resync()
+        return False
+
+    async def _unrefused(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A step round's job on the compute worker: never refused by the queue bound or a
+        drain, and carried out even if the round is cancelled meanwhile."""
+        return await asyncio.shield(asyncio.ensure_future(self.averager.run_compute(fn, *args, bounded=False)))
+
+    def _feedback(self, rnd: AveragingRound) -> ErrorFeedback | None:
+        """This replica's error feedback in a step round that asks for it with a lossy codec
+        (never for a fault-injected attacker, whose values are not its gradient)."""
+        lossy = rnd.codec != "fp32"
+        return self.feedback if rnd.spec.error_feedback and lossy and self.averager.byzantine is None else None
+
+    async def _take(self, step: int, log) -> tuple[Accumulated, Tag]:
+        """The gradient accumulated for ``step`` and the runtime's (weights version, step) as it
+        was taken; if the round is cancelled while it is being taken, it goes back to the
+        bucket before the cancel goes on."""
+        job = asyncio.ensure_future(self.averager.run_compute(_take_tagged, self.runtime, step, bounded=False))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            if not job.cancelled():
+                with contextlib.suppress(Exception):
+                    await self._settle((await job)[0], step, None, log)
+            raise
+
+    async def _settle(self, taken: Accumulated, step: int, gradient: Accumulated | None, log) -> Tag | None:
+        """Apply ``gradient`` as step ``step``, or give ``taken`` back (one job, see
+        :func:`settle_step`); the runtime's (weights version, step) after it if this replica
+        stepped, else None. A job that cannot be queued at all (the compute worker is shut
+        down) leaves the gradient counted as dropped."""
+        ran: list[bool] = []
+
+        def settle() -> Tag | None:
+            ran.append(True)
+            stepped = settle_step(self.runtime, taken, gradient, step)
+            return (self.runtime.version, self.runtime.step) if stepped else None
+
+        try:
+            return await self._unrefused(settle)
+        except Exception as exc:
+            if ran:
+                raise
+            self.runtime.drop(taken)
+            log.warning("step.gradient.dropped", step=step, samples=taken.samples, reason=repr(exc))
+            return None
+
+
+def _take_tagged(runtime, step: int) -> tuple[Accumulated, Tag]:
+    """On the compute worker: the gradient of ``step`` and the (weights version, step) it goes onto."""
+    return runtime.take_gradients(step), (runtime.version, runtime.step)
+
+
+def _take_and_inner_step(runtime, step: int) -> Accumulated:
+    """``local`` mode, on the compute worker: take the step's gradient and apply it alone, in one job."""
+    taken = runtime.take_gradients(step)
+    runtime.inner_step(taken)
+    return taken

@@ -28,8 +28,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from services.coordinator.steps import start_round
+from services.stage_server.allreduce import DEADLINES, split_bounds
 from services.stage_server.app import create_app
-from services.stage_server.averaging import DEADLINES, split_bounds
 from services.stage_server.routes import RUNTIME, WORKER
 from services.stage_server.runtime import Accumulated, flat_parameters
 from shared.codec import decode_tensor, encode_tensor, pack_message, unpack_message

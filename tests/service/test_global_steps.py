@@ -27,8 +27,8 @@ from aiohttp.test_utils import TestServer
 from services.coordinator.app import STEPS
 from services.coordinator.app import create_app as create_coordinator
 from services.coordinator.routes import ADMISSION, REGISTRY, TRAFFIC
+from services.stage_server.allreduce import AVERAGER as AVERAGER_KEY
 from services.stage_server.app import MEMBERSHIP, create_app
-from services.stage_server.averaging_routes import AVERAGER as AVERAGER_KEY
 from services.stage_server.routes import RUNTIME
 from services.stage_server.runtime import OptimizerConfig, flat_parameters
 from services.trainer.admission import AdmissionClient

@@ -10,18 +10,19 @@ import itertools
 import pytest
 import torch
 
-from services.stage_server.aggregation import EPSILON_WEIGHT, centered_clip, sample_weight, weighted_mean
-from services.stage_server.averaging import (
+from services.stage_server.aggregation import EPSILON_WEIGHT, centered_clip, sample_weight
+from services.stage_server.allreduce import (
     AveragingRound,
     PartMessage,
     PartReducer,
     RoundConflict,
     RoundSpec,
+    _parse_reduced,
+    _values_sent,
     backup_reducer,
-    parse_reduced,
     retry_round_id,
     split_bounds,
-    values_sent,
+    weighted_mean,
 )
 from services.stage_server.runtime import StageRuntime, apply_average, flat_parameters, load_flat_parameters, snapshot
 from shared.codec import unpack_message
@@ -72,7 +73,7 @@ def test_backup_reducer_is_the_next_member_alive_in_cyclic_order():
 
 @pytest.mark.parametrize("P, k", [(198272, 3), (12, 4), (1000, 2), (10, 1)])
 def test_values_sent_is_about_2_p_times_k_minus_1_over_k(P, k):
-    sent = [values_sent(P, k, i) for i in range(k)]
+    sent = [_values_sent(P, k, i) for i in range(k)]
     # k-1 parts out, and one's reduced part to k-1 members
     for i, (start, stop) in enumerate(split_bounds(P, k)):
         assert sent[i] == (P - (stop - start)) + (k - 1) * (stop - start)
@@ -169,7 +170,7 @@ async def test_reducer_reduces_once_every_expected_member_sent():
         torch.equal(reduced.values, torch.full((4,), 3.0)) and reduced.contributors == (0, 1) and reduced.weight == 4.0
     )
     # The reply every fetcher decodes holds the same values.
-    assert torch.equal(parse_reduced(unpack_message(reduced.body), 4).values, reduced.values)
+    assert torch.equal(_parse_reduced(unpack_message(reduced.body), 4).values, reduced.values)
     with pytest.raises(RoundConflict):
         reducer.add(2, 1.0, torch.zeros(4))
 
@@ -192,7 +193,7 @@ async def test_int8_reducer_serves_exactly_what_it_keeps():
     reducer.add(0, 1.0, xs[0])
     reducer.add(1, 1.0, xs[1])
     reduced = await reducer.reduced(loop_time() + 5)
-    fetched = parse_reduced(unpack_message(reduced.body), 5000)
+    fetched = _parse_reduced(unpack_message(reduced.body), 5000)
     assert torch.equal(fetched.values, reduced.values)
     mean = (xs[0] + xs[1]) / 2
     assert ((reduced.values - mean).norm() / mean.norm()).item() < 0.02

@@ -14,11 +14,9 @@ import pytest
 import torch
 
 from services.coordinator.averaging import plan_repair
-from services.stage_server.averager import Averager
-from services.stage_server.averaging import ReducedPart, RoundSpec
-from services.stage_server.runtime import Accumulated, StageRuntime
-from services.stage_server.stepping import StepVerdict, step_verdict
-from services.stage_server.worker import ComputeWorker
+from services.stage_server.allreduce import Averager, ReducedPart, RoundSpec
+from services.stage_server.runtime import Accumulated, ComputeWorker, StageRuntime
+from services.stage_server.stepping import StepRound, StepVerdict, step_verdict
 from shared.log import get_logger
 from shared.model import PRESETS
 
@@ -66,9 +64,6 @@ class Unreachable:
     async def post(self, url, body, *, timeout_s):
         await asyncio.Event().wait()
 
-    async def get_state(self, url, *, timeout_s):
-        await asyncio.Event().wait()
-
 
 @pytest.fixture
 def member():
@@ -80,6 +75,7 @@ def member():
     worker = ComputeWorker(max_queue=2)
     averager = Averager(runtime, worker.run, int8_block=4096, log=get_logger(test="step-round"))
     averager.transport = Unreachable()
+    averager.kinds["step"] = StepRound(averager)
     yield runtime, worker, averager
     worker.close()
 

@@ -12,12 +12,11 @@ import asyncio
 import pytest
 import torch
 
-from services.stage_server.averager import Averager
-from services.stage_server.averaging import PartMessage, RoundSpec, decode_values, parse_part_request
+from services.stage_server.allreduce import Averager, PartMessage, RoundSpec, _parse_part_request, decode_values
 from services.stage_server.error_feedback import ErrorFeedback
-from services.stage_server.runtime import Accumulated, StageRuntime
+from services.stage_server.runtime import Accumulated, ComputeWorker, StageRuntime
 from services.stage_server.state import load_stage_state, stage_state
-from services.stage_server.worker import ComputeWorker
+from services.stage_server.stepping import StepRound
 from shared.codec import unpack_message
 from shared.errors import BadPayload
 from shared.log import get_logger
@@ -65,11 +64,8 @@ class Loopback:
         if path == "part":
             averager.accept_part(PartMessage.from_message(msg), decode_values(msg["data"], averager.num_params))
             return {}
-        reduced = await averager.result(*parse_part_request(msg))
+        reduced = await averager.result(*_parse_part_request(msg))
         return unpack_message(reduced.body)
-
-    async def get_state(self, url, *, timeout_s):
-        raise AssertionError("no state transfer here")
 
 
 @pytest.fixture
@@ -85,6 +81,7 @@ async def pair():
         worker = ComputeWorker(max_queue=4)
         averager = Averager(runtime, worker.run, int8_block=128, log=get_logger(test="error-feedback"))
         averager.transport = transport
+        averager.kinds["step"] = StepRound(averager)
         transport.averagers[url] = averager
         members.append(averager), workers.append(worker)
     yield members
@@ -137,10 +134,10 @@ async def test_a_state_loaded_between_steps_leaves_the_residuals_behind(pair):
     num = pair[0].num_params
     for k in range(2):
         await step_round(pair, [gradients(num, 10 + k), gradients(num, 20 + k)], "int4", True)
-    assert pair[0].feedback.made_at is not None
+    assert pair[0].kinds["step"].feedback.made_at is not None
     first = pair[0].runtime
     await pair[0].run_compute(lambda: load_stage_state(first, *stage_state(first)))
     await step_round(pair, [gradients(num, 30), gradients(num, 40)], "int4", True)
-    assert [a.feedback.resets for a in pair] == [1, 0]
+    assert [a.kinds["step"].feedback.resets for a in pair] == [1, 0]
     assert pair[0].runtime.digest() == pair[1].runtime.digest()
     assert pair[0].last_round.summary()["error_feedback"] is True

@@ -5,15 +5,15 @@ model (stage 1 of 4: its inputs are hidden states), driven in process on a virtu
 without HTTP, over random interleavings of microbatches and faults.
 
 The replicas' side is emulated as the stage server runs it (``routes.run_backward``,
-``stepping.StepClient``, ``averager.StageAverager._step``): a backward first checks the
+``stepping.StepClient``, ``stepping.StepRound``): a backward first checks the
 staleness, skips the reservation for a microbatch it holds itself, reserves (``resync``:
 load the furthest live replica's state, ``catch_up``: take the stage's step number, both
 then ask again, at most 3 times), computes into the reserved bucket and reports what it
 accumulated (0 samples: given back). A step round starts when ``counter.ready`` says so,
 among ``counter.members``; a member at another step refuses; the others take the step's
 bucket, the sample-weighted mean of their means is computed in member order
-(``aggregation.weighted_mean``, as the butterfly's reducers do part by part) and every one
-settles it (``averaging.settle_step``); the members' steps and samples end the round.
+(``allreduce.weighted_mean``, as the butterfly's reducers do part by part) and every one
+settles it (``stepping.settle_step``); the members' steps and samples end the round.
 
 Rules: a forward (admitted by the coordinator for a step); a backward (reserve, compute,
 report; or its report held back, or its compute held back after the reservation); a forward
@@ -78,7 +78,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from services.coordinator.admission import Admission, Admit
 from services.coordinator.steps import WINDOW_STEPS, StepCounter
-from services.stage_server.aggregation import weighted_mean
+from services.stage_server.allreduce import weighted_mean
 from services.stage_server.runtime import (
     NO_BUCKET,
     Accumulated,
@@ -251,7 +251,7 @@ class GlobalSteps(RuleBasedStateMachine):
 
     # ---------------------------------------------------------------- the replicas' side
     def _resync(self, replica: Replica) -> bool:
-        """Load the state of the furthest other live replica (``app._stepper.resync``)."""
+        """Load the state of the furthest other live replica (``StepClient.for_server``'s ``resync``)."""
         peers = [r for r in self._alive() if r is not replica]
         if not peers:
             return False

@@ -88,3 +88,44 @@ def test_the_import_reader_sees_every_form(tmp_path, monkeypatch):
         "services/alpha/m.py imports services.beta.z.g",
         "services/alpha/m.py imports services.tool",
     ]
+
+
+def public_names(path: Path) -> list[str]:
+    """The names a module defines at its top level that do not start with an underscore."""
+    names = []
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, ast.Assign):
+            names.extend(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.append(node.target.id)
+    return [n for n in names if not n.startswith("_")]
+
+
+def step_path_table() -> list[tuple[str, int]]:
+    """(file, public names) of each row of ``docs/architecture.md``'s "The files of one global step"."""
+    text = (SERVICES.parent / "docs" / "architecture.md").read_text()
+    section = text[text.index("**The files of one global step**") :]
+    rows = []
+    for line in section.splitlines()[4:]:
+        if not line.startswith("| "):
+            if rows:
+                break
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0].isdigit():
+            file, _, count = cells[1].partition(" (")
+            rows.append((file.strip("`"), int(count.rstrip(")"))))
+    return rows
+
+
+def test_a_global_step_visits_at_most_six_files_each_with_at_most_20_public_names():
+    """Issue 27: the files of one global step, as the architecture lists them, are at most six,
+    each listed once; the counts the table gives are the modules' own."""
+    rows = step_path_table()
+    files = [f for f, _ in rows]
+    assert 1 <= len(files) <= 6 and len(set(files)) == len(files), files
+    for file, count in rows:
+        names = public_names(SERVICES.parent / file)
+        assert len(names) == count <= 20, (file, count, names)

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from services.stage_server.worker import ComputeWorker
+from services.stage_server.runtime import ComputeWorker
 from shared.errors import Draining, Overloaded
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.arena_net import CGROUP_V1, CGROUP_V2, PREFIX, namespaces, unavailable
+from bench.arena_net import CGROUP_V1, CGROUP_V2, PREFIX, cleanup_stale, namespaces, unavailable
 
 WHY = unavailable()
 if WHY and os.environ.get("CI"):
@@ -48,6 +48,9 @@ def cgroups() -> list[Path]:
 
 
 def test_quick_arena_trains_every_side_on_shaped_links_and_leaves_nothing(tmp_path):
+    # what a killed run left (CI once found a killed arena's 12 namespaces on its machine) is
+    # swept by the arena as it builds: sweep it first, so that "before" holds only the living
+    cleanup_stale()
     before_ns, before_cg = set(namespaces()), set(cgroups())
     assert not arena_processes()
     run = subprocess.run(

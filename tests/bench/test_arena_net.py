@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from bench.arena_net import Arena, PeerSpec, measure_link, namespaces, unavailable
+from bench.arena_net import Arena, PeerSpec, cleanup_stale, measure_link, namespaces, unavailable
 
 WHY = unavailable()
 if WHY and os.environ.get("CI"):
@@ -27,6 +27,7 @@ def within(measured: float, expected: float, tolerance: float = 0.10) -> bool:
 
 def test_links_measure_as_set_and_the_arena_leaves_nothing_behind():
     peers = [PeerSpec("fast", 50, 10), PeerSpec("slow", 20, 25), PeerSpec("capped", 50, 10, cpus=0.25)]
+    cleanup_stale()  # what a killed run left goes as the arena builds: not this arena's to leave
     before = set(namespaces())
     with Arena(peers) as arena:
         made = set(namespaces()) - before

@@ -1,11 +1,16 @@
 """Stochastic wiring: which replica of a stage gets the trainer's next request.
 
 Each trainer keeps its own estimate of every replica's speed (seconds per sample, a
-bias-corrected EMA of its own calls) and sends each request to the replica with the
-earliest expected finish time: every replica has a virtual finish time, the minimum is
-picked and its virtual time advances by the expected duration of the request. Load thus
-spreads in proportion to measured speed. A replica that errors is banned with
-exponential backoff; when every replica of a stage is banned, bans are ignored.
+bias-corrected EMA of its own calls) and sends each request to the replica that would
+finish it first: every replica has a virtual time, when the work this trainer sent it
+ends, never earlier than now (an idle replica starts at once, not in the past); a request
+on it would finish at that time plus its expected duration; the earliest finish wins and
+the replica's virtual time advances by the duration. Load thus spreads in proportion to
+measured speed over many requests, and within a burst (a global step's microbatches sent
+at once) a replica four times slower gets a request only where it would still finish no
+later than the fast one's queue: a weak peer is not the step's last microbatch. A replica
+that errors is banned with exponential backoff; when every replica of a stage is banned,
+bans are ignored.
 
 Pure logic: no networking, no sleeping; time comes from ``clock`` and randomness from
 ``rng``, both injectable for tests.
@@ -89,6 +94,7 @@ class ReplicaBalancer:
         self.ban_base_s, self.ban_max_s = ban_base_s, ban_max_s
         self.rng = rng or random.Random()
         self.clock = clock
+        self._origin = clock()  # virtual times count from here, in the estimates' seconds
         self._stages: list[dict[str, _Replica]] = [{} for _ in range(num_stages)]  # url -> replica, in registry order
 
     @property
@@ -106,8 +112,9 @@ class ReplicaBalancer:
         self._stages[stage] = {u: old.get(u) or _Replica(ThroughputEMA(self.ema_decay), entry_time) for u in urls}
 
     def choose(self, stage: int, *, kind: str = "forward", batch_size: int, exclude: Iterable[str] = ()) -> str:
-        """The replica with the earliest virtual finish time (ties broken at random); its
-        virtual time advances by the request's expected duration.
+        """The replica that would finish the request first: its virtual time (at least now)
+        plus the request's expected duration on it, ties broken at random; its virtual time
+        advances to that finish.
 
         Candidates: the replicas not in ``exclude`` (all of them if that leaves none), and
         among those the ones not banned (all of them if none). A banned replica's virtual
@@ -121,12 +128,15 @@ class ReplicaBalancer:
         excluded = set(exclude)
         allowed = [u for u in replicas if u not in excluded] or list(replicas)
         candidates = [u for u in allowed if not self.is_banned(stage, u)] or allowed
-        earliest = min(replicas[u].virtual_time for u in candidates)
-        url = self.rng.choice([u for u in candidates if replicas[u].virtual_time == earliest])
+        now, work = self.clock() - self._origin, batch_size * self._cost(kind)
+        finish = {u: max(replicas[u].virtual_time, now) + work * self._seconds_per_sample(stage, u) for u in candidates}
+        earliest = min(finish.values())
+        url = self.rng.choice([u for u in candidates if finish[u] == earliest])
+        start = max(replicas[url].virtual_time, now)
         for other in replicas:
             if self.is_banned(stage, other):
-                replicas[other].virtual_time = max(replicas[other].virtual_time, earliest)
-        replicas[url].virtual_time += batch_size * self._seconds_per_sample(stage, url) * self._cost(kind)
+                replicas[other].virtual_time = max(replicas[other].virtual_time, start)
+        replicas[url].virtual_time = earliest
         return url
 
     def alternates(self, stage: int, chosen: str, limit: int) -> list[str]:

@@ -561,6 +561,16 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
             "moments ('checkfree', 'fresh', or a checkpoint without them); 0: full rate at once"
         ),
     )
+    speed_flops: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "the compute rate (FLOP/s) this server declares to the coordinator, which places joining servers by "
+            "the declared speeds as a swarm forms (no one has served yet); 0: a --stage auto server measures it as it "
+            "joins (half a second of matrix products in its own process, so its CPU cap and neighbours count), "
+            "others declare none"
+        ),
+    )
     region: str = Field(
         "",
         max_length=64,

@@ -31,6 +31,9 @@ import torch
 PROBE_BUDGET_S = 0.25  # measuring time of one probe (the first multiplication, a warm-up, not included)
 PROBE_SIZE = {"cpu": 512, "cuda": 4096}  # square matrices: 0.27 GFLOP (~2 ms at 120 GFLOP/s), 137 GFLOP
 CACHE_NAME = "peak_flops.json"
+# wall-clock seconds of a joiner's speed probe: five of the kernel's 100 ms CPU-quota periods,
+# so that a cgroup cap shows (a probe inside one period runs at full speed)
+SPEED_PROBE_S = 0.5
 
 # Dense tensor-core (bf16) and plain FP32 (no TF32, torch's default for float32 matmuls)
 # TFLOP/s from NVIDIA's datasheets; the first pattern that matches the device's name wins.
@@ -154,6 +157,32 @@ def probe_flops(device: torch.device, precision: str, budget_s: float = PROBE_BU
     finally:
         torch.set_num_threads(threads)
     return best
+
+
+def sustained_flops(device: torch.device, precision: str = "fp32", budget_s: float = SPEED_PROBE_S) -> float:
+    """The FLOP/s this process gets now: every ``n x n`` product done in about ``budget_s``
+    seconds of wall-clock time over those seconds (one thread on a CPU), not the best of
+    them as :func:`probe_flops`. A CPU cap (a cgroup quota), or neighbours on the same
+    cores, lower it as they lower the process's work: what a joining server declares as
+    its speed (``SWARM_SPEED_FLOPS``). The first product, a warm-up, is not counted."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    n = PROBE_SIZE["cuda" if device.type == "cuda" else "cpu"]
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(device, dtype) for _ in range(2))
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        torch.mm(a, b)
+        _sync(device)
+        products, started = 0, time.perf_counter()
+        while time.perf_counter() - started < budget_s:
+            torch.mm(a, b)
+            _sync(device)
+            products += 1
+        return products * 2 * n**3 / (time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _sync(device: torch.device) -> None:

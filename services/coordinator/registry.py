@@ -120,6 +120,7 @@ class ServerReport:
     samples_per_step: int = 0  # samples per optimizer step (0: unknown)
     activation_bytes_per_sample: float = 0.0  # wire bytes per sample crossing its boundary, measured (0: none yet)
     step: int | None = None  # the global step its state is at, as of the message (None: not said)
+    speed_flops: float = 0.0  # the compute rate it measured as it joined (FLOP/s; 0: none declared)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ class PendingJoin:
     until: float  # wall-clock seconds when the hand-out lapses
     region: str = ""
     rtt_ms: dict = field(default_factory=dict)  # peer URL -> ms, as the joiner measured
+    speed_flops: float = 0.0  # the compute rate the joiner declared (0: none)
 
 
 class Registry:
@@ -365,11 +367,13 @@ class Registry:
         self._pending = [p for p in self._pending if p.until > now and p.stage < self.num_stages]
         return list(self._pending)
 
-    def hand_out(self, stage: int, region: str = "", rtt_ms: dict[str, float] | None = None) -> int:
+    def hand_out(
+        self, stage: int, region: str = "", rtt_ms: dict[str, float] | None = None, speed_flops: float = 0.0
+    ) -> int:
         """Note that ``stage`` was handed to a joining server (it counts until it registers
         or :data:`JOIN_WINDOW_S` passes, or a lease period if longer); returns ``stage``."""
         until = self._clock() + max(self.lease_s, JOIN_WINDOW_S)
-        self._pending.append(PendingJoin(stage, until, region, dict(rtt_ms or {})))
+        self._pending.append(PendingJoin(stage, until, region, dict(rtt_ms or {}), speed_flops))
         return stage
 
     def join_choice(self) -> JoinChoice:
@@ -377,12 +381,12 @@ class Registry:
         most (:func:`shared.policy.resilience.join_stage`: an empty stage, then one with a single
         replica, ...), the stages handed out in the last join window to servers that have not
         registered yet counted as pending joins."""
-        return self.swarm([p.stage for p in self.pending_joins()]).join_stage()
+        return self.swarm(self.pending_joins()).join_stage()
 
     def standby_choice(self) -> JoinChoice | None:
         """Where a standby server should go now (pending joins counted), or None: it waits
         while every stage has two replicas (:func:`shared.policy.resilience.standby_stage`)."""
-        return self.swarm([p.stage for p in self.pending_joins()]).standby_stage()
+        return self.swarm(self.pending_joins()).standby_stage()
 
     def note_standby(self, server_id: str, region: str = "", *, assigned: bool = False) -> None:
         """A standby server asked for a stage (``assigned``: and got one, so it waits no more)."""
@@ -402,9 +406,17 @@ class Registry:
         """Hand out :meth:`join_choice`'s stage; returns it."""
         return self.hand_out(self.join_choice().stage)
 
-    def swarm(self, pending: Iterable[int] = ()) -> SwarmView:
-        """The live servers as the placement policy's view, with these ``pending`` joins."""
-        return SwarmView.of(self.live(), self.num_stages, pending=pending)
+    def swarm(self, pending: Iterable[PendingJoin] = ()) -> SwarmView:
+        """The live servers as the placement policy's view, with these ``pending`` joins and
+        the speeds every one declared."""
+        pending = list(pending)
+        return SwarmView.of(
+            self.live(),
+            self.num_stages,
+            pending=[p.stage for p in pending],
+            speeds={sid: report.speed_flops for sid, report in self.reports.items()},
+            pending_speeds=[p.speed_flops for p in pending],
+        )
 
     def view(self) -> dict:
         """The swarm as JSON: every stage in order with its capacity and live replicas by URL."""
@@ -478,6 +490,7 @@ REGION = re.compile(r"[A-Za-z0-9._-]{0,64}")
 MAX_PARAMETERS = 10**13
 MAX_SAMPLES_PER_STEP = 10**9
 MAX_ACTIVATION_BYTES = 2.0**40
+MAX_SPEED_FLOPS = 2.0**70
 
 
 def check_region(value) -> str:
@@ -486,11 +499,20 @@ def check_region(value) -> str:
     return value
 
 
+def check_speed(value) -> float:
+    """A declared compute rate (``speed_flops``): a finite number of FLOP/s in [0, 2**70]."""
+    if type(value) not in (int, float) or not math.isfinite(value) or not 0 <= value <= MAX_SPEED_FLOPS:
+        raise BadPayload("'speed_flops' must be a finite number of FLOP/s in [0, 2**70]")
+    return float(value)
+
+
 def check_report(msg: dict) -> ServerReport | None:
     """The ServerReport in a registration or heartbeat (``region``, ``workload``:
-    {parameters, samples_per_step, activation_bytes_per_sample}, ``step``), None if it has none."""
+    {parameters, samples_per_step, activation_bytes_per_sample}, ``step``, ``speed_flops``),
+    None if it has none."""
     region, workload, step = msg.get("region"), msg.get("workload"), msg.get("step")
-    if region is None and workload is None and step is None:
+    speed = check_speed(msg.get("speed_flops", 0.0))
+    if region is None and workload is None and step is None and not speed:
         return None
     if step is not None and (type(step) is not int or not 0 <= step < 2**53):
         raise BadPayload("'step' must be an int >= 0")
@@ -511,7 +533,7 @@ def check_report(msg: dict) -> ServerReport | None:
         or not 0 <= activation <= MAX_ACTIVATION_BYTES
     ):
         raise BadPayload("'workload.activation_bytes_per_sample' must be a finite number in [0, 2**40]")
-    return ServerReport(region, parameters, samples, float(activation), step)
+    return ServerReport(region, parameters, samples, float(activation), step, speed)
 
 
 def _check_throughput(value) -> float:

@@ -8,7 +8,7 @@ unknown fields are ignored, so old and new servers interoperate::
 
     POST /register   {run_id, server_id, stage, url, version, throughput, queue_length}
                      -> {server_id, stage, heartbeat_s, lease_s}
-    POST /assign     {run_id, region?, rtt_ms?: {peer URL: ms}} -> {stage, placement}
+    POST /assign     {run_id, region?, rtt_ms?: {peer URL: ms}, speed_flops?} -> {stage, placement}
                      the stage a joining server should serve (see placement.py)
                      {..., standby: true, server_id, wait_s?}: a standby server; answered
                      when a stage needs it ({stage, placement: "standby", reason}) or after
@@ -58,7 +58,7 @@ from services.coordinator.assignment import network_inputs
 from services.coordinator.averaging import AveragingScheduler
 from services.coordinator.checkpointer import Checkpointer
 from services.coordinator.placement import Joiner, stage_for_joiner, uses_topology
-from services.coordinator.registry import Registry, check_region, check_report, check_rtt
+from services.coordinator.registry import Registry, check_region, check_report, check_rtt, check_speed
 from services.coordinator.steps import STEPS
 from services.coordinator.utilisation import UtilisationBoard, check_utilisation
 from shared import checkpoint
@@ -132,6 +132,7 @@ async def _assign(request: web.Request) -> web.Response:
     msg = await read_json(request)
     _check_run(request, msg)
     joiner = Joiner(JOINER_ID, check_region(msg.get("region", "")), check_rtt(msg.get("rtt_ms", {})))
+    speed = check_speed(msg.get("speed_flops", 0.0))  # placed by it where every server declared one
     registry, settings, log = request.app[REGISTRY], request.app[SETTINGS], request.app[LOG]
     if msg.get("standby") is True:
         return await _assign_standby(request, msg, joiner.region)
@@ -151,7 +152,7 @@ async def _assign(request: web.Request) -> web.Response:
                 placement, reason = "topology", "the cheapest stage by the network cost model"
             except (ValueError, KeyError) as exc:  # inputs the planner cannot work with: the policy's stage
                 log.warning("placement.joiner.fallback", error=repr(exc), stage=stage, reason=reason)
-        registry.hand_out(stage, joiner.region, dict(joiner.rtt_ms))
+        registry.hand_out(stage, joiner.region, dict(joiner.rtt_ms), speed)
     log.info(
         "placement.joiner",
         stage=stage,
@@ -159,6 +160,7 @@ async def _assign(request: web.Request) -> web.Response:
         reason=reason,
         region=joiner.region or None,
         peers_timed=len(joiner.rtt_ms),
+        speed_gflops=round(speed / 1e9, 3) if speed else None,
     )
     return web.json_response({"stage": stage, "placement": placement})
 

@@ -33,6 +33,7 @@ from shared.config import StageServerSettings, parse_settings
 from shared.errors import RemoteError
 from shared.http import cannot_listen, check_can_listen, server_ssl_context, swarm_session
 from shared.log import configure_logging, get_logger
+from shared.peak_flops import sustained_flops
 
 T = TypeVar("T")
 
@@ -74,6 +75,9 @@ async def resolve(settings: StageServerSettings, log) -> StageServerSettings:
             raise ValueError(
                 "SWARM_STAGE=auto needs a coordinator: set SWARM_COORDINATOR or run one on this LAN with mDNS"
             )
+        if not settings.speed_flops:  # what this process gets (its CPU cap, its neighbours): placement's input
+            speed = await asyncio.to_thread(sustained_flops, torch.device(settings.device), settings.precision)
+            settings = settings.model_copy(update={"speed_flops": speed})
         async with swarm_session(settings) as session:
             rtt_ms = await probe_swarm(session, coordinator)  # the coordinator places by the network where it can
             stage = await assign_stage(
@@ -82,10 +86,17 @@ async def resolve(settings: StageServerSettings, log) -> StageServerSettings:
                 settings.run_id,
                 region=settings.region,
                 rtt_ms=rtt_ms,
+                speed_flops=settings.speed_flops,
                 timeout_s=settings.join_timeout_s,
                 log=log,
             )
-        log.info("stage.assigned", stage=stage, region=settings.region or None, peers_timed=len(rtt_ms))
+        log.info(
+            "stage.assigned",
+            stage=stage,
+            region=settings.region or None,
+            peers_timed=len(rtt_ms),
+            speed_gflops=round(settings.speed_flops / 1e9, 3),
+        )
     return settings.model_copy(update={"coordinator": coordinator, "stage": stage})
 
 

@@ -193,6 +193,7 @@ def _report(settings: StageServerSettings, app: web.Application):
             "step": app[RUNTIME].step,
             "utilisation": stage_metrics.utilisation.report(),  # MFU, shown by swarm status and the dashboard
             **({"region": settings.region} if settings.region else {}),
+            **({"speed_flops": settings.speed_flops} if settings.speed_flops else {}),
         }
 
     return report

@@ -33,12 +33,14 @@ async def assign_stage(
     *,
     region: str = "",
     rtt_ms: dict[str, float] | None = None,
+    speed_flops: float = 0.0,
     timeout_s: float = 60.0,
     log=None,
 ) -> int:
     """Ask the coordinator which stage a server started with ``--stage auto`` should serve,
-    telling it where the server is (``region``) and its round-trip times to the swarm's
-    servers (``rtt_ms``, peer URL -> ms), so that it can place the server by the network.
+    telling it where the server is (``region``), its round-trip times to the swarm's
+    servers (``rtt_ms``, peer URL -> ms), so that it can place the server by the network,
+    and its compute speed (``speed_flops``, 0: none declared).
 
     A coordinator not reachable yet (started after the servers, restarting, overloaded) is
     asked again with backoff for up to ``timeout_s``; then, or at once for an answer that
@@ -48,6 +50,8 @@ async def assign_stage(
         body["region"] = region
     if rtt_ms:
         body["rtt_ms"] = rtt_ms
+    if speed_flops > 0:
+        body["speed_flops"] = speed_flops
     deadline = asyncio.get_running_loop().time() + timeout_s
     failures = 0
     while True:

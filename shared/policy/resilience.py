@@ -22,7 +22,10 @@ weaker than that:
 
 A stage's members are the throughputs of its replicas (samples per second, 0: not
 measured yet), servers handed the stage but not registered yet counted at the replicas'
-mean (:meth:`shared.policy.view.SwarmView.members`). Pure logic, standard library only.
+mean (:meth:`shared.policy.view.SwarmView.members`); for joins, where every server declared
+the compute speed it measured as it joined, those speeds, pending joins at their own
+(:meth:`~shared.policy.view.SwarmView.join_members`: as a swarm forms no one has served, and
+the throughputs are all 0). Pure logic, standard library only.
 """
 
 from __future__ import annotations
@@ -60,15 +63,19 @@ def neediest_stage(members: Members, stages: Sequence[int] | None = None) -> int
     return min(candidates, key=lambda s: loss_key(members[s], s))
 
 
-def why_needed(members: Members, stage: int) -> str:
-    """Why :func:`neediest_stage` chose ``stage``, in words (for the log and the dashboard)."""
+def why_needed(members: Members, stage: int, unit: str = "samples/s") -> str:
+    """Why :func:`neediest_stage` chose ``stage``, in words (for the log and the dashboard);
+    ``unit``: what the members count (throughputs, or declared speeds)."""
     count = len(members[stage])
     if count == 0:
         return f"stage {stage} has no replica"
     if count == 1:
-        return f"stage {stage} has one replica: losing it would stop the swarm"
+        weakest = sum(1 for m in members if len(m) == 1) > 1
+        return f"stage {stage} has one replica: losing it would stop the swarm" + (
+            f" (the least capacity of such stages, {sum(members[stage]):.3g} {unit})" if weakest else ""
+        )
     left = sum(members[stage]) - max(members[stage])
-    return f"stage {stage} would keep the least capacity after losing its strongest replica ({left:.3g} samples/s)"
+    return f"stage {stage} would keep the least capacity after losing its strongest replica ({left:.3g} {unit})"
 
 
 @dataclass(frozen=True)
@@ -82,20 +89,20 @@ class JoinChoice:
     free: bool
 
 
-def join_stage(members: Members) -> JoinChoice:
-    """The stage a joining server takes: :func:`neediest_stage`."""
+def join_stage(members: Members, unit: str = "samples/s") -> JoinChoice:
+    """The stage a joining server takes: :func:`neediest_stage` (``unit``: what ``members`` count)."""
     stage = neediest_stage(members)
-    return JoinChoice(stage, why_needed(members, stage), all(len(m) >= SAFE_REPLICAS for m in members))
+    return JoinChoice(stage, why_needed(members, stage, unit), all(len(m) >= SAFE_REPLICAS for m in members))
 
 
-def standby_stage(members: Members) -> JoinChoice | None:
+def standby_stage(members: Members, unit: str = "samples/s") -> JoinChoice | None:
     """The stage a standby server takes now, or None while every stage has ``SAFE_REPLICAS``
     replicas (pending joins counted): a standby replaces what was lost, so a loss that leaves
     a stage one replica, or none, takes it at once (where it would hurt most:
     :func:`join_stage`), and joins placed meanwhile count so that one loss takes one standby."""
     if all(len(m) >= SAFE_REPLICAS for m in members):
         return None
-    return join_stage(members)
+    return join_stage(members, unit)
 
 
 def repair_move(members: Members, replicas: Mapping[str, tuple[int, float]]) -> Move | None:

@@ -9,7 +9,7 @@ policy reads it. Pure data, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,12 +23,14 @@ if TYPE_CHECKING:  # annotations only: shared.topology's planner imports shared.
 @dataclass(frozen=True)
 class Replica:
     """A server serving ``stage``: ``throughput`` in samples per second as it reports it
-    (0: not measured yet), ``queue_length`` requests waiting on it."""
+    (0: not measured yet), ``queue_length`` requests waiting on it, ``speed`` the compute
+    rate it declared as it joined (FLOP/s its process got; 0: none declared)."""
 
     server_id: str
     stage: int
     throughput: float
     queue_length: int = 0
+    speed: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,10 @@ class PlacementInputs:
 class SwarmView:
     """The swarm: ``num_stages`` stages, the ``replicas`` serving them, the stages of
     ``pending`` joins (handed to a server that has not registered yet: each counts as one
-    replica at the replicas' mean throughput), and ``topology``, the planner's inputs when
-    placement plans with the network (``None``: placement balances throughput).
+    replica at the replicas' mean throughput) with the speeds they declared
+    (``pending_speeds``, in the same order; absent: none declared), and ``topology``, the
+    planner's inputs when placement plans with the network (``None``: placement balances
+    throughput).
 
     Raises ``ValueError`` when ``num_stages < 1`` or a stage is outside ``[0, num_stages)``.
     """
@@ -56,6 +60,7 @@ class SwarmView:
     replicas: tuple[Replica, ...] = ()
     pending: tuple[int, ...] = ()
     topology: PlacementInputs | None = None
+    pending_speeds: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -68,6 +73,8 @@ class SwarmView:
         for stage in self.pending:
             if not 0 <= stage < self.num_stages:
                 raise ValueError(f"a pending join of stage {stage} is outside [0, {self.num_stages}) (num_stages)")
+        if self.pending_speeds and len(self.pending_speeds) != len(self.pending):
+            raise ValueError(f"{len(self.pending_speeds)} pending speeds for {len(self.pending)} pending joins")
 
     @classmethod
     def of(
@@ -77,11 +84,17 @@ class SwarmView:
         *,
         pending: Iterable[int] = (),
         topology: PlacementInputs | None = None,
+        speeds: Mapping[str, float] | None = None,
+        pending_speeds: Iterable[float] = (),
     ) -> SwarmView:
         """The view of ``servers``: objects with ``server_id``, ``stage``, ``throughput`` and
-        ``queue_length`` (the registry's ``RegisteredServer``)."""
-        replicas = tuple(Replica(s.server_id, s.stage, s.throughput, s.queue_length) for s in servers)
-        return cls(num_stages, replicas, tuple(pending), topology)
+        ``queue_length`` (the registry's ``RegisteredServer``), the speeds they declared by id
+        (``speeds``) and the pending joins' (``pending_speeds``)."""
+        speeds = speeds or {}
+        replicas = tuple(
+            Replica(s.server_id, s.stage, s.throughput, s.queue_length, speeds.get(s.server_id, 0.0)) for s in servers
+        )
+        return cls(num_stages, replicas, tuple(pending), topology, tuple(pending_speeds))
 
     def throughputs(self) -> dict[str, tuple[int, float]]:
         """``{server_id: (stage, throughput)}``: the throughput rule's input."""
@@ -96,6 +109,22 @@ class SwarmView:
         for stage in self.pending:
             members[stage].append(mean)
         return members
+
+    def join_members(self) -> tuple[list[list[float]], str]:
+        """What a join is placed by: per stage, its replicas' declared speeds and its pending
+        joins' where every replica and pending join declared one; else :meth:`members`. As a
+        swarm forms no server has served yet, so every throughput reads 0 and says nothing of
+        which stage is weak; the speeds the joiners measured as they joined do (a peer capped at
+        a quarter of another's CPU declares about a quarter of its speed). With the unit they count in."""
+        declared = [r.speed for r in self.replicas] + list(self.pending_speeds)
+        if len(self.pending_speeds) != len(self.pending) or not declared or not all(v > 0 for v in declared):
+            return self.members(), "samples/s"
+        members: list[list[float]] = [[] for _ in range(self.num_stages)]
+        for r in self.replicas:
+            members[r.stage].append(r.speed)
+        for stage, speed in zip(self.pending, self.pending_speeds):
+            members[stage].append(speed)
+        return members, "FLOP/s declared"
 
     def capacities(self) -> list[float]:
         """Per stage, the sum of its replicas' throughputs, pending joins counted at the replicas' mean."""
@@ -123,8 +152,8 @@ class SwarmView:
 
     def join_stage(self) -> JoinChoice:
         """Where a new server goes: where a loss would hurt most (:func:`~shared.policy.resilience.join_stage`)."""
-        return join_stage(self.members())
+        return join_stage(*self.join_members())
 
     def standby_stage(self) -> JoinChoice | None:
         """Where a standby server goes now, if anywhere (:func:`~shared.policy.resilience.standby_stage`)."""
-        return standby_stage(self.members())
+        return standby_stage(*self.join_members())

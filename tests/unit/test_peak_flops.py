@@ -8,7 +8,7 @@ import json
 import pytest
 
 from shared import peak_flops
-from shared.peak_flops import Peak, probe_flops, resolve_peak, table_peak
+from shared.peak_flops import Peak, probe_flops, resolve_peak, sustained_flops, table_peak
 
 
 @pytest.mark.parametrize(
@@ -55,4 +55,26 @@ def test_a_cpu_probe_runs_once_per_machine_and_counts_the_threads_in_use(tmp_pat
 def test_a_probe_measures_a_rate_and_leaves_the_threads_as_they_were():
     threads = peak_flops.torch.get_num_threads()
     assert probe_flops(peak_flops.torch.device("cpu"), "fp32", budget_s=0.02) > 0
+    assert peak_flops.torch.get_num_threads() == threads
+
+
+def test_a_joiner_s_speed_is_its_work_over_wall_clock_time_where_the_peak_is_its_best_product(monkeypatch):
+    """A CPU cap lets a process compute in bursts: here every product takes 1 ms and every
+    second one waits 9 ms more, as a throttled process does. The peak probe keeps its best
+    product (1 ms); the sustained rate, what a joiner declares, counts the waits too."""
+    now = [0.0]
+    calls = [0]
+
+    def product(a, b):
+        calls[0] += 1
+        now[0] += 0.001 + (0.009 if calls[0] % 2 == 0 else 0.0)
+        return a
+
+    monkeypatch.setattr(peak_flops.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(peak_flops.torch, "mm", product)
+    cpu = peak_flops.torch.device("cpu")
+    one_product = 2 * peak_flops.PROBE_SIZE["cpu"] ** 3
+    assert probe_flops(cpu, "fp32", budget_s=0.5) == pytest.approx(one_product / 0.001)
+    threads = peak_flops.torch.get_num_threads()
+    assert sustained_flops(cpu, "fp32", budget_s=0.5) == pytest.approx(one_product / 0.0055, rel=0.02)
     assert peak_flops.torch.get_num_threads() == threads

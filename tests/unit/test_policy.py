@@ -192,5 +192,7 @@ def test_coordinator_registry_dashboard_metrics_and_simulator_agree():
         == 1
     )
     # with that hand-out pending, stage 1 counts two replicas and 2.0 samples/s against stage 0's 3.0: still the weakest
-    assert registry.assign_stage() == registry.swarm([1]).weakest_stage() == 1
+    pending = registry.pending_joins()
+    assert [p.stage for p in pending] == [1]
+    assert registry.swarm(pending).weakest_stage() == registry.assign_stage() == 1
     registry.close()

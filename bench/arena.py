@@ -225,7 +225,9 @@ class Plan:
     scenarios: tuple[Scenario, ...]
     target_steps: int
     eval_every: int
-    mesh_settings: tuple[tuple[int, int], ...]  # (trainers, microbatches in flight, all trainers together)
+    # (trainers, microbatches in flight, all trainers together[, samples a microbatch]): the
+    # microbatch's size is swept as pipelining's is (pipeline_candidates); absent, the workload's
+    mesh_settings: tuple[tuple[int, ...], ...]
     pipeline_candidates: tuple[int, ...]  # microbatches per global step
     sweep_steps: int = 4
     routing: str = ""  # the mesh trainers' SWARM_ROUTING ("": the trainer's default)
@@ -233,6 +235,8 @@ class Plan:
     schedule: str = ""  # the mesh coordinator's SWARM_SCHEDULE ("": its default)
     optimizer: str = ""  # the mesh servers' SWARM_OPTIMIZER, and pipelining's optimizer ("": the servers' default)
     beta1: float = 0.0  # the mesh servers' SWARM_BETA1, and pipelining's (0: the servers' default)
+    sync: str = ""  # the mesh servers' SWARM_SYNC ("": their default, global)
+    local_steps: int = 0  # the mesh servers' SWARM_LOCAL_STEPS under sync local (0: their default)
     codecs: tuple[str, ...] = (
         "int8",
         "fp32",
@@ -571,6 +575,10 @@ class MeshSide(SideRun):
             env["SWARM_OPTIMIZER"] = self.plan.optimizer
         if self.plan.beta1:
             env["SWARM_BETA1"] = str(self.plan.beta1)
+        if self.plan.sync:
+            env["SWARM_SYNC"] = self.plan.sync
+        if self.plan.local_steps:
+            env["SWARM_LOCAL_STEPS"] = str(self.plan.local_steps)
         if self.sc.checkpoint_every_s:
             env["SWARM_CHECKPOINT_DIR"] = str(self.checkpoints)
         if self.snapshots is not None:
@@ -587,7 +595,15 @@ class MeshSide(SideRun):
         return [f"--bench-{k.replace('_', '-')}={v}" for k, v in self.plan.work.dims.items()]
 
     def start_trainers(
-        self, trainers: int, in_flight: int, *, start_step: int, steps: int, eval_every: int, tag: str
+        self,
+        trainers: int,
+        in_flight: int,
+        *,
+        start_step: int,
+        steps: int,
+        eval_every: int,
+        tag: str,
+        microbatch_size: int = 0,
     ) -> list[Path]:
         w, logs = self.plan.work, []
         for t in range(trainers):
@@ -595,7 +611,7 @@ class MeshSide(SideRun):
                 **self.base_env(),
                 "SWARM_COORDINATOR": self.coordinator,
                 "SWARM_SEQ_LEN": str(w.seq_len),
-                "SWARM_MICROBATCH_SIZE": str(w.microbatch_size),
+                "SWARM_MICROBATCH_SIZE": str(microbatch_size or w.microbatch_size),
                 "SWARM_WIRE_CODEC": self.codec,
                 "SWARM_IN_FLIGHT": str(max(1, in_flight // trainers)),
                 "SWARM_STEPS": str(steps),
@@ -624,11 +640,12 @@ class MeshSide(SideRun):
             for proc in list(self.arena.peers[f"t{t}"].processes):
                 self.arena.kill(f"t{t}", proc)
 
-    def sweep(self, settings: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], list[dict]]:
-        """Tokens/s of each (trainers, in flight) over ``sweep_steps`` steps on one swarm."""
+    def sweep(self, settings: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], list[dict]]:
+        """Tokens/s of each (trainers, in flight[, microbatch size]) over ``sweep_steps`` steps on one swarm."""
         steps, done, rows = self.plan.sweep_steps, 0, []
         tokens_per_step = self.plan.work.samples_per_step * self.plan.work.seq_len
-        for trainers, in_flight in settings:
+        for setting in settings:
+            trainers, in_flight, size = _mesh_setting(setting, self.plan.work)
             watch = Watch(
                 self.start_trainers(
                     trainers,
@@ -636,7 +653,8 @@ class MeshSide(SideRun):
                     start_step=done,
                     steps=done + steps,
                     eval_every=0,
-                    tag=f"sweep{trainers}x{in_flight}",
+                    tag=f"sweep{trainers}x{in_flight}x{size}",
+                    microbatch_size=size,
                 )[0]
             )
             seen = self._follow(
@@ -651,19 +669,23 @@ class MeshSide(SideRun):
                 if last > first and times[last] > times[first]
                 else 0.0
             )
-            rows.append({"trainers": trainers, "in_flight": in_flight, "tokens_per_s": round(rate, 1)})
+            rows.append(
+                {"trainers": trainers, "in_flight": in_flight, "microbatch_size": size, "tokens_per_s": round(rate, 1)}
+            )
             self.stop_trainers(trainers)
             done = last
         best = max(rows, key=lambda r: r["tokens_per_s"])
-        return (best["trainers"], best["in_flight"]), rows
+        return (best["trainers"], best["in_flight"], best["microbatch_size"]), rows
 
-    def train_to_target(self, trainers: int, in_flight: int, target: float) -> Outcome:
+    def train_to_target(self, trainers: int, in_flight: int, target: float, microbatch_size: int = 0) -> Outcome:
         out, sc = Outcome(), self.sc
         peers = [p for p in self.arena.peers if p.startswith("s")] + [f"t{t}" for t in range(trainers)] + ["coord"]
         sent0 = self.sent(peers)
         # no evaluation on the stage servers' cores while training: the snapshots are
         # evaluated beside it, at the lowest CPU priority, as the signal to stop
-        logs = self.start_trainers(trainers, in_flight, start_step=0, steps=100_000, eval_every=0, tag="run")
+        logs = self.start_trainers(
+            trainers, in_flight, start_step=0, steps=100_000, eval_every=0, tag="run", microbatch_size=microbatch_size
+        )
         watch = Watch(logs[0])
         evaluator, evaluations = self.follow_snapshots(target, START_TIMEOUT_S + sc.budget_s + 60)
         try:
@@ -706,6 +728,7 @@ class MeshSide(SideRun):
             before, since = meters
             now = self.utilisation()
             out.extra["stages"] = run_utilisation(before, now, time.monotonic() - since, sc.stages)
+            out.extra["per_server"] = self.per_server(before, now)
             # what the live servers counted: gradients that went into a later step than their
             # forward's weights (within SWARM_MAX_STALENESS), backwards refused as stale, samples dropped
             out.extra["servers"] = {
@@ -774,6 +797,28 @@ class MeshSide(SideRun):
                 found[url] = {**health["utilisation"], "stage": health["stage"], "stats": health.get("stats") or {}}
         return found
 
+    def per_server(self, before: dict[str, dict], after: dict[str, dict]) -> list[dict]:
+        """Each live server's share of the training between two :meth:`utilisation` readings:
+        its peer and CPU cap, its stage, the tokens it trained and its seconds of compute (where
+        a weak peer's microbatches went, and how busy it was)."""
+        caps = {self.url(peer, SERVER_PORT): (peer, self.arena.peers[peer].spec.cpus) for peer in self.servers}
+        rows = []
+        for url, end in sorted(after.items()):
+            start = before.get(url)
+            if start is None or start["stage"] != end["stage"] or start["tokens_trained"] > end["tokens_trained"]:
+                start = {"tokens_trained": 0, "compute_s": 0.0}
+            peer, cpus = caps.get(url, (url, None))
+            rows.append(
+                {
+                    "peer": peer,
+                    "cpus": cpus,
+                    "stage": end["stage"],
+                    "tokens_trained": end["tokens_trained"] - start["tokens_trained"],
+                    "compute_s": round(end["compute_s"] - start["compute_s"], 2),
+                }
+            )
+        return rows
+
     def _follow(self, watch: Watch, until, timeout_s: float) -> list[dict]:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -802,10 +847,10 @@ def run_mesh(
     plan: Plan,
     logs: Path,
     codec: str,
-    setting: tuple[int, int] | None,
+    setting: tuple[int, ...] | None,
     target: float,
     label: str = "",
-) -> tuple[Outcome, tuple[int, int], list[dict]]:
+) -> tuple[Outcome, tuple[int, ...], list[dict]]:
     """One mesh side: a fresh swarm for the sweep (when ``setting`` is None), a fresh one for
     the run (its logs named by ``label``, else by the codec)."""
     sweep_rows: list[dict] = []
@@ -821,11 +866,18 @@ def run_mesh(
     shutil.rmtree(side.snapshots, ignore_errors=True)
     try:
         side.start_swarm()
-        outcome = side.train_to_target(*setting, target=target)
+        trainers, in_flight, size = _mesh_setting(setting, plan.work)
+        outcome = side.train_to_target(trainers, in_flight, target=target, microbatch_size=size)
     finally:
         arena.stop_processes(first=TRAINERS)
     outcome.exact(side.snapshots, plan.work, sc.stages, target)
     return outcome, setting, sweep_rows
+
+
+def _mesh_setting(setting: tuple[int, ...], work: Workload) -> tuple[int, int, int]:
+    """(trainers, in flight, samples a microbatch) of a mesh setting, the workload's size where it names none."""
+    trainers, in_flight, *size = setting
+    return trainers, in_flight, size[0] if size else work.microbatch_size
 
 
 # ------------------------------------------------------------------------------ pipelining
@@ -1005,9 +1057,9 @@ def run_scenario(
     compute_s: float,
     logs: Path,
     quick: bool,
-    best_mesh: tuple[int, int] | None,
-) -> tuple[list[dict], dict, tuple[int, int]]:
-    trainers = max(t for t, _ in plan.mesh_settings)
+    best_mesh: tuple[int, ...] | None,
+) -> tuple[list[dict], dict, tuple[int, ...]]:
+    trainers = max(setting[0] for setting in plan.mesh_settings)
     ranks = sc.pipeline_ranks()
     cores = [cap or 1.0 for _, cap in sc.servers]
     bounds = compute_bounds(cores, sc.stages, plan.work, [int(r[1:]) for r in ranks])
@@ -1031,7 +1083,8 @@ def run_scenario(
         for codec in plan.codecs:
             out, setting, sweep = run_mesh(arena, sc, plan, logs / sc.name, codec, setting, target)
             detail[f"mesh_{codec}"] = asdict(out) | {"sweep": sweep}
-            described = f"{setting[0]} trainer(s), {setting[1]} in flight, {plan.mesh_routing}"
+            n_trainers, in_flight, size = _mesh_setting(setting, plan.work)
+            described = f"{n_trainers} trainer(s), {in_flight} in flight of {size}, {plan.mesh_routing}"
             bound = bounds["mesh"] / bounds["pipelining"]
             rows.append(_row(sc, f"mesh {codec}", described, out, plan, bound))
             print(f"arena {sc.name}: {rows[-1]}", flush=True)
@@ -1173,6 +1226,8 @@ def run(ctx) -> BenchResult:
         "mesh_routing": plan.mesh_routing,
         "max_staleness": plan.max_staleness or "default",
         "schedule": plan.schedule or "default",
+        "sync": plan.sync or "default",
+        "local_steps": plan.local_steps or "default",
         "pipeline_candidates": plan.pipeline_candidates,
         "scenarios": details,
     }
@@ -1212,12 +1267,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--beta1", type=float, default=0.0, help="the mesh servers' SWARM_BETA1, and pipelining's")
     p.add_argument(
+        "--sync", choices=("global", "local"), help="the mesh servers' SWARM_SYNC (local: DiLoCo, no round a step)"
+    )
+    p.add_argument("--local-steps", type=int, default=0, help="the mesh servers' SWARM_LOCAL_STEPS (with --sync local)")
+    p.add_argument(
         "--codecs", metavar="C,...", help="the mesh sides' wire codecs (default int8,fp32; e.g. int4,int8,fp32)"
     )
     p.add_argument(
         "--mesh",
         metavar="TxF,...",
-        help="the mesh's settings to sweep, trainers x microbatches in flight (default: the plan's, e.g. 1x4,1x8,2x8)",
+        help=(
+            "the mesh's settings to sweep, trainers x microbatches in flight [x samples a microbatch] (default: the "
+            "plan's, e.g. 1x4,1x8,2x8)"
+        ),
     )
     args = p.parse_args(argv)
     if args.list:
@@ -1249,6 +1311,12 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.beta1 < 1:
             p.error(f"--beta1 must be in (0, 1), got {args.beta1}")
         changes["beta1"] = args.beta1
+    if args.sync:
+        changes["sync"] = args.sync
+    if args.local_steps:
+        if args.local_steps < 1 or args.sync != "local":
+            p.error("--local-steps takes a count >= 1, with --sync local")
+        changes["local_steps"] = args.local_steps
     if args.codecs:
         from shared.codec import FLOAT_CODECS
 
@@ -1259,9 +1327,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             changes["mesh_settings"] = tuple(tuple(int(n) for n in item.split("x")) for item in args.mesh.split(","))
         except ValueError:
-            p.error(f"--mesh takes settings like 1x4,2x8 (trainers x in flight), got {args.mesh!r}")
-        if not all(len(m) == 2 and 1 <= m[0] <= len(TRAINERS) and m[1] >= m[0] for m in changes["mesh_settings"]):
-            p.error(f"--mesh: 1 to {len(TRAINERS)} trainers, at least one microbatch in flight each")
+            p.error(
+                f"--mesh takes settings like 1x4,2x8,2x8x4 (trainers x in flight [x samples a microbatch]), "
+                f"got {args.mesh!r}"
+            )
+        if not all(
+            len(m) in (2, 3) and 1 <= m[0] <= len(TRAINERS) and m[1] >= m[0] and (len(m) == 2 or m[2] >= 1)
+            for m in changes["mesh_settings"]
+        ):
+            p.error(
+                f"--mesh: 1 to {len(TRAINERS)} trainers, at least one microbatch in flight each, microbatches of "
+                "at least one sample"
+            )
     ctx.cache["arena_plan"] = changes
     result = run(ctx)
     print(format_table(result))

@@ -135,27 +135,17 @@ def _read_cache(path: Path) -> dict:
 def probe_flops(device: torch.device, precision: str, budget_s: float = PROBE_BUDGET_S) -> float:
     """The best FLOP/s of ``n x n`` matrix products on ``device`` in ``precision`` over about
     ``budget_s`` seconds; on a CPU with one torch thread (the rate of one thread)."""
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    n = PROBE_SIZE["cuda" if device.type == "cuda" else "cpu"]
-    gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(n, n, generator=gen).to(device, dtype) for _ in range(2))
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
+    with _products(device, precision) as (product, flops):
         best, deadline = 0.0, None
         while deadline is None or time.perf_counter() < deadline:
             _sync(device)
             started = time.perf_counter()
-            torch.mm(a, b)
-            _sync(device)
+            product()
             elapsed = time.perf_counter() - started
             if deadline is None:  # the first product warms up (allocations, kernels): not counted
                 deadline = time.perf_counter() + budget_s
                 continue
-            best = max(best, 2 * n**3 / elapsed)
-    finally:
-        torch.set_num_threads(threads)
+            best = max(best, flops / elapsed)
     return best
 
 
@@ -165,22 +155,33 @@ def sustained_flops(device: torch.device, precision: str = "fp32", budget_s: flo
     them as :func:`probe_flops`. A CPU cap (a cgroup quota), or neighbours on the same
     cores, lower it as they lower the process's work: what a joining server declares as
     its speed (``SWARM_SPEED_FLOPS``). The first product, a warm-up, is not counted."""
+    with _products(device, precision) as (product, flops):
+        product()
+        products, started = 0, time.perf_counter()
+        while time.perf_counter() - started < budget_s:
+            product()
+            products += 1
+        return products * flops / (time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def _products(device: torch.device, precision: str):
+    """``(product, flops)``: a function that multiplies two ``n x n`` matrices on ``device``
+    and waits for it, and the FLOPs of one product; on a CPU with one torch thread meanwhile."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     n = PROBE_SIZE["cuda" if device.type == "cuda" else "cpu"]
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen).to(device, dtype) for _ in range(2))
+
+    def product() -> None:
+        torch.mm(a, b)
+        _sync(device)
+
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
     try:
-        torch.mm(a, b)
-        _sync(device)
-        products, started = 0, time.perf_counter()
-        while time.perf_counter() - started < budget_s:
-            torch.mm(a, b)
-            _sync(device)
-            products += 1
-        return products * 2 * n**3 / (time.perf_counter() - started)
+        yield product, 2 * n**3
     finally:
         torch.set_num_threads(threads)
 

@@ -77,6 +77,9 @@ class RebalancingPolicy:
             raise ValueError("the view has topology inputs but the policy has no topology rule (topology=...)")
         if any(r.throughput <= 0 for r in view.replicas):
             return []  # a server that has not measured its speed yet: wait for it
+        if len(view.replicas) < view.num_stages:  # the planner fills every stage: not with fewer servers
+            self.held = f"not replanning: {len(view.replicas)} servers cannot fill {view.num_stages} stages"
+            return []
         replan = self.topology.check(view.topology, view.num_stages)
         thinned = None if replan is None else thinned_stage(view.topology.current, replan.moves, view.num_stages)
         if thinned is None:

@@ -21,6 +21,7 @@ from shared.policy.hysteresis import Confirmation
 from shared.policy.move import Move
 from shared.policy.rebalancing import RebalancingPolicy
 from shared.policy.throughput import ThroughputRebalancer, weakest
+from shared.policy.topology import TopologyRebalancer
 from shared.policy.view import PlacementInputs, Replica, SwarmView
 from shared.topology import Peer, Replan, Workload, world_network
 from tests.conftest import coordinator_settings
@@ -133,6 +134,19 @@ def topology_view(*replicas: tuple[str, int, float]) -> SwarmView:
     current = {sid: stage for sid, stage, _ in replicas}
     inputs = PlacementInputs(peers, world_network(), Workload(32, 1e-6, 1e-3, 10.0), current)
     return dataclasses.replace(view_of(*replicas), topology=inputs)
+
+
+def test_fewer_servers_than_stages_are_not_replanned():
+    """Servers leave (a swarm stopping, a churn) until fewer are left than stages: the network
+    planner, which fills every stage, is not asked (it raised ValueError('2 peers cannot fill
+    4 stages'), logged as rebalance.failed at every period); the hold says why."""
+    rule = TopologyRebalancer(min_gain=0.05, max_moves_fraction=0.5, time_budget_s=0.5)
+    policy = RebalancingPolicy(topology=rule)
+    view = dataclasses.replace(topology_view(("a", 0, 1.0), ("b", 1, 1.0)), num_stages=4)
+    with pytest.raises(ValueError, match="cannot fill"):
+        rule.check(view.topology, view.num_stages)  # what the policy used to ask
+    assert policy.check(view) == []
+    assert policy.held == "not replanning: 2 servers cannot fill 4 stages"
 
 
 def test_a_topology_replan_never_empties_a_stage_and_waits_for_unmeasured_servers():

@@ -603,7 +603,7 @@ class MeshSide(SideRun):
         steps: int,
         eval_every: int,
         tag: str,
-        microbatch_size: int = 0,
+        microbatch_size: int,
     ) -> list[Path]:
         w, logs = self.plan.work, []
         for t in range(trainers):
@@ -611,7 +611,7 @@ class MeshSide(SideRun):
                 **self.base_env(),
                 "SWARM_COORDINATOR": self.coordinator,
                 "SWARM_SEQ_LEN": str(w.seq_len),
-                "SWARM_MICROBATCH_SIZE": str(microbatch_size or w.microbatch_size),
+                "SWARM_MICROBATCH_SIZE": str(microbatch_size),
                 "SWARM_WIRE_CODEC": self.codec,
                 "SWARM_IN_FLIGHT": str(max(1, in_flight // trainers)),
                 "SWARM_STEPS": str(steps),
@@ -677,7 +677,7 @@ class MeshSide(SideRun):
         best = max(rows, key=lambda r: r["tokens_per_s"])
         return (best["trainers"], best["in_flight"], best["microbatch_size"]), rows
 
-    def train_to_target(self, trainers: int, in_flight: int, target: float, microbatch_size: int = 0) -> Outcome:
+    def train_to_target(self, trainers: int, in_flight: int, microbatch_size: int, target: float) -> Outcome:
         out, sc = Outcome(), self.sc
         peers = [p for p in self.arena.peers if p.startswith("s")] + [f"t{t}" for t in range(trainers)] + ["coord"]
         sent0 = self.sent(peers)
@@ -867,7 +867,7 @@ def run_mesh(
     try:
         side.start_swarm()
         trainers, in_flight, size = _mesh_setting(setting, plan.work)
-        outcome = side.train_to_target(trainers, in_flight, target=target, microbatch_size=size)
+        outcome = side.train_to_target(trainers, in_flight, size, target=target)
     finally:
         arena.stop_processes(first=TRAINERS)
     outcome.exact(side.snapshots, plan.work, sc.stages, target)

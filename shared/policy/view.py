@@ -102,13 +102,8 @@ class SwarmView:
 
     def members(self) -> list[list[float]]:
         """Per stage, the throughputs of its replicas, then one per pending join at the replicas' mean."""
-        members: list[list[float]] = [[] for _ in range(self.num_stages)]
-        for r in self.replicas:
-            members[r.stage].append(r.throughput)
         mean = sum(r.throughput for r in self.replicas) / len(self.replicas) if self.replicas else 0.0
-        for stage in self.pending:
-            members[stage].append(mean)
-        return members
+        return self._per_stage([r.throughput for r in self.replicas], [mean] * len(self.pending))
 
     def join_members(self) -> tuple[list[list[float]], str]:
         """What a join is placed by: per stage, its replicas' declared speeds and its pending
@@ -119,12 +114,16 @@ class SwarmView:
         declared = [r.speed for r in self.replicas] + list(self.pending_speeds)
         if len(self.pending_speeds) != len(self.pending) or not declared or not all(v > 0 for v in declared):
             return self.members(), "samples/s"
+        return self._per_stage([r.speed for r in self.replicas], self.pending_speeds), "FLOP/s declared"
+
+    def _per_stage(self, of_replicas: Iterable[float], of_pending: Iterable[float]) -> list[list[float]]:
+        """Per stage, the replicas' values (in the replicas' order), then the pending joins'."""
         members: list[list[float]] = [[] for _ in range(self.num_stages)]
-        for r in self.replicas:
-            members[r.stage].append(r.speed)
-        for stage, speed in zip(self.pending, self.pending_speeds):
-            members[stage].append(speed)
-        return members, "FLOP/s declared"
+        for r, value in zip(self.replicas, of_replicas):
+            members[r.stage].append(value)
+        for stage, value in zip(self.pending, of_pending):
+            members[stage].append(value)
+        return members
 
     def capacities(self) -> list[float]:
         """Per stage, the sum of its replicas' throughputs, pending joins counted at the replicas' mean."""

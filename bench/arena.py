@@ -237,6 +237,8 @@ class Plan:
     beta1: float = 0.0  # the mesh servers' SWARM_BETA1, and pipelining's (0: the servers' default)
     sync: str = ""  # the mesh servers' SWARM_SYNC ("": their default, global)
     local_steps: int = 0  # the mesh servers' SWARM_LOCAL_STEPS under sync local (0: their default)
+    log_level: str = ""  # the mesh's processes' SWARM_LOG_LEVEL ("": warning, info for the coordinator and trainers)
+    pipelining: bool = True  # False: the mesh sides only (a diagnosis; no ratio is printed)
     codecs: tuple[str, ...] = (
         "int8",
         "fp32",
@@ -498,9 +500,12 @@ class SideRun:
             "SWARM_MDNS": "false",
             "SWARM_NUM_THREADS": "1",
             "OMP_NUM_THREADS": "1",
-            "SWARM_LOG_LEVEL": "warning",
+            "SWARM_LOG_LEVEL": self.plan.log_level or "warning",
             "SWARM_NUM_STAGES": str(self.sc.stages),
         }
+
+    def log_level(self, default: str) -> str:
+        return self.plan.log_level or default
 
 
 # ------------------------------------------------------------------------------ the mesh
@@ -520,7 +525,8 @@ class MeshSide(SideRun):
             "SWARM_PORT": str(COORD_PORT),
             "SWARM_STATE_DB": str(self.logs / f"{self.label}-coordinator.sqlite"),
             "SWARM_REBALANCE_EVERY_S": str(self.sc.rebalance_every_s),
-            "SWARM_LOG_LEVEL": "info",  # its joins, moves and rounds: a few lines a step, none per microbatch
+            # its joins, moves and rounds: a few lines a step, none per microbatch
+            "SWARM_LOG_LEVEL": self.log_level("info"),
         }
         if self.plan.schedule:
             env["SWARM_SCHEDULE"] = self.plan.schedule
@@ -620,7 +626,7 @@ class MeshSide(SideRun):
                 "SWARM_NUM_SHARDS": str(trainers),
                 "SWARM_EVAL_EVERY": str(eval_every if t == 0 else 0),
                 "SWARM_LOG_FORMAT": "json",
-                "SWARM_LOG_LEVEL": "info",
+                "SWARM_LOG_LEVEL": self.log_level("info"),
                 "SWARM_LOG_EVERY": "1",
                 "SWARM_PROGRESS": "off",
                 "SWARM_FINAL_AVERAGE": "false",
@@ -854,6 +860,8 @@ def run_mesh(
     """One mesh side: a fresh swarm for the sweep (when ``setting`` is None), a fresh one for
     the run (its logs named by ``label``, else by the codec)."""
     sweep_rows: list[dict] = []
+    if setting is None and len(plan.mesh_settings) == 1:
+        setting = plan.mesh_settings[0]  # nothing to choose between
     if setting is None:
         side = MeshSide(arena, sc, plan, logs, f"{codec}-sweep", codec=codec)
         try:
@@ -1028,7 +1036,9 @@ def _stage_mfu(
 
 def _ratios(rows: list[dict]) -> None:
     """The mesh's rows against pipelining's (equal splits) and, where it ran, the speed-balanced one."""
-    pipe = next(r for r in rows if r["side"] == "pipelining")
+    pipe = next((r for r in rows if r["side"] == "pipelining"), None)
+    if pipe is None:
+        return  # the mesh alone (--no-pipelining)
     balanced = next((r for r in rows if r["side"] == "pipelining balanced"), None)
     for r in rows:
         if r["side"].startswith("pipelining"):
@@ -1096,7 +1106,7 @@ def run_scenario(
                 rows.append(_row(sc, f"mesh {codec}, no kills", described, calm, plan, bound))
                 rows[-2]["with / without kills, time"] = _sooner(rows[-1], rows[-2])
                 print(f"arena {sc.name}: {rows[-1]}", flush=True)
-        for side, layers in (("pipelining", None), ("pipelining balanced", balanced)):
+        for side, layers in (("pipelining", None), ("pipelining balanced", balanced)) if plan.pipelining else ():
             if side != "pipelining" and layers is None:
                 continue  # equal splits are the balanced ones: the ranks are equal
             out, microbatches, sweep = run_pipelining(arena, sc, plan, logs / sc.name, target, layers)
@@ -1271,6 +1281,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--local-steps", type=int, default=0, help="the mesh servers' SWARM_LOCAL_STEPS (with --sync local)")
     p.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning"),
+        help="the mesh's processes' SWARM_LOG_LEVEL (debug: every hop and reservation, for a step's timeline)",
+    )
+    p.add_argument(
+        "--no-pipelining", action="store_true", help="run the mesh sides only (a diagnosis: no ratio to pipelining)"
+    )
+    p.add_argument(
         "--codecs", metavar="C,...", help="the mesh sides' wire codecs (default int8,fp32; e.g. int4,int8,fp32)"
     )
     p.add_argument(
@@ -1317,6 +1335,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.local_steps < 1 or args.sync != "local":
             p.error("--local-steps takes a count >= 1, with --sync local")
         changes["local_steps"] = args.local_steps
+    if args.log_level:
+        changes["log_level"] = args.log_level
+    if args.no_pipelining:
+        changes["pipelining"] = False
     if args.codecs:
         from shared.codec import FLOAT_CODECS
 

@@ -70,6 +70,7 @@ from services.stage_server.routes import (
     run_backward,
     run_forward,
 )
+from services.stage_server.runtime import QUEUED_S
 from shared.codec import decode_tensor
 from shared.config import StageServerSettings
 from shared.errors import BadPayload, Overloaded, RemoteError, SwarmError, WrongStage
@@ -215,12 +216,12 @@ async def chain(request: web.Request) -> web.Response:
 
 async def _last_stage(app: web.Application, req: StageRequest) -> dict:
     """The end of the chain: the loss, and (training) the backward that turns the chain around."""
-    started = time.monotonic()
+    started, queued = time.monotonic(), QUEUED_S.get()
     if req.eval:
         reply = await run_forward(app, req)
-        return {**reply, "forward_s": round(time.monotonic() - started, 6), "hops": [], "rerouted": []}
+        return {**reply, "forward_s": round(_served_s(started, queued), 6), "hops": [], "rerouted": []}
     reply = await run_backward(app, req)
-    seconds = time.monotonic() - started - reply["step_wait_s"]
+    seconds = _served_s(started, queued) - reply["step_wait_s"]
     return {
         **reply,
         "loss_step": reply["bucket"],
@@ -236,9 +237,9 @@ async def _middle_stage(
 ) -> dict:
     """Forward, the rest of the chain, backward."""
     settings = app[SETTINGS]
-    started = time.monotonic()
+    started, queued = time.monotonic(), QUEUED_S.get()
     forward = await run_forward(app, req)
-    forward_s = time.monotonic() - started
+    forward_s = _served_s(started, queued)
     onward = {k: msg[k] for k in PASSED_ON if k in msg} | {
         "stage": settings.stage + 1,
         "inputs": forward["outputs"],
@@ -267,7 +268,7 @@ async def _middle_stage(
             f"stage {settings.stage + 1} at {url} answered a bad gradient: {exc.message}",
             failed=[{"stage": settings.stage + 1, "replica": url, "code": "bad_reply"}],
         ) from None
-    started = time.monotonic()
+    started, queued = time.monotonic(), QUEUED_S.get()
     try:
         reply = await run_backward(
             app, dataclasses.replace(req, grad_outputs=grad_outputs, forward_step=forward["step"])
@@ -278,7 +279,7 @@ async def _middle_stage(
         raise ChainError(
             exc.message, status=exc.status, code=exc.code, failed=rerouted, retry_after_s=exc.retry_after_s
         ) from None
-    backward_s = time.monotonic() - started - reply["step_wait_s"]
+    backward_s = _served_s(started, queued) - reply["step_wait_s"]
     return {
         **reply,
         "loss": loss,
@@ -288,6 +289,14 @@ async def _middle_stage(
         "hops": hops,
         "rerouted": rerouted,
     }
+
+
+def _served_s(started: float, queued: float) -> float:
+    """Seconds since ``started`` less what this request's compute jobs waited in the worker's
+    queue since (``QUEUED_S`` was ``queued``): the server's service time on it. The wiring
+    adds its own queue (each replica's virtual time): a measure with the queue in it made a
+    replica that had been given more look slower, and the next burst went the other way."""
+    return time.monotonic() - started - (QUEUED_S.get() - queued)
 
 
 def _hop(stage: int, url: str, reply: dict) -> dict:

@@ -32,6 +32,8 @@ the microbatch for (the trainer's admission); its gradient goes into no earlier 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import functools
 import os
 import random
@@ -201,9 +203,15 @@ async def backward(request: web.Request) -> web.Response:
 
 async def run_backward(app: web.Application, req: StageRequest) -> dict:
     """The stage's backward of ``req`` (its gradient accumulated into the global step the
-    coordinator reserves, at most once per microbatch id); the reply of ``/backward``."""
-    runtime, settings = app[RUNTIME], app[SETTINGS]
-    work = 3.0 if runtime.spec.is_last else 2.0  # the last stage's backward includes its forward
+    coordinator reserves, at most once per microbatch id); the reply of ``/backward``.
+
+    Where the reservation cannot change the weights the gradient is computed on (the forward
+    ran here already, or runs now in a step that is open here), the gradient is computed
+    while the coordinator answers the reservation, so that the coordinator's round trip is
+    off each stage's backward path: the compute job accumulates it at once if the answer
+    came meanwhile, else a short job does once it comes (``StepClient.early`` bounds the
+    computed gradients that wait for their answer at once)."""
+    runtime, settings, worker = app[RUNTIME], app[SETTINGS], app[WORKER]
     stepper = app.get(STEPPER)
     if stepper and req.forward_step is not None:
         runtime.check_staleness(
@@ -212,42 +220,29 @@ async def run_backward(app: web.Application, req: StageRequest) -> dict:
     duplicate = (
         runtime.accumulated_in(req.microbatch_id) is not None
     )  # a retry or a re-run of a microbatch already here: it takes no reservation (giving one back reopens a step)
-    waited = time.perf_counter()
-    answer = (
-        await stepper.reserve(_samples(req.inputs), req.until_step, req.microbatch_id, req.admitted_step)
-        if stepper and not duplicate
-        else None
-    )
-    waited = time.perf_counter() - waited
-    refused = isinstance(answer, Verdict)  # COMPLETE or DUPLICATE (on another replica): compute, accumulate nothing
-    reservation = None if refused else answer
-    complete = answer is Verdict.COMPLETE  # the run's steps are all reserved
-    bucket = NO_BUCKET if refused else reservation.bucket if reservation else None
-    late_to_current = bool(reservation and reservation.alone)  # a step this replica counts alone: never dropped
-    try:
-        result = await app[WORKER].run(
-            runtime.backward,
-            req.microbatch_id,
-            req.seed,
-            req.inputs,
-            req.targets,
-            req.grad_outputs,
-            req.forward_step,
-            bucket,
-            late_to_current,
-            work=work,
+    work = 3.0 if runtime.spec.is_last else 2.0  # the last stage's backward includes its forward
+    args = (req.microbatch_id, req.seed, req.inputs, req.targets, req.grad_outputs, req.forward_step)
+    answer, waited = None, 0.0
+    if not stepper or duplicate:
+        result = await worker.run(runtime.backward, *args, work=work)
+    elif _computes_early(runtime, req) and not stepper.early.locked():
+        async with stepper.early:
+            answer, result, waited = await _backward_while_reserving(req, args, work, stepper, runtime, worker)
+    else:
+        asked = time.perf_counter()
+        answer = await stepper.reserve(_samples(req.inputs), req.until_step, req.microbatch_id, req.admitted_step)
+        waited = time.perf_counter() - asked
+        result = await _given_back_on_failure(
+            worker.run(runtime.backward, *args, *_placement(answer), work=work), answer, stepper, worker
         )
-    except BaseException:
-        if reservation:
-            await stepper.settle(reservation, 0, app[WORKER].run)  # the reservation goes back
-        raise
+    reservation = answer if _is_reservation(answer) else None
     if reservation:
         samples = _samples(req.inputs) if result.accumulated else 0
         if reservation.closes and not runtime.spec.is_first:  # its gradient is awaited upstream: step beside it
-            stepper.settle_soon(reservation, samples, app[WORKER].run)
+            stepper.settle_soon(reservation, samples, worker.run)
         else:
             settled = time.perf_counter()
-            await stepper.settle(reservation, samples, app[WORKER].run)
+            await stepper.settle(reservation, samples, worker.run)
             waited += time.perf_counter() - settled
     reply: dict = {
         "stage": settings.stage,
@@ -258,13 +253,92 @@ async def run_backward(app: web.Application, req: StageRequest) -> dict:
         "bucket": _holder(result, reservation),
         "step_wait_s": round(waited, 6),
     }
-    if complete:
+    if answer is Verdict.COMPLETE:  # the run's steps are all reserved
         reply["complete"] = True
     if result.grad_inputs is not None:
         reply["grad_inputs"] = await _encode(result.grad_inputs, req.reply_codec, settings.int8_block)
     if result.loss is not None:
         reply["loss"] = result.loss
     return reply
+
+
+def _computes_early(runtime: StageRuntime, req: StageRequest) -> bool:
+    """Whether the backward may be computed before its reservation is answered: its forward
+    ran here (its weights are fixed), or runs now on a stage at or past the microbatch's
+    admitted step (a reservation that waited for the stage to step would have it run on
+    newer weights)."""
+    return req.forward_step is not None or (req.admitted_step is not None and req.admitted_step <= runtime.step)
+
+
+def _is_reservation(answer) -> bool:
+    """A reservation's answer that holds a place in a step (not a :class:`Verdict` refusing one)."""
+    return answer is not None and not isinstance(answer, Verdict)
+
+
+def _placement(answer) -> tuple[int | None, bool]:
+    """(bucket, late_to_current) of ``StageRuntime.accumulate`` for a reservation's answer:
+    a refusal (COMPLETE, or DUPLICATE on another replica) accumulates nothing; a step this
+    replica counts alone (the coordinator away) is never dropped."""
+    if answer is None:
+        return None, False
+    if isinstance(answer, Verdict):
+        return NO_BUCKET, False
+    return answer.bucket, bool(answer.alone)
+
+
+async def _given_back_on_failure(job, answer, stepper, worker):
+    """Await ``job``; if it fails, the reservation ``answer`` goes back (0 samples)."""
+    try:
+        return await job
+    except BaseException:
+        if _is_reservation(answer):
+            await stepper.settle(answer, 0, worker.run)
+        raise
+
+
+async def _backward_while_reserving(req: StageRequest, args: tuple, work: float, stepper, runtime, worker) -> tuple:
+    """(the reservation's answer, the backward's result, the seconds it waited for the answer
+    beyond its compute): the reservation asked for while the gradient is computed."""
+    answered: concurrent.futures.Future = concurrent.futures.Future()  # read by the compute thread
+
+    def copy(task: asyncio.Task) -> None:
+        if task.cancelled():
+            answered.cancel()
+        elif task.exception() is not None:
+            answered.set_exception(task.exception())
+        else:
+            answered.set_result(task.result())
+
+    asking = asyncio.ensure_future(
+        stepper.reserve(_samples(req.inputs), req.until_step, req.microbatch_id, req.admitted_step)
+    )
+    asking.add_done_callback(copy)
+
+    def job():
+        computed = runtime.compute_backward(*args)
+        if answered.done() and not answered.cancelled() and answered.exception() is None:
+            return computed, runtime.accumulate(computed, *_placement(answered.result()))
+        return computed, None
+
+    try:
+        computed, result = await worker.run(job, work=work)
+    except BaseException:  # nothing was accumulated: the reservation, once answered, goes back
+        with contextlib.suppress(Exception):
+            answer = await asking
+            if _is_reservation(answer):
+                await stepper.settle(answer, 0, worker.run)
+        raise
+    computed_at = time.perf_counter()
+    answer = await asking
+    waited = time.perf_counter() - computed_at
+    if result is None:  # the gradient is computed: a full queue or a drain does not refuse its accumulation
+        result = await _given_back_on_failure(
+            worker.run(runtime.accumulate, computed, *_placement(answer), work=0.0, bounded=False),
+            answer,
+            stepper,
+            worker,
+        )
+    return answer, result, waited
 
 
 def _holder(result, reservation) -> int:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import math
 import time
@@ -63,6 +64,11 @@ OPTIMIZERS = ("adamw", "nadamw")
 NO_BUCKET = -1  # backward(bucket=NO_BUCKET): the input gradient only, nothing accumulated
 DEDUP_STEPS = 16  # a microbatch accumulated in one of this many last steps is not accumulated again (a re-run, a retry)
 MAX_FORWARDS_IN_FLIGHT = 4096  # records of forwards awaiting their backward (the oldest forgotten past this)
+# seconds the calling task's jobs waited in the compute worker's queue behind other jobs
+# (ComputeWorker.run adds to it): what a server's own time on a request takes out, so that
+# the time it reports to the trainer's wiring is its service time, not the queue the
+# wiring already counts
+QUEUED_S: contextvars.ContextVar[float] = contextvars.ContextVar("queued_s", default=0.0)
 
 
 class StaleForward(SwarmError):
@@ -185,6 +191,19 @@ class _CachedForward:
     targets: torch.Tensor | None  # likewise (last stage)
     leaf: torch.Tensor  # the graph's input (requires grad past the first stage)
     output: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ComputedBackward:
+    """A backward's gradients, computed on its forward's weights and not accumulated yet."""
+
+    microbatch_id: str
+    weights_step: int  # the step of the weights version it ran on
+    grads: tuple  # one per trainable parameter (None: unused)
+    grad_inputs: torch.Tensor | None
+    loss: float | None
+    batch: int
+    seq: int
 
 
 @dataclass(frozen=True)
@@ -385,23 +404,34 @@ class StageRuntime:
         version (see the module's docstring); :class:`StaleForward` if that version is not kept
         here or ``bucket`` is more than ``max_staleness`` steps after it. A bucket of a step
         already applied counts the samples as dropped, or (``late_to_current``) goes to the
-        current step."""
+        current step. :meth:`compute_backward` and :meth:`accumulate` in one call; a server
+        that learns the bucket while the gradient is computed calls them apart."""
+        computed = self.compute_backward(
+            microbatch_id, seed, inputs, targets, grad_outputs, forward_step, bucket, late_to_current
+        )
+        return self.accumulate(computed, bucket, late_to_current)
+
+    def compute_backward(
+        self,
+        microbatch_id: str,
+        seed: int,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None,
+        grad_outputs: torch.Tensor | None,
+        forward_step: int | None = None,
+        bucket: int | None = None,
+        late_to_current: bool = False,
+    ) -> ComputedBackward:
+        """The microbatch's gradients on its forward's weights version, not accumulated yet
+        (:meth:`accumulate`). ``bucket``, where already known, is checked first: a backward
+        that its step would refuse as stale is not computed."""
         self.validate(inputs, targets, grad_outputs, backward=True)
         if forward_step is not None:
             self.check_staleness(microbatch_id, forward_step)
         version = self._version_of(microbatch_id, forward_step)
         weights_step = self._version_steps[version] if forward_step is None else forward_step
-        step, bucket = self.step, self.step if bucket is None else bucket
-        if late_to_current and 0 <= bucket < step:  # a replica counting its own steps: late for its step, the next
-            bucket = step
-        if bucket > weights_step + self.max_staleness:
-            self._forwards.pop(microbatch_id, None)
-            self._cache.pop(microbatch_id, None)
-            self.stats.stale_backwards += 1
-            raise StaleForward(
-                f"the gradient of {microbatch_id!r}, computed on the weights of step {weights_step}, would go into "
-                f"step {bucket} (SWARM_MAX_STALENESS={self.max_staleness}): run the microbatch again"
-            )
+        if bucket is not None:
+            self._refuse_stale(microbatch_id, weights_step, self._bucket_for(bucket, late_to_current))
         inputs, targets, grad_outputs = self._as_model_types(inputs, targets, grad_outputs)
         started = time.perf_counter()
         params = self._params_of(version)
@@ -418,9 +448,29 @@ class StageRuntime:
         self._forwards.pop(microbatch_id, None)
         self._forget_unused_versions()
         self.stats.backwards_run += 1
+        self.stats.compute_s += time.perf_counter() - started
+        return ComputedBackward(
+            microbatch_id,
+            weights_step,
+            tuple(grads[: len(params)]),
+            None if self.spec.is_first else grads[-1],
+            float(output.detach()) if self.spec.is_last else None,
+            inputs.shape[0],
+            inputs.shape[1],
+        )
+
+    def accumulate(
+        self, computed: ComputedBackward, bucket: int | None = None, late_to_current: bool = False
+    ) -> BackwardResult:
+        """Add ``computed`` (once per microbatch id) to the bucket of global step ``bucket``
+        (None: the current step); see :meth:`backward`."""
+        started = time.perf_counter()
+        microbatch_id, weights_step = computed.microbatch_id, computed.weights_step
+        step, bucket = self.step, self._bucket_for(bucket, late_to_current)
+        self._refuse_stale(microbatch_id, weights_step, bucket)
         first_bucket = self.accumulated_in(microbatch_id)
         duplicate = first_bucket is not None
-        batch, holder = inputs.shape[0], first_bucket
+        batch, holder = computed.batch, first_bucket
         if duplicate:
             self.stats.duplicate_backwards += 1
         elif bucket == NO_BUCKET:
@@ -432,21 +482,38 @@ class StageRuntime:
             if bucket > weights_step:  # bounded staleness: a gradient of older weights than the step it goes into
                 self.stats.stale_gradients += 1
             target = self._bucket(bucket)
-            for acc, g in zip(target.grad_sum, grads[: len(params)]):
+            for acc, g in zip(target.grad_sum, computed.grads):
                 if g is not None:
                     acc.add_(g, alpha=batch)  # gradients of the microbatch mean, weighted by its samples
             target.samples += batch
             target.ids.add(microbatch_id)
             self.stats.backwards += 1
             self.stats.samples += batch
-            self.stats.tokens_trained += batch * inputs.shape[1]
-            self.stats.token_pairs_trained += batch * inputs.shape[1] ** 2
+            self.stats.tokens_trained += batch * computed.seq
+            self.stats.token_pairs_trained += batch * computed.seq**2
             if self.solo and target.samples >= self.optim_cfg.global_batch and bucket == self.step:
                 self.apply_step(self.take_gradients())
         self.stats.compute_s += time.perf_counter() - started
-        grad_inputs = None if self.spec.is_first else grads[-1]
-        loss = float(output.detach()) if self.spec.is_last else None
-        return BackwardResult(grad_inputs, loss, step, not duplicate and bucket >= step, holder)
+        return BackwardResult(computed.grad_inputs, computed.loss, step, not duplicate and bucket >= step, holder)
+
+    def _bucket_for(self, bucket: int | None, late_to_current: bool) -> int:
+        """The step a backward's gradient goes to: ``bucket``, the current step for None, and
+        the current one for a late bucket of a step this replica counts alone."""
+        step = self.step
+        bucket = step if bucket is None else bucket
+        if late_to_current and 0 <= bucket < step:  # a replica counting its own steps: late for its step, the next
+            bucket = step
+        return bucket
+
+    def _refuse_stale(self, microbatch_id: str, weights_step: int, bucket: int) -> None:
+        if bucket > weights_step + self.max_staleness:
+            self._forwards.pop(microbatch_id, None)
+            self._cache.pop(microbatch_id, None)
+            self.stats.stale_backwards += 1
+            raise StaleForward(
+                f"the gradient of {microbatch_id!r}, computed on the weights of step {weights_step}, would go into "
+                f"step {bucket} (SWARM_MAX_STALENESS={self.max_staleness}): run the microbatch again"
+            )
 
     def _version_of(self, microbatch_id: str, forward_step: int | None) -> int:
         """The weights version the backward of ``microbatch_id`` runs on: its forward's here;
@@ -905,19 +972,24 @@ class ComputeWorker:
             raise Overloaded(f"compute queue full ({self._pending} >= max_queue={self.max_queue})", retry_after_s=1.0)
         self._pending += 1
         self._idle.clear()
+        queued = time.perf_counter()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self._call, fn, args, work)
+            result, started = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._call, fn, args, work
+            )
+            QUEUED_S.set(QUEUED_S.get() + max(0.0, started - queued))
+            return result
         finally:
             self._pending -= 1
             if self._pending == 0:
                 self._idle.set()
 
-    def _call(self, fn: Callable[..., Any], args: tuple, work: float) -> Any:
+    def _call(self, fn: Callable[..., Any], args: tuple, work: float) -> tuple[Any, float]:
         started = time.perf_counter()
         try:
             if self.inject_delay_s:
                 time.sleep(self.inject_delay_s * work)
-            return fn(*args)
+            return fn(*args), started
         finally:
             self.busy_s += time.perf_counter() - started
 

@@ -76,6 +76,8 @@ from shared.errors import BadPayload, Overloaded, RemoteError
 from shared.http import post_json
 from shared.step_protocol import DoneReport, ReserveAnswer, ReserveRequest, Verdict
 
+EARLY_BACKWARDS = 2  # backwards computed at once with their reservation's round trip (a gradient each)
+
 
 @dataclass(frozen=True)
 class Reservation:
@@ -124,6 +126,9 @@ class StepClient:
         self._background: set[asyncio.Task] = set()
         self._resyncing: asyncio.Task | None = None
         self._settling: asyncio.Task | None = None  # a closing backward's settle, in the background
+        # backwards computed while their reservation is asked for (routes.run_backward): each
+        # holds its gradient until the answer comes; past this many, a backward reserves first
+        self.early = asyncio.Semaphore(EARLY_BACKWARDS)
         self.failures = 0
 
     @classmethod

@@ -42,3 +42,51 @@ async def test_a_drain_refuses_new_work_but_not_a_step_rounds_jobs_and_waits_for
         await worker.run(lambda: "new work")
     assert await worker.run(lambda: "bookkeeping", bounded=False) == "bookkeeping"
     assert await worker.drain(1.0)
+
+
+class SteppedClock:
+    """``perf_counter`` that moves only when a job says so (thread-safe enough: one job runs at a time)."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    sleep = staticmethod(lambda s: None)
+
+
+async def test_a_job_s_wait_behind_another_is_counted_apart_from_its_own_time(monkeypatch):
+    """``QUEUED_S``: what the calling task's jobs waited in the queue (a chain hop reports
+    its time less this to the trainer's wiring, which counts the queue itself). Job A takes
+    5 s of the clock; B, queued behind it, waited those 5 s and took 2 of its own."""
+    import services.stage_server.runtime as runtime_module
+    from services.stage_server.runtime import QUEUED_S
+
+    clock = SteppedClock()
+    monkeypatch.setattr(runtime_module, "time", clock)
+    w = ComputeWorker(max_queue=4)
+    release = threading.Event()
+
+    def job(seconds: float):
+        release.wait(10.0)
+        clock.now += seconds
+
+    async def timed(seconds: float) -> tuple[float, float]:
+        before = clock.now
+        await w.run(job, seconds)
+        return QUEUED_S.get(), clock.now - before
+
+    try:
+        first = asyncio.ensure_future(timed(5.0))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(timed(2.0))
+        await asyncio.sleep(0)
+        assert w.queue_depth == 2
+        release.set()
+        (queued_a, _), (queued_b, elapsed_b) = await first, await second
+    finally:
+        w.close()
+    assert queued_a == 0.0
+    assert (queued_b, elapsed_b) == (5.0, 7.0)  # its own time: 7 - 5 = 2
+    assert QUEUED_S.get() == 0.0  # each task counts its own

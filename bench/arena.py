@@ -354,15 +354,21 @@ def reference_targets(work: Workload, stages: int, steps: set[int]) -> dict[int,
         for i in range(n):
             mb = batcher.microbatch(step * n + i)
             (loss_fn(forward(models, mb.inputs), mb.targets) / n).backward()
-        for m, opt in zip(models, optimizers):
-            torch.nn.utils.clip_grad_norm_(list(m.parameters()), optim.max_grad_norm)
-            for group in opt.param_groups:
-                group["lr"] = optim.lr_at(step)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        reference_step(models, optimizers, optim, step)
         if step + 1 in steps:
             targets[step + 1] = held_out_loss(models, work)
     return targets
+
+
+def reference_step(models: list[torch.nn.Module], optimizers, optim, step: int) -> None:
+    """Global step ``step`` of the reference's stages on their accumulated gradients, as a
+    stage server takes it: each stage clipped to its norm, the schedule's learning rate, AdamW."""
+    for m, opt in zip(models, optimizers):
+        torch.nn.utils.clip_grad_norm_(list(m.parameters()), optim.max_grad_norm)
+        for group in opt.param_groups:
+            group["lr"] = optim.lr_at(step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
 
 # ------------------------------------------------------------------------------ compute against transfer

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from bench.arena import FULL, reference_targets
+from bench.arena import FULL, reference_step, reference_targets
 from bench.arena_eval import held_out_loss
 from bench.arena_pipelining import loss_fn, stock_optimizer, stock_optimizer_config
 from shared.codec import FLOAT_CODECS, decode_tensor, encode_tensor, pack_message, unpack_message
@@ -190,12 +190,7 @@ def run(config: str, steps: int) -> list[float]:
                 p.grad = mean[offset : offset + p.numel()].view_as(p).clone()
                 offset += p.numel()
         older = ahead
-        for m, opt in zip(models, optimizers):
-            torch.nn.utils.clip_grad_norm_(list(m.parameters()), optim.max_grad_norm)
-            for group in opt.param_groups:
-                group["lr"] = optim.lr_at(step)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        reference_step(models, optimizers, optim, step)
         losses.append(held_out_loss(models, work))
     return losses
 

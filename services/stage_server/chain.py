@@ -28,8 +28,9 @@ Answer::
 ``step``/``stage_step``/``bucket``/``accumulated``/``complete`` are this server's, as
 ``/backward`` answers them; ``loss`` and ``loss_step`` (the global step whose batch the
 microbatch went into, as the last stage counted it) come from the last stage; ``forward_s``
-and ``backward_s`` are this server's own time on the microbatch (queue and compute; the
-backward's wait for the global step left out); ``hops`` lists the same for every later
+and ``backward_s`` are this server's own time on the microbatch (its compute, codecs and
+handling; its jobs' wait in the compute queue behind other requests and the backward's wait
+for the global step left out: the wiring models the queue itself); ``hops`` lists the same for every later
 stage with the replica that served it, so the trainer's wiring keeps learning replica
 speeds; ``rerouted`` names the replicas that failed on the way and what they answered. An
 evaluation (``eval: true``) answers ``{stage, microbatch_id, step, loss, hops, rerouted}``.

@@ -223,14 +223,19 @@ async def run_backward(app: web.Application, req: StageRequest) -> dict:
     work = 3.0 if runtime.spec.is_last else 2.0  # the last stage's backward includes its forward
     args = (req.microbatch_id, req.seed, req.inputs, req.targets, req.grad_outputs, req.forward_step)
     answer, waited = None, 0.0
-    if not stepper or duplicate:
+    reserve = (
+        functools.partial(stepper.reserve, _samples(req.inputs), req.until_step, req.microbatch_id, req.admitted_step)
+        if stepper and not duplicate
+        else None
+    )
+    if reserve is None:
         result = await worker.run(runtime.backward, *args, work=work)
     elif _computes_early(runtime, req) and not stepper.early.locked():
         async with stepper.early:
-            answer, result, waited = await _backward_while_reserving(req, args, work, stepper, runtime, worker)
+            answer, result, waited = await _backward_while_reserving(reserve, args, work, stepper, runtime, worker)
     else:
         asked = time.perf_counter()
-        answer = await stepper.reserve(_samples(req.inputs), req.until_step, req.microbatch_id, req.admitted_step)
+        answer = await reserve()
         waited = time.perf_counter() - asked
         result = await _given_back_on_failure(
             worker.run(runtime.backward, *args, *_placement(answer), work=work), answer, stepper, worker
@@ -286,17 +291,22 @@ def _placement(answer) -> tuple[int | None, bool]:
     return answer.bucket, bool(answer.alone)
 
 
+async def _give_back(answer, stepper, worker) -> None:
+    """The reservation ``answer`` (if it is one) goes back: 0 samples, its step opens again."""
+    if _is_reservation(answer):
+        await stepper.settle(answer, 0, worker.run)
+
+
 async def _given_back_on_failure(job, answer, stepper, worker):
-    """Await ``job``; if it fails, the reservation ``answer`` goes back (0 samples)."""
+    """Await ``job``; if it fails, the reservation ``answer`` goes back."""
     try:
         return await job
     except BaseException:
-        if _is_reservation(answer):
-            await stepper.settle(answer, 0, worker.run)
+        await _give_back(answer, stepper, worker)
         raise
 
 
-async def _backward_while_reserving(req: StageRequest, args: tuple, work: float, stepper, runtime, worker) -> tuple:
+async def _backward_while_reserving(reserve, args: tuple, work: float, stepper, runtime, worker) -> tuple:
     """(the reservation's answer, the backward's result, the seconds it waited for the answer
     beyond its compute): the reservation asked for while the gradient is computed."""
     answered: concurrent.futures.Future = concurrent.futures.Future()  # read by the compute thread
@@ -309,9 +319,7 @@ async def _backward_while_reserving(req: StageRequest, args: tuple, work: float,
         else:
             answered.set_result(task.result())
 
-    asking = asyncio.ensure_future(
-        stepper.reserve(_samples(req.inputs), req.until_step, req.microbatch_id, req.admitted_step)
-    )
+    asking = asyncio.ensure_future(reserve())
     asking.add_done_callback(copy)
 
     def job():
@@ -324,9 +332,7 @@ async def _backward_while_reserving(req: StageRequest, args: tuple, work: float,
         computed, result = await worker.run(job, work=work)
     except BaseException:  # nothing was accumulated: the reservation, once answered, goes back
         with contextlib.suppress(Exception):
-            answer = await asking
-            if _is_reservation(answer):
-                await stepper.settle(answer, 0, worker.run)
+            await _give_back(await asking, stepper, worker)
         raise
     computed_at = time.perf_counter()
     answer = await asking

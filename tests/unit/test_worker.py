@@ -53,8 +53,6 @@ class SteppedClock:
     def perf_counter(self) -> float:
         return self.now
 
-    sleep = staticmethod(lambda s: None)
-
 
 async def test_a_job_s_wait_behind_another_is_counted_apart_from_its_own_time(monkeypatch):
     """``QUEUED_S``: what the calling task's jobs waited in the queue (a chain hop reports

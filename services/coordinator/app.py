@@ -147,12 +147,13 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
         reported_step=lambda server: app[REGISTRY].reports.get(server.server_id, ServerReport()).step,
         store=app[REGISTRY],  # the duplicate window survives a restart in the run's state file
         error_feedback=settings.error_feedback,
+        lookahead=_lookahead(settings),  # a stage moves with its round's first member (see steps.py)
     )
     app.cleanup_ctx.append(_steps())
     app.on_shutdown.append(_stop_waiting_for_steps)
     app[ADMISSION] = Admission(
         global_batch=0,  # as the servers report it (SWARM_GLOBAL_BATCH), see add_admission_routes
-        lookahead=0 if settings.schedule == "sync" else settings.max_staleness,
+        lookahead=_lookahead(settings),
         lease_s=settings.step_timeout_s,  # an admission not renewed for a step timeout: its trainer is gone
         clock=time.monotonic,
     )
@@ -182,6 +183,11 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     if settings.mdns:
         app.cleanup_ctx.append(_announcement(settings))
     return app
+
+
+def _lookahead(settings) -> int:
+    """The admission's lookahead: steps past the swarm's that admit microbatches (0: ``sync``)."""
+    return 0 if settings.schedule == "sync" else settings.max_staleness
 
 
 def _global_batch(app: web.Application) -> int:

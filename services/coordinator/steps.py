@@ -12,7 +12,13 @@ accumulated (``POST /step/done``; 0 samples for a failed backward, which gives t
 reservation back). Once every sample reserved for the stage's step is accumulated, the
 coordinator starts a ``step`` round among the stage's live replicas (the butterfly
 all-reduce of the stage server's ``allreduce.py``; the coordinator moves no tensor), waits
-until the members report it ended, and moves the stage to the step they reached.
+until the members report it ended, and moves the stage to the step they reached. Given the
+admission's lookahead (the coordinator's app gives it), the stage moves as soon as the first
+member reports it stepped: every member applies the same reduced gradient (or resyncs), so a
+weak replica that applies last no longer holds up the swarm's next step; it holds the
+microbatches that need the round's weights until it applied (``Averager.hold_for``), its
+reservations meanwhile go into the stage's new step, and the stage's next round starts only
+once every member of this one ended (``finishing``).
 Reservations still out ``step_timeout_s`` after the step closed (a replica died with them)
 are given up: the round starts with what was accumulated, and the step holds fewer samples.
 A round that nobody stepped in gave its gradients back: the step then counts, for each
@@ -76,7 +82,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -110,6 +116,19 @@ class Claim:
     samples: int
 
 
+@dataclass(frozen=True)
+class Finishing:
+    """A step round that moved its stage when its first member stepped, while the others
+    still apply (a weak replica takes a while): its members, the step it took, and the
+    samples accumulated for that step then (its effective batch and drops are counted when
+    the last member ended)."""
+
+    round_id: str
+    step: int
+    members: frozenset[str]
+    done: int
+
+
 @dataclass
 class StageCount:
     """A stage's step and the samples reserved and accumulated for its next steps.
@@ -127,6 +146,7 @@ class StageCount:
     unreserved: dict[int, int] = field(default_factory=dict)  # step -> of those, reported without a reservation
     closed_at: dict[int, float] = field(default_factory=dict)  # step -> when its reservations reached the global batch
     round_id: str | None = None  # the step round running, if any
+    finishing: Finishing | None = None  # the last round, which moved the stage, while its other members apply
     replica_steps: dict[str, int] = field(default_factory=dict)  # replica URL -> the step it last reported
     last_seen: dict[str, float] = field(
         default_factory=dict
@@ -206,7 +226,7 @@ class StepCounter:
         none of them, nor any that reported within the lease, holds the stage's step is told
         to ``catch_up`` instead."""
         st = self._check(req.stage, req.url, req.step, req.global_batch)
-        if req.step < st.step:
+        if req.step < st.step and not self._applying(st, req.url, req.step):
             if live is None or st.round_id is not None or self._holds_the_step(st, req.url, live, reported or {}):
                 return ReserveAnswer(Verdict.RESYNC, None, st.step)
             st.steps_lost.append((req.step, st.step))
@@ -302,7 +322,7 @@ class StepCounter:
         not taken: its reservations are given up, and it fills again."""
         st = self.stages[stage]
         k = st.step
-        if st.round_id is not None or not st.closed(k) or self.clock() < st.not_before:
+        if st.round_id is not None or st.finishing is not None or not st.closed(k) or self.clock() < st.not_before:
             return False
         now = self.clock()
         alive = (
@@ -337,6 +357,27 @@ class StepCounter:
     def round_started(self, stage: int, round_id: str) -> None:
         self.stages[stage].round_id = round_id
 
+    def member_stepped(self, stage: int, round_id: str, url: str, reached: int, members: Iterable[str]) -> bool:
+        """A member of the stage's running round ``round_id`` ended it at step ``reached``
+        while the others may still apply: if that is a step, the stage moves to it now (the
+        round becomes ``finishing``) and reservations and admissions of the next step go on
+        without waiting for the slowest member. The others reach the step too (every member
+        applies the same reduced gradient) or resync, as after any round; the next round of
+        the stage waits until they all ended (:meth:`round_ended`). True if the stage moved."""
+        st = self.stages[stage]
+        st.replica_steps[url] = max(reached, st.replica_steps.get(url, 0))
+        if st.round_id != round_id or reached <= st.step:
+            return False
+        st.finishing = Finishing(round_id, st.step, frozenset(members), st.done.get(st.step, 0))
+        st.round_id = None
+        self._advance(stage, reached)
+        return True
+
+    @staticmethod
+    def _applying(st: StageCount, url: str, step: int) -> bool:
+        """Is ``url`` (at ``step``) a member of the round that moved the stage, still applying it?"""
+        return st.finishing is not None and url in st.finishing.members and step == st.finishing.step
+
     def round_ended(
         self,
         stage: int,
@@ -357,8 +398,15 @@ class StepCounter:
         buckets on a resync, a process killed, or killed and started again at its URL)."""
         st = self.stages[stage]
         st.round_id = None
+        finishing, st.finishing = st.finishing, None
         for url, step in member_steps.items():
             st.replica_steps[url] = max(step, st.replica_steps.get(url, 0))
+        if finishing is not None:  # the stage moved when its first member stepped (member_stepped)
+            effective = sum(member_samples.get(url, 0) for url, s in member_steps.items() if s > finishing.step)
+            dropped = max(0, finishing.done - effective)
+            st.samples_dropped += dropped
+            st.last_effective_batch = effective
+            return effective, dropped
         before = st.step
         reached = max(member_steps.values(), default=before)
         if reached <= before:  # nobody stepped
@@ -558,10 +606,13 @@ async def start_round(
     kind: str = "params",
     step: int = 0,
     error_feedback: bool = False,
+    lookahead: int | None = None,
 ):
     """Start one averaging round of ``stage`` among ``member_urls`` (index = position); return its
     id (``with_accepted``: the id and how many members accepted). ``error_feedback``: a step
     round's members compensate what the codec lost last step (stage server's ``error_feedback.py``).
+    ``lookahead`` (a step round): the admission's; a member still applying the round holds a
+    microbatch admitted for a step more than ``lookahead`` past the round's until it applied.
 
     Posts ``/average/start`` to every member at once; members that refuse (e.g. 409: busy
     with a round, or another stage now) or cannot be reached are logged
@@ -589,6 +640,7 @@ async def start_round(
             "kind": kind,
             "step": step,
             **({"error_feedback": True} if error_feedback else {}),
+            **({"lookahead": lookahead} if lookahead is not None else {}),
         }
         try:
             await post_message(session, url + "/average/start", msg, timeout_s=min(START_TIMEOUT_S, timeout_s))
@@ -639,10 +691,16 @@ class StageRound:
         return asdict(self)
 
 
-async def wait_round_ended(session: aiohttp.ClientSession, rnd: StageRound, timeout_s: float) -> dict[str, dict]:
+async def wait_round_ended(
+    session: aiohttp.ClientSession,
+    rnd: StageRound,
+    timeout_s: float,
+    on_ended: Callable[[str, dict], Awaitable[None]] | None = None,
+) -> dict[str, dict]:
     """Until every member's round ``rnd`` ended (its status no longer runs it) or it cannot
     be asked, bounded by the round's timeout plus a grace period; sets ``rnd.ended`` and
-    returns the last status of each member that answered (URL -> ``/average/status``)."""
+    returns the last status of each member that answered (URL -> ``/average/status``).
+    ``on_ended(url, status)`` is awaited as each member is seen done with it."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s + START_TIMEOUT_S
     pending, delay, statuses = set(rnd.members), STATUS_POLL_S, {}
@@ -661,6 +719,8 @@ async def wait_round_ended(session: aiohttp.ClientSession, rnd: StageRound, time
         statuses[url] = status
         if status.get("running") != rnd.round_id:
             pending.discard(url)
+            if on_ended is not None:
+                await on_ended(url, status)
 
     while pending and loop.time() < deadline:
         await asyncio.gather(*(ask(url) for url in list(pending)))
@@ -687,10 +747,14 @@ class StepScheduler:
         reported_step: Callable[[object], int | None] = lambda server: None,
         store: WindowStore | None = None,
         error_feedback: bool = False,
+        lookahead: int | None = None,
     ):
         """``reported_step(server)``: the step a live server said in its registration or last
         heartbeat. ``store``: where the duplicate window and the step counts persist; what it
-        holds is put back now (None: kept in memory only)."""
+        holds is put back now (None: kept in memory only). ``lookahead``: the admission's (0
+        with the ``sync`` schedule); given, a stage moves when the first member of its round
+        stepped (:meth:`StepCounter.member_stepped`), its members told to hold the microbatches
+        that need the round's weights until they applied it; None: when every member ended."""
         self.live_servers, self.codec, self.timeout_s, self.aggregator, self.log = (
             live_servers,
             codec,
@@ -700,6 +764,7 @@ class StepScheduler:
         )
         self.reported_step = reported_step
         self.error_feedback = error_feedback  # the rounds' members compensate what the codec lost
+        self.lookahead = lookahead
         self.counter = StepCounter(num_stages, timeout_s=timeout_s, lease_s=lease_s)
         self.store = store
         for row in store.step_window() if store is not None else ():
@@ -864,6 +929,7 @@ class StepScheduler:
                 kind="step",
                 step=step,
                 error_feedback=self.error_feedback,
+                lookahead=self.lookahead,
             )
         except BaseException:
             st.round_id = None
@@ -887,7 +953,20 @@ class StepScheduler:
         task.add_done_callback(self._tasks.discard)
 
     async def _finish(self, rnd: StageRound, step: int) -> None:
-        statuses = await wait_round_ended(self.session, rnd, self.timeout_s)
+        moved_at: list[float] = []
+
+        async def ended(url: str, status: dict) -> None:  # the stage moves with its first member's step
+            reached = status.get("step")
+            if self.lookahead is None or type(reached) is not int:
+                return
+            if self.counter.member_stepped(rnd.stage, rnd.round_id, url, reached, rnd.members):
+                moved_at.append(time.monotonic())
+                self._persist()
+                self.log.info("step.advanced", stage=rnd.stage, step=reached, round_id=rnd.round_id, first=url)
+                await self._notify()
+
+        started = time.monotonic()
+        statuses = await wait_round_ended(self.session, rnd, self.timeout_s, on_ended=ended)
         member_steps = {url: s["step"] for url, s in statuses.items() if type(s.get("step")) is int}
         samples = {}
         for url, s in statuses.items():  # what each member put in, as it says
@@ -908,6 +987,8 @@ class StepScheduler:
                 samples_dropped=dropped,
                 members=len(rnd.members),
                 stepped=sum(1 for s in member_steps.values() if s >= st.step),
+                moved_after_s=round(moved_at[0] - started, 4) if moved_at else None,
+                ended_after_s=round(time.monotonic() - started, 4),
             )
         else:
             self.log.warning(

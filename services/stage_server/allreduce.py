@@ -175,6 +175,7 @@ class RoundSpec:
     kind: str = "params"
     step: int = 0
     error_feedback: bool = False  # a step round: each member adds back what its compression lost last step
+    lookahead: int | None = None  # a step round: the admission's; see Averager.hold_for
 
     @property
     def k(self) -> int:
@@ -215,6 +216,10 @@ class RoundSpec:
         _require(type(step) is int and 0 <= step < 2**53, "'step' must be an int >= 0")
         error_feedback = msg.get("error_feedback", False)
         _require(type(error_feedback) is bool, "'error_feedback' must be a boolean")
+        lookahead = msg.get("lookahead")
+        _require(
+            lookahead is None or (type(lookahead) is int and 0 <= lookahead < 2**53), "'lookahead' must be an int >= 0"
+        )
         if msg["stage"] != stage:
             raise WrongStage(f"this server holds stage {stage}, not {msg['stage']}")
         return cls(
@@ -228,6 +233,7 @@ class RoundSpec:
             kind,
             step,
             error_feedback,
+            lookahead,
         )
 
 
@@ -629,6 +635,20 @@ class Averager:
                 return
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stepped.wait(), left)
+
+    async def hold_for(self, admitted_step: int | None) -> None:
+        """Before a training forward of a microbatch admitted for ``admitted_step``: while a
+        step round that moves the stage with its first member's step (``lookahead`` given) runs
+        here, and the admission counts on the weights that round makes (the microbatch's step
+        is more than ``lookahead`` past this replica's), wait until it ended here (at most its
+        timeout). Its stage may have moved already, its faster members applied; the trainer's
+        admission let the microbatch in on that, and a forward here on the weights before
+        would put an older gradient in the step than the admission allows."""
+        rnd = self.round
+        if admitted_step is None or not self.running or rnd.spec.kind != "step" or rnd.spec.lookahead is None:
+            return
+        if admitted_step - rnd.spec.lookahead > self.runtime.step:
+            await self.wait_round(rnd.spec.round_id, rnd.spec.timeout_s)
 
     async def wait_round(self, round_id: str, timeout_s: float) -> None:
         """Until round ``round_id`` ended here (at once if it is not the one running)."""

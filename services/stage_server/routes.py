@@ -177,6 +177,8 @@ async def run_forward(app: web.Application, req: StageRequest) -> dict:
     stepper = app.get(STEPPER)
     if stepper:  # the step a backward here closed, settling in the background: on its weights
         await stepper.settled()
+        if not req.eval:  # and on those of a step round still applying here that its admission counts on
+            await stepper.hold_for(req.admitted_step)
 
     def compute():
         return runtime.forward(
@@ -213,6 +215,8 @@ async def run_backward(app: web.Application, req: StageRequest) -> dict:
     computed gradients that wait for their answer at once)."""
     runtime, settings, worker = app[RUNTIME], app[SETTINGS], app[WORKER]
     stepper = app.get(STEPPER)
+    if stepper and req.forward_step is None:  # its forward runs here now (the last stage): as in run_forward
+        await stepper.hold_for(req.admitted_step)
     if stepper and req.forward_step is not None:
         runtime.check_staleness(
             req.microbatch_id, req.forward_step

@@ -94,7 +94,9 @@ class Reservation:
 class StepClient:
     """One replica's side of global steps. ``post(path, body) -> dict`` posts to the
     coordinator; ``resync()`` loads a live replica's state; ``wait_round(round_id,
-    timeout_s)`` waits for a step round here to end; ``in_round()``: one runs now."""
+    timeout_s)`` waits for a step round here to end; ``in_round()``: one runs now;
+    ``hold_for(admitted_step)``: waits for a step round whose weights a microbatch admitted
+    for that step needs (``Averager.hold_for``)."""
 
     def __init__(
         self,
@@ -107,6 +109,7 @@ class StepClient:
         round_wait_s: float,
         log,
         in_round: Callable[[], bool] = lambda: False,
+        hold_for: Callable[[int | None], Awaitable[None]] | None = None,
     ):
         self.runtime, self.post, self.resync, self.wait_round, self.in_round = (
             runtime,
@@ -115,6 +118,7 @@ class StepClient:
             wait_round,
             in_round,
         )
+        self._hold_for = hold_for
         self.identity, self.round_wait_s, self.log = identity, round_wait_s, log
         self.global_batch = int(identity["global_batch"])
         self.replicas = 1  # live replicas of this stage, as the coordinator last said
@@ -168,10 +172,17 @@ class StepClient:
             resync=resync,
             wait_round=averager.wait_round,
             in_round=lambda: averager.running,
+            hold_for=averager.hold_for,
             identity=identity,
             round_wait_s=settings.join_timeout_s,
             log=log,
         )
+
+    async def hold_for(self, admitted_step: int | None) -> None:
+        """Before a training forward here of a microbatch admitted for ``admitted_step``: a
+        step round still applying the weights its admission counts on ends first."""
+        if self._hold_for is not None:
+            await self._hold_for(admitted_step)
 
     async def reserve(
         self, samples: int, until_step: int | None, microbatch_id: str, admitted_step: int | None = None

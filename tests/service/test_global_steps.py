@@ -17,6 +17,7 @@ stage servers on loopback (in this process), trained by the real trainer.
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -287,6 +288,79 @@ async def test_the_sync_schedule_trains_two_replicas_and_two_trainers_as_one_pro
                 for part, ours, ref in comparable_parts(name, p.detach(), reference[name]):
                     rel = float((ours - ref).norm() / ref.norm())
                     assert rel <= 1e-4, f"stage {stage} {name}{part}: relative error {rel:.2e}"
+
+
+async def test_a_stage_moves_with_its_fast_replica_and_the_slow_one_holds_the_next_steps_forwards(swarm, http_session):
+    """SWARM_SCHEDULE=sync with a slow replica in each stage (a weak peer: its step's apply
+    comes last). The coordinator moves a stage when the first member of its round stepped, so
+    the swarm's next step is admitted while the slow replica still applies; a forward of it
+    that reaches the slow replica waits there for the round's weights. Each slow apply here
+    waits until the coordinator moved its stage without it (the old code waited for every
+    member: each such wait ran out), and the run is still one process's training."""
+    steps, global_batch, num_stages = 6, 4 * MICROBATCH, 2
+    optim = reference_optimizer(global_batch, steps)
+    s = await reference_swarm(
+        swarm, [2] * num_stages, optim, coordinator_overrides={"schedule": "sync", "averaging_codec": "fp32"}
+    )
+    counter = s.coordinator[STEPS].counter
+    moved: dict[tuple[int, int], threading.Event] = {
+        (stage, k): threading.Event() for stage in range(num_stages) for k in range(steps + 1)
+    }
+    member_stepped = counter.member_stepped
+
+    def recording(stage, round_id, url, reached, members):
+        went = member_stepped(stage, round_id, url, reached, members)
+        if went:
+            moved[(stage, reached)].set()
+        return went
+
+    counter.member_stepped = recording
+    slow_applies: list[tuple[int, int, bool]] = []  # (stage, step it took, the stage had moved without it)
+    for stage, group in enumerate(s.stages):
+        runtime = group[1][RUNTIME]
+        apply_step = runtime.apply_step
+
+        def slow(gradient, runtime=runtime, apply_step=apply_step, stage=stage):  # on the compute worker
+            before_moved = moved[(stage, runtime.step + 1)].wait(10.0)
+            slow_applies.append((stage, runtime.step + 1, before_moved))
+            apply_step(gradient)
+
+        runtime.apply_step = slow
+    runs = [
+        trainer(
+            http_session,
+            s.urls,
+            steps=steps,
+            global_batch=global_batch,
+            in_flight=2,
+            shard=(t, 2),
+            trainer_id=f"t{t}",
+            coordinator=s.coordinator_url,
+        )
+        for t in range(2)
+    ]
+    summaries = await asyncio.gather(*(t.run() for t in runs))
+    await settled(s)
+    assert all(x.microbatches_failed == 0 and x.microbatch_reruns == 0 for x in summaries)
+    assert sorted((stage, k) for stage, k, _ in slow_applies) == [
+        (stage, k) for stage in range(num_stages) for k in range(1, steps + 1)
+    ]
+    assert all(before for _, _, before in slow_applies), slow_applies  # every stage moved without its slow member
+    admission = s.coordinator[ADMISSION]
+    batches = [[int(mb.rsplit(":", 1)[1]) for mb in admission.batch(k)] for k in range(steps)]
+    replicas = [app[RUNTIME] for group in s.stages for app in group]
+    assert (
+        sum(r.stats.stale_gradients for r in replicas) == 0
+        and sum(r.stats.other_weights_backwards for r in replicas) == 0
+    )
+    reference = one_process_training(optim, num_stages, steps, batches)
+    for stage, group in enumerate(s.stages):
+        names = [name for name, _ in group[0][RUNTIME].model.named_parameters()]
+        expected = flat_parameters([reference[name] for name in names])
+        for app in group:
+            assert app[RUNTIME].step == steps
+            rel = float((flat_parameters(app[RUNTIME].params) - expected).norm() / expected.norm())
+            assert rel <= 1e-5, f"stage {stage}: relative error {rel:.2e}"
 
 
 def comparable_parts(name: str, ours: torch.Tensor, ref: torch.Tensor):

@@ -67,6 +67,7 @@ to it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field, replace
@@ -129,6 +130,7 @@ class Books:
 
     applied: int = 0  # samples of its own buckets it applied in a step
     late: int = 0  # samples of backwards that came after their step (counted dropped, never accumulated)
+    in_round: int = 0  # samples it took into a step round that has not settled here yet
 
 
 @dataclass
@@ -185,10 +187,28 @@ class RefusedGradient:
         raise Overloaded("the compute worker is overloaded")
 
 
+@dataclass
+class Finishing:
+    """A step round that moved the stage with its first member's step; ``pending`` members
+    (with what each took) apply it later (a slow replica), or die first."""
+
+    counter: StepCounter
+    step: int
+    replicas: list[Replica]  # the round's members
+    taken: dict[str, Accumulated]
+    gradient: Accumulated | None
+    loser: Replica | None
+    pending: list[Replica]
+    contributors: list[Replica]  # the members whose gradients are in the mean
+    recorded: bool = False  # the step's Applied is in the books (when its first member stepped)
+
+
 class GlobalSteps(RuleBasedStateMachine):
-    @initialize(replicas=st.integers(2, 3))
-    def start(self, replicas):
+    @initialize(replicas=st.integers(2, 3), lookahead=st.integers(0, 1))
+    def start(self, replicas, lookahead=1):
         RULES["examples"] += 1
+        self.lookahead = lookahead  # the admission's: 0 is the sync schedule
+        self.finishing: Finishing | None = None
         self.now = 0.0
         self.rows: dict[tuple[int, str], tuple[int, str]] = {}  # the persisted duplicate window
         self.count_rows: dict[int, dict] = {}  # the persisted step counts, by stage
@@ -220,7 +240,7 @@ class GlobalSteps(RuleBasedStateMachine):
         return counter
 
     def _new_admission(self) -> Admission:
-        return Admission(global_batch=G, lookahead=1, lease_s=ADMISSION_LEASE_S, clock=lambda: self.now)
+        return Admission(global_batch=G, lookahead=self.lookahead, lease_s=ADMISSION_LEASE_S, clock=lambda: self.now)
 
     def _persist(self) -> None:
         """The counter's journal applied to the window's rows, as ``Registry.save_step_window`` does."""
@@ -275,11 +295,16 @@ class GlobalSteps(RuleBasedStateMachine):
                 continue
             if answer.verdict is not Verdict.RESYNC:
                 break
+            if self._applying(replica):
+                return None  # no resync while its round runs: the trainer is told 503
             if rt.step < answer.step:
                 self._resync(replica)
         else:
             return None
         return None if answer.verdict is Verdict.WAIT else answer
+
+    def _applying(self, replica: Replica) -> bool:
+        return self.finishing is not None and replica in self.finishing.pending
 
     def _compute(self, replica: Replica, flight: Flight, bucket: int | None):
         """``runtime.backward``; None if it was refused as stale (the trainer runs it again)."""
@@ -379,6 +404,8 @@ class GlobalSteps(RuleBasedStateMachine):
             assert verdict is Admit.WAIT, verdict
             self.rerun.append(Flight(mb, seed, samples, replica.url, 0, None))
             return
+        if self._applying(replica) and admitted is not None and admitted - self.lookahead > replica.rt.step:
+            self.round_ends()  # Averager.hold_for: the forward waits until the round applied here
         replica.rt.forward(mb, seed, tensor(seed, samples), None)
         weights = flat_parameters(replica.rt.params)
         self.flights[mb] = Flight(mb, seed, samples, replica.url, replica.rt.step, admitted, weights)
@@ -477,6 +504,8 @@ class GlobalSteps(RuleBasedStateMachine):
     def kill_replica(self, victim: Replica) -> None:
         victim.alive = False
         self.held = [h for h in self.held if h.replica is not victim]
+        if self._applying(victim):  # what it took dies with it (books.in_round); the round ends without it
+            self.finishing.pending.remove(victim)
 
     @precondition(lambda self: any(not r.alive for r in self.replicas.values()))
     @rule(pick=st.integers(0, 2), join=st.booleans())
@@ -495,56 +524,98 @@ class GlobalSteps(RuleBasedStateMachine):
         self.counter.registered(0, replica.url, replica.rt.step)
 
     @precondition(lambda self: self.stage.round_id is None and self.stage.closed(self.stage.step))
-    @rule(lost=st.integers(-1, 2), in_mean=st.booleans(), overloaded=st.integers(0, 5))
-    def step_round(self, lost, in_mean, overloaded):
+    @rule(lost=st.integers(-1, 2), in_mean=st.booleans(), overloaded=st.integers(0, 5), stagger=st.booleans())
+    def step_round(self, lost, in_mean, overloaded, stagger=False):
         """The stage's step round, if the counter says so. ``lost``: the index of a member
         that misses a part (-1: none): it does not step, gives its gradient back and must
         resync; ``in_mean``: its parts reached the others' reducers. ``overloaded == 0``:
-        the apply fails before stepping on every member."""
+        the apply fails before stepping on every member. ``stagger``: the first member that
+        steps ends the round first, the coordinator moves the stage then
+        (``StepCounter.member_stepped``), and the others apply later (:meth:`round_ends`),
+        with the trainer's work and the faults in between."""
         if not self.counter.ready(0, self._live()):
             self._persist()
             return
         self._persist()
+        if self.finishing is not None:  # a round a restarted coordinator's predecessor started: its
+            self.round_ends()  # members apply it first (one still applying would refuse this round's start)
         step = self.stage.step
         members = self.counter.members(0, self._live(), self._reported())
         if not members:
             return
         self.rounds += 1
-        self.counter.round_started(0, f"round{self.rounds}")
+        round_id = f"round{self.rounds}"
+        self.counter.round_started(0, round_id)
         replicas = [self.replicas[url] for url in members]
         accepted = [r for r in replicas if r.rt.step == step]  # a member at another step refuses
         taken = {r.url: r.rt.take_gradients(step) for r in accepted}
+        for r in accepted:
+            r.books.in_round += taken[r.url].samples
         loser = accepted[lost] if 0 <= lost < len(accepted) and len(accepted) > 1 else None
         contributors = [r for r in accepted if r is not loser or in_mean]
         weight = sum(taken[r.url].samples for r in contributors)
-        mean = None
+        gradient = None
         if weight > 0 and overloaded:
             mean = weighted_mean(
                 {i: (float(taken[r.url].samples), taken[r.url].mean) for i, r in enumerate(contributors)}
             )
-        stepped = []
-        for r in accepted:
-            if overloaded == 0 and weight > 0:
-                try:
-                    settle_step(r.rt, taken[r.url], RefusedGradient(), step)
-                except Overloaded:
-                    pass
-                continue
-            gradient = None if mean is None or r is loser else Accumulated(mean, weight, taken[r.url].microbatch_ids)
-            if settle_step(r.rt, taken[r.url], gradient, step):
-                stepped.append(r)
-                r.books.applied += taken[r.url].samples
-        if stepped:
-            ids = [taken[r.url].microbatch_ids for r in contributors]
-            union = frozenset().union(*ids)
-            assert len(union) == sum(len(i) for i in ids), f"step {step}: a microbatch in two members' buckets"
-            self.applied.append(Applied(step, weight, union))
-            if loser is not None:
-                loser.needs_resync = True
-        self.counter.round_ended(
-            0, {r.url: r.rt.step for r in replicas}, {r.url: taken[r.url].samples for r in accepted}, self._live()
-        )
-        self._persist()
+            gradient = Accumulated(mean, weight, frozenset())
+        if overloaded == 0 and weight > 0:
+            gradient = RefusedGradient()
+        rnd = Finishing(self.counter, step, replicas, taken, gradient, loser, list(accepted), contributors)
+        first = next((r for r in accepted if r is not loser), None)
+        if stagger and gradient is not None and not isinstance(gradient, RefusedGradient) and first is not None:
+            self.finishing = rnd
+            self._settle(rnd, first)
+            assert self.counter.member_stepped(0, round_id, first.url, first.rt.step, members)
+            self._persist()
+            self.admission.stepped(self.stage.step)
+            if rnd.pending:
+                return
+        else:
+            self.finishing = rnd
+        self.round_ends()
+
+    def _settle(self, rnd: Finishing, r: Replica) -> None:
+        """``r`` settles the round: applies its gradient (as every member that steps), or gives back what it took."""
+        rnd.pending.remove(r)
+        took = rnd.taken[r.url]
+        r.books.in_round -= took.samples
+        if isinstance(rnd.gradient, RefusedGradient):
+            with contextlib.suppress(Overloaded):
+                settle_step(r.rt, took, rnd.gradient, rnd.step)
+            return
+        gradient = None
+        if rnd.gradient is not None and r is not rnd.loser:
+            gradient = Accumulated(rnd.gradient.mean, rnd.gradient.samples, took.microbatch_ids)
+        if settle_step(r.rt, took, gradient, rnd.step):
+            r.books.applied += took.samples
+            if not rnd.recorded:
+                rnd.recorded = True
+                ids = [rnd.taken[m.url].microbatch_ids for m in rnd.contributors]
+                union = frozenset().union(*ids)
+                assert len(union) == sum(len(i) for i in ids), f"step {rnd.step}: a microbatch in two members' buckets"
+                self.applied.append(Applied(rnd.step, rnd.gradient.samples, union))
+
+    @precondition(lambda self: self.finishing is not None)
+    @rule()
+    def round_ends(self):
+        """The members still applying the round (slow replicas) apply it; the coordinator that
+        started it (not one restarted since) counts the round's end."""
+        rnd, self.finishing = self.finishing, None
+        for r in list(rnd.pending):
+            self._settle(rnd, r)
+        if rnd.loser is not None and rnd.loser.rt.step == rnd.step and any(r.rt.step > rnd.step for r in rnd.replicas):
+            rnd.loser.needs_resync = True
+        if rnd.counter is self.counter:
+            alive = [r for r in rnd.replicas if r.alive]
+            self.counter.round_ended(
+                0,
+                {r.url: r.rt.step for r in alive},
+                {r.url: rnd.taken[r.url].samples for r in alive if r.url in rnd.taken},
+                self._live(),
+            )
+            self._persist()
         self.admission.stepped(self.stage.step)
 
     @rule()
@@ -558,6 +629,8 @@ class GlobalSteps(RuleBasedStateMachine):
         self.asked_drain += 1
         if self.asked_drain % 4:
             return  # it ends a burst of faults: rarer than the trainer's work
+        if self.finishing is not None:
+            self.round_ends()
         for dead in [r for r in self.replicas.values() if not r.alive]:
             self.restart_replica(dead.url, join=True)
         for work in list(self.held):
@@ -646,7 +719,7 @@ class GlobalSteps(RuleBasedStateMachine):
     def every_sample_is_applied_dropped_or_pending(self):
         for r in getattr(self, "books", []):
             s = r.rt.stats
-            accounted = r.books.applied + (s.samples_dropped - r.books.late) + r.rt.pending_samples
+            accounted = r.books.applied + (s.samples_dropped - r.books.late) + r.rt.pending_samples + r.books.in_round
             assert s.samples == accounted, (r.url, r.alive, s.samples, r.books, s.samples_dropped, r.rt.pending_samples)
 
     @invariant()

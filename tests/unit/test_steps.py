@@ -108,6 +108,55 @@ def test_the_round_running_takes_its_step_and_reservations_go_one_step_ahead_at_
     assert c.ask(0, A, 1, 4, G).bucket == 2
 
 
+def test_the_stage_moves_with_its_rounds_first_member_and_counts_the_step_when_the_last_ended():
+    """A weak replica applies a step round's gradient long after its strong peer (a fifteenth
+    of a core: 0.6 s in the heterogeneous arena), and the swarm's next step waited for it. The
+    stage now moves when the first member stepped; its next round waits until all ended."""
+    c, _ = counter()
+    for url in (A, B):
+        c.tell(c.ask(0, url, 0, 4, G), 4)
+    c.round_started(0, "r0")
+    assert not c.member_stepped(0, "r0", B, 0, [A, B])  # B ended without stepping: nothing moves
+    assert c.member_stepped(0, "r0", A, 1, [A, B])
+    st = c.stages[0]
+    assert st.step == 1 and st.round_id is None and st.finishing is not None
+    assert not c.member_stepped(0, "r0", A, 1, [A, B])  # told twice: moved once
+    # B, still applying at step 0, is not told to resync: its reservations go into step 1 (the stage's)
+    t = c.ask(0, B, 0, 4, G)
+    assert t.verdict is Verdict.RESERVED and t.bucket == 1
+    c.tell(t, 4)
+    c.tell(c.ask(0, A, 1, 4, G), 4)
+    assert not c.ready(0)  # step 1 is full, but the round of step 0 has not ended on B
+    assert c.round_ended(0, {A: 1, B: 1}, {A: 4, B: 4}) == (8, 0)
+    assert st.finishing is None and st.step == 1 and st.last_effective_batch == 8
+    assert c.ready(0) and c.members(0, [A, B]) == [A, B]
+
+
+def test_a_member_that_failed_after_the_stage_moved_loses_its_samples_and_resyncs():
+    c, _ = counter()
+    for url in (A, B):
+        c.tell(c.ask(0, url, 0, 4, G), 4)
+    c.round_started(0, "r0")
+    assert c.member_stepped(0, "r0", A, 1, [A, B])
+    assert c.round_ended(0, {A: 1, B: 0}, {A: 4, B: 4}) == (4, 4)  # B missed a part: its 4 samples are dropped
+    assert c.stages[0].samples_dropped == 4
+    assert c.ask(0, B, 0, 4, G).verdict is Verdict.RESYNC  # no longer applying: behind, it takes A's state
+    # and a replica that was not in the round is behind as before
+    c2, _ = counter()
+    c2.tell(c2.ask(0, A, 0, 8, G), 8)
+    c2.round_started(0, "r0")
+    assert c2.member_stepped(0, "r0", A, 1, [A])
+    assert c2.ask(0, B, 0, 4, G).verdict is Verdict.RESYNC
+
+
+def test_a_stale_round_id_moves_nothing():
+    c, _ = counter()
+    c.tell(c.ask(0, A, 0, 8, G), 8)
+    c.round_started(0, "r1")
+    assert not c.member_stepped(0, "r0", A, 1, [A])  # a status of an older round
+    assert c.stages[0].step == 0 and c.stages[0].round_id == "r1"
+
+
 def test_a_reservation_given_back_opens_its_step_again():
     c, _ = counter()
     first, second = c.ask(0, A, 0, 4, G), c.ask(0, B, 0, 4, G)

@@ -9,11 +9,17 @@ The replicas' side is emulated as the stage server runs it (``routes.run_backwar
 staleness, skips the reservation for a microbatch it holds itself, reserves (``resync``:
 load the furthest live replica's state, ``catch_up``: take the stage's step number, both
 then ask again, at most 3 times), computes into the reserved bucket and reports what it
-accumulated (0 samples: given back). A step round starts when ``counter.ready`` says so,
+accumulated (0 samples: given back). The admission's lookahead is 0 (the ``sync``
+schedule) or 1. A step round starts when ``counter.ready`` says so,
 among ``counter.members``; a member at another step refuses; the others take the step's
 bucket, the sample-weighted mean of their means is computed in member order
 (``allreduce.weighted_mean``, as the butterfly's reducers do part by part) and every one
-settles it (``stepping.settle_step``); the members' steps and samples end the round.
+settles it (``stepping.settle_step``); the members' steps and samples end the round. Or
+staggered: the first member steps, the coordinator moves the stage then
+(``counter.member_stepped``) and the admission goes on, and the others settle later (rule
+``round_ends``), any rule in between: a forward that reaches such a member and needs the
+round's weights waits for its apply (``Averager.hold_for``), its reservations are not told
+to resync, and it may be killed first (what it took dies with it).
 
 Rules: a forward (admitted by the coordinator for a step); a backward (reserve, compute,
 report; or its report held back, or its compute held back after the reservation); a forward

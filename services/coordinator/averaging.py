@@ -1,5 +1,6 @@
-"""Averaging rounds, coordinator side: name a round and tell each member its place; and the
-periodic check that the replicas of each stage are one model, with its drift repair.
+"""Averaging rounds, coordinator side: name a round and tell each member its place (and its
+part of the vector, :func:`round_shares`); and the periodic check that the replicas of each
+stage are one model, with its drift repair.
 
 Control messages only: a repair's state goes from one replica to another. (A step
 round is started by ``steps.py``.)
@@ -18,6 +19,28 @@ from shared.errors import RemoteError
 from shared.http import get_json, post_message
 
 _COPY_GRACE_S = 5.0  # a repair target answers once it loaded the state: its copy timeout plus this
+
+SHARE_FLOOR = 0.25  # a member's part is at least this fraction of an equal one
+EQUAL_WITHIN = 1.25  # members whose declared speeds are within this ratio reduce equal parts
+
+
+def round_shares(speeds: list[float]) -> list[float] | None:
+    """Each member's part of a round's vector to reduce, from the compute rates the members
+    declared as they joined (``speed_flops``; in member order): in proportion to them, none
+    below ``SHARE_FLOOR`` of an equal part; None (equal parts) where a member declared none
+    or the fastest is within ``EQUAL_WITHIN`` of the slowest. A member's part is what its
+    CPU decodes, averages and encodes; on the step's path of a stage with a weak replica (a
+    fifteenth of a core against a fourth: its half of the vector took 0.4 s there). Its link
+    carries as much either way in a round of two (what it sends of its own gradient shrinks
+    as its part grows), so the split follows the CPUs."""
+    if len(speeds) < 2 or min(speeds) <= 0 or max(speeds) <= EQUAL_WITHIN * min(speeds):
+        return None
+    total, floor = sum(speeds), SHARE_FLOOR / len(speeds)
+    raw = [x / total for x in speeds]
+    low = [r < floor for r in raw]
+    rest = sum(r for r, is_low in zip(raw, low) if not is_low)
+    left = 1.0 - floor * sum(low)  # what the members above the floor share, in proportion
+    return [round(floor if is_low else r * left / rest, 6) for r, is_low in zip(raw, low)]
 
 
 def plan_repair(digests: Mapping[str, str]) -> tuple[str, list[str]]:

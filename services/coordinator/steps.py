@@ -89,6 +89,7 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
+from services.coordinator.averaging import round_shares
 from shared.codec import FLOAT_CODECS
 from shared.errors import Draining, Overloaded, RemoteError, SwarmError
 from shared.http import check_run, get_json, post_message, read_json
@@ -607,12 +608,15 @@ async def start_round(
     step: int = 0,
     error_feedback: bool = False,
     lookahead: int | None = None,
+    shares: list[float] | None = None,
 ):
     """Start one averaging round of ``stage`` among ``member_urls`` (index = position); return its
     id (``with_accepted``: the id and how many members accepted). ``error_feedback``: a step
     round's members compensate what the codec lost last step (stage server's ``error_feedback.py``).
     ``lookahead`` (a step round): the admission's; a member still applying the round holds a
     microbatch admitted for a step more than ``lookahead`` past the round's until it applied.
+    ``shares``: each member's part of the vector to reduce, in member order (None: equal parts;
+    see ``averaging.round_shares``).
 
     Posts ``/average/start`` to every member at once; members that refuse (e.g. 409: busy
     with a round, or another stage now) or cannot be reached are logged
@@ -641,6 +645,7 @@ async def start_round(
             "step": step,
             **({"error_feedback": True} if error_feedback else {}),
             **({"lookahead": lookahead} if lookahead is not None else {}),
+            **({"shares": shares} if shares is not None else {}),
         }
         try:
             await post_message(session, url + "/average/start", msg, timeout_s=min(START_TIMEOUT_S, timeout_s))
@@ -748,13 +753,16 @@ class StepScheduler:
         store: WindowStore | None = None,
         error_feedback: bool = False,
         lookahead: int | None = None,
+        speed: Callable[[object], float] = lambda server: 0.0,
     ):
         """``reported_step(server)``: the step a live server said in its registration or last
         heartbeat. ``store``: where the duplicate window and the step counts persist; what it
         holds is put back now (None: kept in memory only). ``lookahead``: the admission's (0
         with the ``sync`` schedule); given, a stage moves when the first member of its round
         stepped (:meth:`StepCounter.member_stepped`), its members told to hold the microbatches
-        that need the round's weights until they applied it; None: when every member ended."""
+        that need the round's weights until they applied it; None: when every member ended.
+        ``speed(server)``: the compute rate it declared (0: none), which splits a round's
+        vector among its members (``averaging.round_shares``)."""
         self.live_servers, self.codec, self.timeout_s, self.aggregator, self.log = (
             live_servers,
             codec,
@@ -765,6 +773,7 @@ class StepScheduler:
         self.reported_step = reported_step
         self.error_feedback = error_feedback  # the rounds' members compensate what the codec lost
         self.lookahead = lookahead
+        self.speed = speed
         self.counter = StepCounter(num_stages, timeout_s=timeout_s, lease_s=lease_s)
         self.store = store
         for row in store.step_window() if store is not None else ():
@@ -915,6 +924,8 @@ class StepScheduler:
         step, members = st.step, self.counter.members(stage, self._live(stage), reported)
         if not members:
             return
+        servers = {s.url: s for s in self.live_servers() if s.stage == stage}
+        shares = round_shares([self.speed(servers[url]) if url in servers else 0.0 for url in members])
         st.round_id = STARTING  # no second round while this one is being started
         try:
             round_id, accepted = await start_round(
@@ -930,6 +941,7 @@ class StepScheduler:
                 step=step,
                 error_feedback=self.error_feedback,
                 lookahead=self.lookahead,
+                shares=shares,
             )
         except BaseException:
             st.round_id = None
@@ -942,6 +954,7 @@ class StepScheduler:
             step=step,
             round_id=round_id,
             members=len(members),
+            shares=shares,
             accepted=accepted,
             reserved=st.reserved.get(step, 0),
             accumulated=st.done.get(step, 0),

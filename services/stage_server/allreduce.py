@@ -119,15 +119,32 @@ class Transport(Protocol):
 
 
 # ------------------------------------------------------------------ pure pieces
-def split_bounds(n: int, k: int) -> list[tuple[int, int]]:
-    """``k`` contiguous ``[start, stop)`` ranges covering ``range(n)``; sizes differ by at most 1."""
+def split_bounds(n: int, k: int, shares: tuple[float, ...] | None = None) -> list[tuple[int, int]]:
+    """``k`` contiguous ``[start, stop)`` ranges covering ``range(n)``: sizes that differ by at
+    most 1, or in proportion to ``shares`` (k positive numbers: a member's part to reduce as
+    its speed; every part at least 1 value where ``n >= k``). A function of its arguments
+    only: every member computes the same bounds."""
     assert k >= 1 and n >= 0, f"cannot split {n} values into {k} parts"
-    base, extra = divmod(n, k)
+    if shares is None:
+        base, extra = divmod(n, k)
+        sizes = [base + (j < extra) for j in range(k)]
+    else:
+        assert len(shares) == k and all(x > 0 for x in shares), f"{k} positive shares, got {shares}"
+        total = math.fsum(shares)
+        exact = [n * x / total for x in shares]
+        sizes = [math.floor(e) for e in exact]
+        by_fraction = sorted(range(k), key=lambda j: (sizes[j] - exact[j], j))  # largest remainder first
+        for j in by_fraction[: n - sum(sizes)]:
+            sizes[j] += 1
+        for j in range(k):  # no empty part while there are values enough: take one from the largest
+            if sizes[j] == 0 and n >= k:
+                largest = max(range(k), key=lambda i: (sizes[i], -i))
+                sizes[largest] -= 1
+                sizes[j] = 1
     bounds, start = [], 0
-    for j in range(k):
-        stop = start + base + (j < extra)
-        bounds.append((start, stop))
-        start = stop
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
     return bounds
 
 
@@ -176,6 +193,7 @@ class RoundSpec:
     step: int = 0
     error_feedback: bool = False  # a step round: each member adds back what its compression lost last step
     lookahead: int | None = None  # a step round: the admission's; see Averager.hold_for
+    shares: tuple[float, ...] | None = None  # each member's part of the vector to reduce (None: equal parts)
 
     @property
     def k(self) -> int:
@@ -220,6 +238,16 @@ class RoundSpec:
         _require(
             lookahead is None or (type(lookahead) is int and 0 <= lookahead < 2**53), "'lookahead' must be an int >= 0"
         )
+        shares = msg.get("shares")
+        _require(
+            shares is None
+            or (
+                isinstance(shares, list)
+                and len(shares) == len(members)
+                and all(_is_number(x) and 0 < x <= 2**53 for x in shares)
+            ),
+            "'shares' must be a list of one positive number per member",
+        )
         if msg["stage"] != stage:
             raise WrongStage(f"this server holds stage {stage}, not {msg['stage']}")
         return cls(
@@ -234,6 +262,7 @@ class RoundSpec:
             step,
             error_feedback,
             lookahead,
+            None if shares is None else tuple(float(x) for x in shares),
         )
 
 
@@ -342,11 +371,15 @@ class PartReducer:
         self._complete = asyncio.Event()
         self._reduction: asyncio.Future | None = None
 
-    def add(self, member: int, weight: float, values: torch.Tensor) -> None:
+    def add(self, member: int, weight: float, values: torch.Tensor | None) -> None:
+        """``values`` None: a member with no sample in a step round sent its weight (0) only."""
         if self.closed or self._reduction is not None:
             raise RoundConflict(f"part {self.part} of round {self.round_id!r} is already reduced")
         if member in self.contributions:
             raise RoundConflict(f"member {member} already sent part {self.part} of round {self.round_id!r}")
+        if values is None:
+            _require(weight == 0, "a part without values must have weight 0")
+            values = torch.zeros(self.size)
         _require(values.numel() == self.size, f"part {self.part} has {self.size} values, got {values.numel()}")
         self.contributions[member] = (weight, values)
         self._check_complete()
@@ -411,7 +444,7 @@ class AveragingRound:
         self.spec, self.int8_block, self.started_at = spec, int8_block, started_at
         self.codec = spec.codec if spec.k > 1 else "fp32"  # a round of one member: nothing travels, nothing lost
         self.deadline = started_at + spec.timeout_s
-        self.bounds = split_bounds(num_params, spec.k)
+        self.bounds = split_bounds(num_params, spec.k, spec.shares)
         self.main = self._reducer(spec.round_id, spec.index, set(range(spec.k)))
         self.retries: dict[int, PartReducer] = {}
         self.main_contributors: set[int] | None = None
@@ -461,7 +494,7 @@ class AveragingRound:
                 self.retries[part].add(spec.index, self.weight, self.own_part(part))
         return self.retries[part], self.at(DEADLINES.retry_reduce_at)
 
-    def accept(self, msg: PartMessage, values: torch.Tensor) -> None:
+    def accept(self, msg: PartMessage, values: torch.Tensor | None) -> None:
         _require(
             msg.sender < self.spec.k and msg.sender != self.spec.index,
             f"'from' must be another member's index in [0, {self.spec.k})",
@@ -667,7 +700,7 @@ class Averager:
         self._started.set()
         self._started = asyncio.Event()
 
-    def accept_part(self, msg: PartMessage, values: torch.Tensor) -> None:
+    def accept_part(self, msg: PartMessage, values: torch.Tensor | None) -> None:
         rnd = self.round
         if rnd is not None and _of_round(msg.round_id, rnd.spec.round_id):
             rnd.accept(msg, values)
@@ -683,7 +716,7 @@ class Averager:
                 early_id, early = msg.round_id, {}
             if msg.sender in early:
                 raise RoundConflict(f"member {msg.sender} already sent its part of round {msg.round_id!r}")
-            if values.numel() + sum(v.numel() for _, v in early.values()) > self.num_params:
+            if _numel(values) + sum(_numel(v) for _, v in early.values()) > self.num_params:
                 raise RoundConflict(f"too many values sent ahead of round {msg.round_id!r}")
             early[msg.sender] = (msg, values)
             self._early = (early_id, early)
@@ -761,6 +794,14 @@ class Averager:
                 reduced[start:stop] = part.values
         return reduced
 
+    def _sends_nothing(self, rnd: AveragingRound) -> bool:
+        """A step round's member with no sample of the step (weight 0): under the mean its values
+        change nothing, so it sends none (a weak replica the wiring gave no microbatch spent a
+        fifth of a second of its CPU encoding zeros, and its peer's link as long receiving
+        them). Not with CenteredClip (its median counts every member) nor error feedback."""
+        spec = rnd.spec
+        return spec.kind == "step" and rnd.weight == 0 and spec.aggregator == "mean" and rnd.sent_lost is None
+
     def _as_sent(self, flat: torch.Tensor, log) -> torch.Tensor:
         if self.byzantine is None:
             return flat
@@ -825,7 +866,10 @@ class Averager:
         spec, (start, stop) = rnd.spec, rnd.bounds[part]
         msg = {"round_id": round_id, "from": spec.index, "part": part, "weight": rnd.weight}
         lost = rnd.sent_lost[start:stop] if rnd.sent_lost is not None else None
-        body = await off_loop(stop - start, _pack_part, msg, flat[start:stop], rnd.codec, self.int8_block, lost)
+        if self._sends_nothing(rnd):  # no sample here: the reducer counts our weight 0 without values
+            body = pack_message({**msg, "empty": True})
+        else:
+            body = await off_loop(stop - start, _pack_part, msg, flat[start:stop], rnd.codec, self.int8_block, lost)
         try:
             try:
                 await self.transport.post(url + "/average/part", body, timeout_s=_left(send_by))
@@ -892,6 +936,10 @@ def _of_round(round_id: str, base: str) -> bool:
     return round_id == base or round_id.startswith(base + _RETRY_SEP)
 
 
+def _numel(values: torch.Tensor | None) -> int:
+    return 0 if values is None else values.numel()
+
+
 def _pack_part(msg: dict, values: torch.Tensor, codec: str, int8_block: int, lost: torch.Tensor | None) -> bytes:
     """The ``/average/part`` body of ``values``; ``lost`` (error feedback): set to what the codec lost of them."""
     body = pack_message({**msg, "data": encode_tensor(values, codec, int8_block=int8_block)})
@@ -956,7 +1004,9 @@ async def _part(request: web.Request) -> web.Response:
     msg = await read_message(request, int(settings.max_body_mb * 2**20))
     header = PartMessage.from_message(msg)
     nbytes = request.content_length or 0
-    if nbytes >= 4 * _OFF_LOOP_VALUES:
+    if msg.get("empty") is True:  # a member with no sample: its weight (0), no values
+        values = None
+    elif nbytes >= 4 * _OFF_LOOP_VALUES:
         values = await asyncio.to_thread(decode_values, msg.get("data"), averager.num_params)
     else:
         values = decode_values(msg.get("data"), averager.num_params)

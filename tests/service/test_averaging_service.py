@@ -28,7 +28,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from services.coordinator.steps import start_round
-from services.stage_server.allreduce import DEADLINES, split_bounds
+from services.stage_server.allreduce import AVERAGER, DEADLINES, split_bounds
 from services.stage_server.app import create_app
 from services.stage_server.routes import RUNTIME, WORKER
 from services.stage_server.runtime import Accumulated, flat_parameters
@@ -161,6 +161,42 @@ async def test_int8_round_leaves_members_identical_and_close_to_the_mean(serve, 
         f"\nint8 round, P={P}: relative error {rel_error:.4f}, bytes_sent per member "
         f"{[s['bytes_sent'] for s in summaries]}"
     )
+
+
+async def test_a_round_split_by_the_members_speeds_gives_the_same_mean(serve, http_session):
+    """Parts in proportion to the members' declared speeds (``shares``, which the coordinator
+    sends for members of uneven speed): the weak member reduces a fifth of the vector, and
+    every member still loads the same sample-weighted mean."""
+    samples = [8, 24]
+    apps, _, urls = await replicas(serve, [7, 8], samples)
+    before = [await params_of(app) for app in apps]
+    expected = weighted_mean(before, samples)
+    round_id = await start_round(http_session, STAGE, urls, codec="fp32", timeout_s=10.0, shares=[0.2, 0.8])
+    summaries = await wait_for_round(http_session, urls, round_id, within_s=10.0)
+    after = [await params_of(app) for app in apps]
+    assert torch.equal(after[0], after[1]) and (after[0] - expected).abs().max().item() <= 1e-6
+    P = before[0].numel()
+    assert all(s["ok"] and s["parts_failed"] == [] for s in summaries)
+    fifth = round(P / 5)
+    assert [app[AVERAGER].last_round.bounds for app in apps] == [
+        [(0, fifth), (fifth, P)]
+    ] * 2  # the first reduced a fifth
+    # in a round of two a member's link carries as much either way: four fifths of its vector and its fifth back
+    assert all(abs(s["bytes_sent"] - 4 * P) / (4 * P) < 0.05 for s in summaries), summaries
+    status, _, body = await post_raw(
+        http_session,
+        urls[0] + "/average/start",
+        {
+            "round_id": "bad",
+            "stage": STAGE,
+            "members": urls,
+            "index": 0,
+            "codec": "fp32",
+            "timeout_s": 5,
+            "shares": [1],
+        },
+    )
+    assert status == 400 and b"shares" in body
 
 
 # --------------------------------------------------------------------------- failures
@@ -336,6 +372,31 @@ async def digest_of(session, url) -> dict:
     async with session.get(url + "/digest") as resp:
         assert resp.status == 200
         return await resp.json()
+
+
+async def test_a_member_with_no_sample_sends_no_values_and_steps_with_the_others(serve, http_session):
+    """A step round's member that served no sample of the step (weight 0: a weak replica the
+    wiring gave no microbatch) sends its weight without values: under the mean they change
+    nothing. Both members apply the other's gradient, as one replica alone would."""
+    apps, urls = [], []
+    for samples in (4, 0):
+        app = create_app(stage_settings(STAGE, seed=1))
+        if samples:
+            gradient = hold_gradient(app, samples=samples, seed=10)
+        _, url = await serve(app)
+        apps.append(app), urls.append(url)
+    alone = create_app(stage_settings(STAGE, seed=1))[RUNTIME]  # the same step on one replica, no round
+    alone.apply_step(Accumulated(gradient, 4, frozenset({"mb-10"})))
+
+    round_id = await start_round(http_session, STAGE, urls, codec="fp32", timeout_s=10.0, kind="step", step=0)
+    summaries = await wait_for_round(http_session, urls, round_id, within_s=10.0)
+    assert [s["verdict"] for s in summaries] == ["apply", "apply"]
+    assert [app[RUNTIME].step for app in apps] == [1, 1]
+    assert all(app[RUNTIME].digest() == alone.digest() for app in apps)
+    P = sum(p.numel() for p in alone.params)
+    # the sampleless member sent only its reduced half (fp32) and a few bytes; the other its half and its reduced half
+    sent = [s["bytes_sent"] for s in summaries]
+    assert sent[1] < 0.55 * 4 * P < 0.95 * 4 * P < sent[0], (sent, P)
 
 
 async def test_a_member_whose_part_came_from_a_backup_short_of_the_round_does_not_step(serve, http_session):

@@ -10,6 +10,7 @@ import itertools
 import pytest
 import torch
 
+from services.coordinator.averaging import round_shares
 from services.stage_server.aggregation import EPSILON_WEIGHT, centered_clip, sample_weight
 from services.stage_server.allreduce import (
     AveragingRound,
@@ -37,6 +38,33 @@ def test_split_bounds_are_contiguous_cover_everything_and_differ_by_at_most_one(
     assert len(bounds) == k and bounds[0][0] == 0 and bounds[-1][1] == n
     assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     assert max(sizes) - min(sizes) <= 1 and sum(sizes) == n
+
+
+@pytest.mark.parametrize(
+    "n, shares",
+    [(1000, (1.0, 4.0)), (10, (0.2, 0.8)), (3, (0.001, 1.0, 1.0)), (2, (1.0, 1e-9, 1.0)), (0, (1.0, 2.0)), (7, (5.0,))],
+)
+def test_split_bounds_by_shares_cover_everything_in_proportion_with_no_empty_part(n, shares):
+    bounds = split_bounds(n, len(shares), shares)
+    sizes = [stop - start for start, stop in bounds]
+    assert len(bounds) == len(shares) and bounds[0][0] == 0 and bounds[-1][1] == n and sum(sizes) == n
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    if n >= len(shares):
+        assert min(sizes) >= 1
+    if n >= 10 * len(shares):
+        exact = [n * x / sum(shares) for x in shares]
+        assert all(abs(size - e) <= 1 for size, e in zip(sizes, exact)), (sizes, exact)
+    assert split_bounds(n, len(shares), shares) == bounds  # every member computes the same bounds
+
+
+def test_round_shares_follow_the_declared_speeds_with_a_floor_and_equal_parts_otherwise():
+    assert round_shares([32.0, 8.0]) == [0.8, 0.2]
+    assert round_shares([100.0, 1.0]) == [0.875, 0.125]  # a part is at least a quarter of an equal one
+    assert round_shares([17.0, 16.0]) is None  # within 25%: equal parts
+    assert round_shares([30.0, 0.0]) is None  # a member declared no speed
+    assert round_shares([30.0]) is None
+    three = round_shares([30.0, 15.0, 15.0])
+    assert three == [0.5, 0.25, 0.25] and abs(sum(three) - 1) < 1e-9
 
 
 def test_weighted_mean_is_sum_of_w_x_over_sum_of_w():

@@ -8,7 +8,8 @@ on it would finish at that time plus its expected duration; the earliest finish 
 the replica's virtual time advances by the duration. Load thus spreads in proportion to
 measured speed over many requests, and within a burst (a global step's microbatches sent
 at once) a replica four times slower gets a request only where it would still finish no
-later than the fast one's queue: a weak peer is not the step's last microbatch. A replica
+later than the fast one's queue, by a whole request where it is much slower: a weak peer is
+not the step's last microbatch. A replica
 that errors is banned with exponential backoff; when every replica of a stage is banned,
 bans are ignored.
 
@@ -24,6 +25,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 KINDS = ("forward", "backward", "chain")  # chain: the same replica serves the forward and the backward
+
+
+SLOWER = 1.5  # a replica this many times slower than the fastest takes a request only if it is sooner by a whole one
 
 
 class NoReplica(LookupError):
@@ -114,7 +118,12 @@ class ReplicaBalancer:
     def choose(self, stage: int, *, kind: str = "forward", batch_size: int, exclude: Iterable[str] = ()) -> str:
         """The replica that would finish the request first: its virtual time (at least now)
         plus the request's expected duration on it, ties broken at random; its virtual time
-        advances to that finish.
+        advances to that finish. A replica more than ``SLOWER`` times slower than the fastest
+        takes it only if it would finish sooner than every faster one by at least the request's
+        duration on the fastest: where it would merely tie the fast ones' queue, its estimate's
+        error and what it adds to the step (its part of the step round, a fifteenth of a core in
+        the heterogeneous arena) make it the step's last (a coin flip there gave the weak peer
+        of stage 0 a microbatch every other step, and those steps took a second longer).
 
         Candidates: the replicas not in ``exclude`` (all of them if that leaves none), and
         among those the ones not banned (all of them if none). A banned replica's virtual
@@ -129,8 +138,14 @@ class ReplicaBalancer:
         allowed = [u for u in replicas if u not in excluded] or list(replicas)
         candidates = [u for u in allowed if not self.is_banned(stage, u)] or allowed
         now, work = self.clock() - self._origin, batch_size * self._cost(kind)
-        finish = {u: max(replicas[u].virtual_time, now) + work * self._seconds_per_sample(stage, u) for u in candidates}
+        per_sample = {u: self._seconds_per_sample(stage, u) for u in candidates}
+        finish = {u: max(replicas[u].virtual_time, now) + work * per_sample[u] for u in candidates}
         earliest = min(finish.values())
+        fastest = min(per_sample.values())
+        fast = [u for u in candidates if per_sample[u] <= SLOWER * fastest]
+        fast_finish = min(finish[u] for u in fast)
+        if fast_finish - earliest < work * fastest:  # a much slower replica must be sooner by a whole request
+            candidates, earliest = fast, fast_finish
         url = self.rng.choice([u for u in candidates if finish[u] == earliest])
         start = max(replicas[url].virtual_time, now)
         for other in replicas:

@@ -145,7 +145,6 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
         log=log,
         lease_s=app[REGISTRY].lease_s,
         reported_step=lambda server: app[REGISTRY].reports.get(server.server_id, ServerReport()).step,
-        speed=lambda server: app[REGISTRY].reports.get(server.server_id, ServerReport()).speed_flops,
         store=app[REGISTRY],  # the duplicate window survives a restart in the run's state file
         error_feedback=settings.error_feedback,
         lookahead=_lookahead(settings),  # a stage moves with its round's first member (see steps.py)

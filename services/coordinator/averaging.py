@@ -20,27 +20,25 @@ from shared.http import get_json, post_message
 
 _COPY_GRACE_S = 5.0  # a repair target answers once it loaded the state: its copy timeout plus this
 
-SHARE_FLOOR = 0.25  # a member's part is at least this fraction of an equal one
-EQUAL_WITHIN = 1.25  # members whose declared speeds are within this ratio reduce equal parts
+IDLE_SHARE = 0.1  # the part a member with no sample of the step reduces, against 1 for one with samples
 
 
-def round_shares(speeds: list[float]) -> list[float] | None:
-    """Each member's part of a round's vector to reduce, from the compute rates the members
-    declared as they joined (``speed_flops``; in member order): in proportion to them, none
-    below ``SHARE_FLOOR`` of an equal part; None (equal parts) where a member declared none
-    or the fastest is within ``EQUAL_WITHIN`` of the slowest. A member's part is what its
-    CPU decodes, averages and encodes; on the step's path of a stage with a weak replica (a
-    fifteenth of a core against a fourth: its half of the vector took 0.4 s there). Its link
-    carries as much either way in a round of two (what it sends of its own gradient shrinks
-    as its part grows), so the split follows the CPUs."""
-    if len(speeds) < 2 or min(speeds) <= 0 or max(speeds) <= EQUAL_WITHIN * min(speeds):
+def round_shares(samples: list[int]) -> list[float] | None:
+    """Each member's part of a step round's vector to reduce, in member order, from the
+    samples each holds for the step (the coordinator's count): a member with none sends no
+    values (its weight is 0) and reduces a tenth of what one with samples does; None (equal
+    parts) where all or none hold samples. Equal parts keep a round's links even: in a round
+    of two over full-duplex links each phase lasts as long as its larger transfer, so a
+    member that sends and receives a share f of the vector takes ``2 max(f, 1 - f)`` of the
+    vector's time on its link, least at a half. A member without samples sends nothing in the
+    first phase, and the less it reduces, the less its peer waits for it (a weak replica,
+    a fifteenth of a core in the heterogeneous arena, reduced half of stage 0's vector in 0.4
+    s). Splitting by declared CPU speed instead was measured and dropped: it makes a weak
+    peer on a slow link carry more than half of the vector in a phase."""
+    if len(samples) < 2 or all(n > 0 for n in samples) or not any(n > 0 for n in samples):
         return None
-    total, floor = sum(speeds), SHARE_FLOOR / len(speeds)
-    raw = [x / total for x in speeds]
-    low = [r < floor for r in raw]
-    rest = sum(r for r, is_low in zip(raw, low) if not is_low)
-    left = 1.0 - floor * sum(low)  # what the members above the floor share, in proportion
-    return [round(floor if is_low else r * left / rest, 6) for r, is_low in zip(raw, low)]
+    weights = [1.0 if n > 0 else IDLE_SHARE for n in samples]
+    return [round(w / sum(weights), 6) for w in weights]
 
 
 def plan_repair(digests: Mapping[str, str]) -> tuple[str, list[str]]:

@@ -753,16 +753,13 @@ class StepScheduler:
         store: WindowStore | None = None,
         error_feedback: bool = False,
         lookahead: int | None = None,
-        speed: Callable[[object], float] = lambda server: 0.0,
     ):
         """``reported_step(server)``: the step a live server said in its registration or last
         heartbeat. ``store``: where the duplicate window and the step counts persist; what it
         holds is put back now (None: kept in memory only). ``lookahead``: the admission's (0
         with the ``sync`` schedule); given, a stage moves when the first member of its round
         stepped (:meth:`StepCounter.member_stepped`), its members told to hold the microbatches
-        that need the round's weights until they applied it; None: when every member ended.
-        ``speed(server)``: the compute rate it declared (0: none), which splits a round's
-        vector among its members (``averaging.round_shares``)."""
+        that need the round's weights until they applied it; None: when every member ended."""
         self.live_servers, self.codec, self.timeout_s, self.aggregator, self.log = (
             live_servers,
             codec,
@@ -773,7 +770,6 @@ class StepScheduler:
         self.reported_step = reported_step
         self.error_feedback = error_feedback  # the rounds' members compensate what the codec lost
         self.lookahead = lookahead
-        self.speed = speed
         self.counter = StepCounter(num_stages, timeout_s=timeout_s, lease_s=lease_s)
         self.store = store
         for row in store.step_window() if store is not None else ():
@@ -924,8 +920,8 @@ class StepScheduler:
         step, members = st.step, self.counter.members(stage, self._live(stage), reported)
         if not members:
             return
-        servers = {s.url: s for s in self.live_servers() if s.stage == stage}
-        shares = round_shares([self.speed(servers[url]) if url in servers else 0.0 for url in members])
+        by = st.done_by.get(step, {})
+        shares = round_shares([by.get(url, 0) for url in members])
         st.round_id = STARTING  # no second round while this one is being started
         try:
             round_id, accepted = await start_round(

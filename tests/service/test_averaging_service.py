@@ -163,10 +163,10 @@ async def test_int8_round_leaves_members_identical_and_close_to_the_mean(serve, 
     )
 
 
-async def test_a_round_split_by_the_members_speeds_gives_the_same_mean(serve, http_session):
-    """Parts in proportion to the members' declared speeds (``shares``, which the coordinator
-    sends for members of uneven speed): the weak member reduces a fifth of the vector, and
-    every member still loads the same sample-weighted mean."""
+async def test_a_round_split_by_shares_gives_the_same_mean(serve, http_session):
+    """Parts in proportion to ``shares`` (the coordinator sends them where a member holds no
+    sample of the step, see ``averaging.round_shares``): the first member reduces a fifth of
+    the vector, and every member still loads the same sample-weighted mean."""
     samples = [8, 24]
     apps, _, urls = await replicas(serve, [7, 8], samples)
     before = [await params_of(app) for app in apps]

@@ -57,14 +57,12 @@ def test_split_bounds_by_shares_cover_everything_in_proportion_with_no_empty_par
     assert split_bounds(n, len(shares), shares) == bounds  # every member computes the same bounds
 
 
-def test_round_shares_follow_the_declared_speeds_with_a_floor_and_equal_parts_otherwise():
-    assert round_shares([32.0, 8.0]) == [0.8, 0.2]
-    assert round_shares([100.0, 1.0]) == [0.875, 0.125]  # a part is at least a quarter of an equal one
-    assert round_shares([17.0, 16.0]) is None  # within 25%: equal parts
-    assert round_shares([30.0, 0.0]) is None  # a member declared no speed
-    assert round_shares([30.0]) is None
-    three = round_shares([30.0, 15.0, 15.0])
-    assert three == [0.5, 0.25, 0.25] and abs(sum(three) - 1) < 1e-9
+def test_round_shares_give_a_member_without_samples_a_tenth_and_equal_parts_otherwise():
+    assert round_shares([24, 0]) == [0.909091, 0.090909]
+    assert round_shares([0, 8, 24]) == [0.047619, 0.47619, 0.47619]
+    assert round_shares([8, 24]) is None  # both hold samples: equal parts, even links
+    assert round_shares([0, 0]) is None
+    assert round_shares([32]) is None
 
 
 def test_weighted_mean_is_sum_of_w_x_over_sum_of_w():

@@ -113,6 +113,25 @@ def test_a_burst_goes_where_it_finishes_first(seed):
         assert burst.count(SLOW) == 1, burst  # the 4th or 5th: at 4 s either way
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_a_much_slower_replica_that_would_only_tie_the_fast_queue_gets_nothing(seed):
+    """A burst of 4 where the slow replica (4x) would finish its one request when the fast one
+    finishes its 4th: a tie, which went either way (the heterogeneous arena's weak peer of stage
+    0 took one in every other step, and those steps ended a second later). It goes to the fast
+    one; replicas of about one speed still share a burst evenly."""
+    balancer, clock = make_balancer(seed=seed)
+    balancer.report_success(0, FAST, 1.0, 1, "forward")
+    balancer.report_success(0, SLOW, 4.0, 1, "forward")
+    for _ in range(3):
+        clock.now += 60.0
+        assert [balancer.choose(0, batch_size=1) for _ in range(4)] == [FAST] * 4
+    even, clock = make_balancer(seed=seed)
+    even.report_success(0, FAST, 1.0, 1, "forward")
+    even.report_success(0, SLOW, 1.05, 1, "forward")  # within the estimates' noise
+    clock.now += 60.0
+    assert Counter(even.choose(0, batch_size=1) for _ in range(4)) == {FAST: 2, SLOW: 2}
+
+
 def test_backward_advances_virtual_time_by_backward_cost():
     balancer, _ = make_balancer()
     for url in (FAST, SLOW):

@@ -8,8 +8,8 @@ on it would finish at that time plus its expected duration; the earliest finish 
 the replica's virtual time advances by the duration. Load thus spreads in proportion to
 measured speed over many requests, and within a burst (a global step's microbatches sent
 at once) a replica four times slower gets a request only where it would still finish no
-later than the fast one's queue, by a whole request where it is much slower: a weak peer is
-not the step's last microbatch. A replica
+later than the fast one's queue (judged at twice its estimate where it is much slower): a weak
+peer is not the step's last microbatch. A replica
 that errors is banned with exponential backoff; when every replica of a stage is banned,
 bans are ignored.
 
@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 KINDS = ("forward", "backward", "chain")  # chain: the same replica serves the forward and the backward
 
 
-SLOWER = 1.5  # a replica this many times slower than the fastest takes a request only if it is sooner by a whole one
+SLOWER = 1.5  # a replica this many times slower than the fastest is judged at twice its request's duration
 
 
 class NoReplica(LookupError):
@@ -119,11 +119,11 @@ class ReplicaBalancer:
         """The replica that would finish the request first: its virtual time (at least now)
         plus the request's expected duration on it, ties broken at random; its virtual time
         advances to that finish. A replica more than ``SLOWER`` times slower than the fastest
-        takes it only if it would finish sooner than every faster one by at least the request's
-        duration on the fastest: where it would merely tie the fast ones' queue, its estimate's
-        error and what it adds to the step (its part of the step round, a fifteenth of a core in
-        the heterogeneous arena) make it the step's last (a coin flip there gave the weak peer
-        of stage 0 a microbatch every other step, and those steps took a second longer).
+        is judged as if the request took it twice its estimate: it gets one only where it would
+        still finish first, its estimate's error and what it adds to the step (its part of the
+        step round) besides. Judged at its estimate, the heterogeneous arena's weak stage-0
+        peer (a fifteenth of a core, its service time measured at about a third of the strong
+        one's speed) took a microbatch in every other step, and those steps ended a second later.
 
         Candidates: the replicas not in ``exclude`` (all of them if that leaves none), and
         among those the ones not banned (all of them if none). A banned replica's virtual
@@ -140,13 +140,13 @@ class ReplicaBalancer:
         now, work = self.clock() - self._origin, batch_size * self._cost(kind)
         per_sample = {u: self._seconds_per_sample(stage, u) for u in candidates}
         finish = {u: max(replicas[u].virtual_time, now) + work * per_sample[u] for u in candidates}
-        earliest = min(finish.values())
         fastest = min(per_sample.values())
-        fast = [u for u in candidates if per_sample[u] <= SLOWER * fastest]
-        fast_finish = min(finish[u] for u in fast)
-        if fast_finish - earliest < work * fastest:  # a much slower replica must be sooner by a whole request
-            candidates, earliest = fast, fast_finish
-        url = self.rng.choice([u for u in candidates if finish[u] == earliest])
+        judged = {  # a much slower replica is judged as if the request took it twice as long
+            u: finish[u] + (work * per_sample[u] if per_sample[u] > SLOWER * fastest else 0.0) for u in candidates
+        }
+        best = min(judged.values())
+        url = self.rng.choice([u for u in candidates if judged[u] == best])
+        earliest = finish[url]
         start = max(replicas[url].virtual_time, now)
         for other in replicas:
             if self.is_banned(stage, other):

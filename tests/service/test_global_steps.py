@@ -239,20 +239,12 @@ async def test_one_replica_one_microbatch_in_flight_is_one_process_training(swar
     assert clipped > 0, "the clipping was never exercised"
 
 
-async def test_the_sync_schedule_trains_two_replicas_and_two_trainers_as_one_process(swarm, http_session):
-    """SWARM_SCHEDULE=sync: 2 replicas of each of 2 stages, 2 trainers with 2 microbatches in
-    flight each (fp32 wire and step rounds). After 10 global steps every replica holds the parameters of the
-    whole model trained in one process on the same microbatches in each step (the ones the
-    coordinator admitted into it), and every gradient was computed on the weights of the step
-    it went into."""
-    steps, global_batch, num_stages = 10, 4 * MICROBATCH, 2
-    optim = reference_optimizer(global_batch, steps)
-    s = await reference_swarm(
-        swarm, [2] * num_stages, optim, coordinator_overrides={"schedule": "sync", "averaging_codec": "fp32"}
-    )
+async def two_trainers(s: Swarm, session, steps: int, global_batch: int) -> list:
+    """Two trainers with 2 microbatches in flight each, admitted by the swarm's coordinator;
+    their summaries, once every round ended (none failed, none ran again)."""
     runs = [
         trainer(
-            http_session,
+            session,
             s.urls,
             steps=steps,
             global_batch=global_batch,
@@ -266,15 +258,19 @@ async def test_the_sync_schedule_trains_two_replicas_and_two_trainers_as_one_pro
     summaries = await asyncio.gather(*(t.run() for t in runs))
     await settled(s)
     assert all(x.microbatches_failed == 0 and x.microbatch_reruns == 0 for x in summaries)
+    return summaries
+
+
+def admitted_batches(s: Swarm, steps: int) -> list[list[int]]:
+    """The run's microbatch indices the coordinator admitted into each step."""
     admission = s.coordinator[ADMISSION]
-    batches = [[int(mb.rsplit(":", 1)[1]) for mb in admission.batch(k)] for k in range(steps)]
-    assert [len(b) for b in batches] == [4] * steps and len({i for b in batches for i in b}) == 4 * steps
-    assert all(x.microbatches_completed > 0 for x in summaries)  # both trainers filled the steps
-    replicas = [app[RUNTIME] for group in s.stages for app in group]
-    assert sum(r.stats.stale_gradients for r in replicas) == 0 and sum(r.stats.samples for r in replicas) > 0
-    assert sum(r.stats.other_weights_backwards for r in replicas) == 0
-    # the stage's parameters within 1e-5 (relative), each tensor within 1e-4: the replicas sum
-    # their gradients in another order than one process does (float rounding, then AdamW)
+    return [[int(mb.rsplit(":", 1)[1]) for mb in admission.batch(k)] for k in range(steps)]
+
+
+def assert_one_process(s: Swarm, optim: OptimizerConfig, num_stages: int, steps: int, batches) -> None:
+    """Every replica holds what one process trains on ``batches``: the stage's parameters within
+    1e-5 (relative), each tensor within 1e-4 (the replicas sum their gradients in another order
+    than one process does: float rounding, then AdamW)."""
     reference = one_process_training(optim, num_stages, steps, batches)
     for stage, group in enumerate(s.stages):
         names = [name for name, _ in group[0][RUNTIME].model.named_parameters()]
@@ -288,6 +284,27 @@ async def test_the_sync_schedule_trains_two_replicas_and_two_trainers_as_one_pro
                 for part, ours, ref in comparable_parts(name, p.detach(), reference[name]):
                     rel = float((ours - ref).norm() / ref.norm())
                     assert rel <= 1e-4, f"stage {stage} {name}{part}: relative error {rel:.2e}"
+
+
+async def test_the_sync_schedule_trains_two_replicas_and_two_trainers_as_one_process(swarm, http_session):
+    """SWARM_SCHEDULE=sync: 2 replicas of each of 2 stages, 2 trainers with 2 microbatches in
+    flight each (fp32 wire and step rounds). After 10 global steps every replica holds the parameters of the
+    whole model trained in one process on the same microbatches in each step (the ones the
+    coordinator admitted into it), and every gradient was computed on the weights of the step
+    it went into."""
+    steps, global_batch, num_stages = 10, 4 * MICROBATCH, 2
+    optim = reference_optimizer(global_batch, steps)
+    s = await reference_swarm(
+        swarm, [2] * num_stages, optim, coordinator_overrides={"schedule": "sync", "averaging_codec": "fp32"}
+    )
+    summaries = await two_trainers(s, http_session, steps, global_batch)
+    batches = admitted_batches(s, steps)
+    assert [len(b) for b in batches] == [4] * steps and len({i for b in batches for i in b}) == 4 * steps
+    assert all(x.microbatches_completed > 0 for x in summaries)  # both trainers filled the steps
+    replicas = [app[RUNTIME] for group in s.stages for app in group]
+    assert sum(r.stats.stale_gradients for r in replicas) == 0 and sum(r.stats.samples for r in replicas) > 0
+    assert sum(r.stats.other_weights_backwards for r in replicas) == 0
+    assert_one_process(s, optim, num_stages, steps, batches)
 
 
 async def test_a_stage_moves_with_its_fast_replica_and_the_slow_one_holds_the_next_steps_forwards(swarm, http_session):
@@ -326,41 +343,17 @@ async def test_a_stage_moves_with_its_fast_replica_and_the_slow_one_holds_the_ne
             apply_step(gradient)
 
         runtime.apply_step = slow
-    runs = [
-        trainer(
-            http_session,
-            s.urls,
-            steps=steps,
-            global_batch=global_batch,
-            in_flight=2,
-            shard=(t, 2),
-            trainer_id=f"t{t}",
-            coordinator=s.coordinator_url,
-        )
-        for t in range(2)
-    ]
-    summaries = await asyncio.gather(*(t.run() for t in runs))
-    await settled(s)
-    assert all(x.microbatches_failed == 0 and x.microbatch_reruns == 0 for x in summaries)
+    await two_trainers(s, http_session, steps, global_batch)
     assert sorted((stage, k) for stage, k, _ in slow_applies) == [
         (stage, k) for stage in range(num_stages) for k in range(1, steps + 1)
     ]
     assert all(before for _, _, before in slow_applies), slow_applies  # every stage moved without its slow member
-    admission = s.coordinator[ADMISSION]
-    batches = [[int(mb.rsplit(":", 1)[1]) for mb in admission.batch(k)] for k in range(steps)]
     replicas = [app[RUNTIME] for group in s.stages for app in group]
     assert (
         sum(r.stats.stale_gradients for r in replicas) == 0
         and sum(r.stats.other_weights_backwards for r in replicas) == 0
     )
-    reference = one_process_training(optim, num_stages, steps, batches)
-    for stage, group in enumerate(s.stages):
-        names = [name for name, _ in group[0][RUNTIME].model.named_parameters()]
-        expected = flat_parameters([reference[name] for name in names])
-        for app in group:
-            assert app[RUNTIME].step == steps
-            rel = float((flat_parameters(app[RUNTIME].params) - expected).norm() / expected.norm())
-            assert rel <= 1e-5, f"stage {stage}: relative error {rel:.2e}"
+    assert_one_process(s, optim, num_stages, steps, admitted_batches(s, steps))
 
 
 def comparable_parts(name: str, ours: torch.Tensor, ref: torch.Tensor):

@@ -220,7 +220,8 @@ async def _last_stage(app: web.Application, req: StageRequest) -> dict:
     started, queued = time.monotonic(), QUEUED_S.get()
     if req.eval:
         reply = await run_forward(app, req)
-        return {**reply, "forward_s": round(_served_s(started, queued), 6), "hops": [], "rerouted": []}
+        forward_s = max(_served_s(started, queued) - reply["step_wait_s"], 0.0)
+        return {**reply, "forward_s": round(forward_s, 6), "hops": [], "rerouted": []}
     reply = await run_backward(app, req)
     seconds = _served_s(started, queued) - reply["step_wait_s"]
     return {
@@ -240,7 +241,7 @@ async def _middle_stage(
     settings = app[SETTINGS]
     started, queued = time.monotonic(), QUEUED_S.get()
     forward = await run_forward(app, req)
-    forward_s = _served_s(started, queued)
+    forward_s = max(_served_s(started, queued) - forward["step_wait_s"], 0.0)
     onward = {k: msg[k] for k in PASSED_ON if k in msg} | {
         "stage": settings.stage + 1,
         "inputs": forward["outputs"],

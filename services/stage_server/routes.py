@@ -2,8 +2,8 @@
 
 Request bodies (msgpack maps, see ``shared.codec``)::
 
-    /forward  {v, run_id?, stage, microbatch_id, seed, codec?, eval?, inputs, targets?}
-              -> {stage, microbatch_id, step, outputs} or, on the last stage, {stage, microbatch_id, step, loss}
+    /forward  {v, run_id?, stage, microbatch_id, seed, codec?, eval?, admitted_step?, inputs, targets?}
+              -> {stage, microbatch_id, step, step_wait_s, outputs} or, on the last stage, {..., loss}
     /backward {v, run_id?, stage, microbatch_id, seed, codec?, forward_step?, until_step?, admitted_step?,
                inputs, targets?, grad_outputs?}
               -> {stage, microbatch_id, step, stage_step, bucket, accumulated, step_wait_s,
@@ -13,7 +13,8 @@ Request bodies (msgpack maps, see ``shared.codec``)::
 the stage's step when the backward answers (one more when it completed a global batch),
 ``bucket`` the global step whose gradient this backward went into, ``step_wait_s`` the
 seconds it waited for the global step (a reservation held, the step of the batch it
-completed): not this replica's speed, and the trainer's balancer leaves it out. A backward
+completed; a forward: the step a backward here closed, or a step round still applying
+here): not this replica's speed, and the trainer's balancer leaves it out. A backward
 gives the ``step`` of its forward here as ``forward_step``; one more than
 ``SWARM_MAX_STALENESS`` steps away is refused with 409 ``stale_forward`` (run the
 microbatch again). ``accumulated: false``: this microbatch's gradient was already
@@ -175,10 +176,13 @@ async def run_forward(app: web.Application, req: StageRequest) -> dict:
     microbatch_id, step}`` and ``outputs`` (encoded), or ``loss`` on the last stage."""
     runtime, settings = app[RUNTIME], app[SETTINGS]
     stepper = app.get(STEPPER)
+    waited = 0.0
     if stepper:  # the step a backward here closed, settling in the background: on its weights
+        asked = time.perf_counter()
         await stepper.settled()
         if not req.eval:  # and on those of a step round still applying here that its admission counts on
             await stepper.hold_for(req.admitted_step)
+        waited = time.perf_counter() - asked
 
     def compute():
         return runtime.forward(
@@ -186,7 +190,7 @@ async def run_forward(app: web.Application, req: StageRequest) -> dict:
         ), runtime.step
 
     output, step = await app[WORKER].run(compute)
-    reply = {"stage": settings.stage, "microbatch_id": req.microbatch_id, "step": step}
+    reply = {"stage": settings.stage, "microbatch_id": req.microbatch_id, "step": step, "step_wait_s": round(waited, 6)}
     if runtime.spec.is_last:
         reply["loss"] = float(output)
     else:
@@ -215,8 +219,10 @@ async def run_backward(app: web.Application, req: StageRequest) -> dict:
     computed gradients that wait for their answer at once)."""
     runtime, settings, worker = app[RUNTIME], app[SETTINGS], app[WORKER]
     stepper = app.get(STEPPER)
+    held = time.perf_counter()
     if stepper and req.forward_step is None:  # its forward runs here now (the last stage): as in run_forward
         await stepper.hold_for(req.admitted_step)
+    held = time.perf_counter() - held
     if stepper and req.forward_step is not None:
         runtime.check_staleness(
             req.microbatch_id, req.forward_step
@@ -226,7 +232,7 @@ async def run_backward(app: web.Application, req: StageRequest) -> dict:
     )  # a retry or a re-run of a microbatch already here: it takes no reservation (giving one back reopens a step)
     work = 3.0 if runtime.spec.is_last else 2.0  # the last stage's backward includes its forward
     args = (req.microbatch_id, req.seed, req.inputs, req.targets, req.grad_outputs, req.forward_step)
-    answer, waited = None, 0.0
+    answer, waited = None, held
     reserve = (
         functools.partial(stepper.reserve, _samples(req.inputs), req.until_step, req.microbatch_id, req.admitted_step)
         if stepper and not duplicate

@@ -757,7 +757,10 @@ async def test_forward_at_a_middle_stage(start, reply_codec, tol):
     resp = await post(client, "/forward", body(1, **fields))
     assert resp.status == 200, await resp.text()
     reply = unpack_message(await resp.read())
-    assert set(reply) == {"v", "stage", "microbatch_id", "step", "outputs"} and reply["step"] == runtime.step == 0
+    assert (
+        set(reply) == {"v", "stage", "microbatch_id", "step", "step_wait_s", "outputs"}
+        and reply["step"] == runtime.step == 0
+    )
     assert reply["outputs"]["codec"] == (reply_codec or "fp32")
     out = decode_tensor(reply["outputs"])
     assert out.dtype == torch.float32 and list(out.shape) == [3, 16, D_MODEL]

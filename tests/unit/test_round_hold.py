@@ -124,6 +124,9 @@ async def test_a_forward_of_the_next_step_waits_for_the_round_and_runs_on_its_we
     scripted.apply.set()
     reply = await asyncio.wait_for(held, WAIT_S)
     assert runtime.forward_steps == [1] and reply["step"] == 1
+    # the wait is the step's, not this replica's speed: the reply says it, and a chain's
+    # forward_s (the trainer's wiring) leaves it out
+    assert reply["step_wait_s"] >= 0.5
 
 
 async def test_forwards_that_the_round_does_not_concern_run_at_once(replica):
@@ -136,7 +139,7 @@ async def test_forwards_that_the_round_does_not_concern_run_at_once(replica):
         [forward(2, admitted_step=0), forward(3, admitted_step=None), forward(4, admitted_step=1, eval=True)]
     ):
         reply = await asyncio.wait_for(run_forward(app, req), WAIT_S)
-        assert reply["step"] == 0 and len(runtime.forward_steps) == n + 1
+        assert reply["step"] == 0 and len(runtime.forward_steps) == n + 1 and reply["step_wait_s"] < 0.5
     scripted.apply.set()
     await asyncio.wait_for(app[STEPPER].wait_round("step-s1-r0", WAIT_S), WAIT_S)
     assert runtime.step == 1

@@ -121,8 +121,8 @@ class Transport(Protocol):
 # ------------------------------------------------------------------ pure pieces
 def split_bounds(n: int, k: int, shares: tuple[float, ...] | None = None) -> list[tuple[int, int]]:
     """``k`` contiguous ``[start, stop)`` ranges covering ``range(n)``: sizes that differ by at
-    most 1, or in proportion to ``shares`` (k positive numbers: a member's part to reduce as
-    its speed; every part at least 1 value where ``n >= k``). A function of its arguments
+    most 1, or in proportion to ``shares`` (k positive numbers, the coordinator's
+    ``averaging.round_shares``; every part at least 1 value where ``n >= k``). A function of its arguments
     only: every member computes the same bounds."""
     assert k >= 1 and n >= 0, f"cannot split {n} values into {k} parts"
     if shares is None:

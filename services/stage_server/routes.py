@@ -219,10 +219,11 @@ async def run_backward(app: web.Application, req: StageRequest) -> dict:
     computed gradients that wait for their answer at once)."""
     runtime, settings, worker = app[RUNTIME], app[SETTINGS], app[WORKER]
     stepper = app.get(STEPPER)
-    held = time.perf_counter()
+    held = 0.0
     if stepper and req.forward_step is None:  # its forward runs here now (the last stage): as in run_forward
+        asked = time.perf_counter()
         await stepper.hold_for(req.admitted_step)
-    held = time.perf_counter() - held
+        held = time.perf_counter() - asked
     if stepper and req.forward_step is not None:
         runtime.check_staleness(
             req.microbatch_id, req.forward_step

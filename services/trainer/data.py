@@ -49,8 +49,15 @@ class Microbatch:
         return self.inputs.numel()
 
 
+SAMPLES_PER_DRAW = 8  # windows drawn per seed: microbatches of 8 are exactly one draw each
+
+
 class ByteBatcher:
-    """Draws microbatch ``i`` from ``(seed, i)`` alone, so any run can be replayed."""
+    """Microbatch ``i`` is samples ``i * microbatch_size`` to ``(i + 1) * microbatch_size - 1``
+    of one stream of windows, drawn ``SAMPLES_PER_DRAW`` at a time from ``(seed, split,
+    draw)`` alone: any run can be replayed, and the samples a run trains on do not depend on
+    how it cuts them into microbatches (a trainer with microbatches of 2 trains on the same
+    samples, in the same order, as one with microbatches of 8, like ``TokenBatcher``)."""
 
     def __init__(
         self, tokens: torch.Tensor, seq_len: int, microbatch_size: int, *, seed: int = 0, eval_fraction: float = 0.05
@@ -65,9 +72,14 @@ class ByteBatcher:
 
     def microbatch(self, index: int, *, split: str = "train") -> Microbatch:
         data = self.train if split == "train" else self.eval
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{split}:{index}".encode()))
-        starts = torch.randint(0, len(data) - self.seq_len - 1, (self.microbatch_size,), generator=gen)
-        windows = torch.stack([data[s : s + self.seq_len + 1] for s in starts.tolist()]).long()
+        first, stop = index * self.microbatch_size, (index + 1) * self.microbatch_size
+        starts: list[int] = []
+        for draw in range(first // SAMPLES_PER_DRAW, (stop - 1) // SAMPLES_PER_DRAW + 1):
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{split}:{draw}".encode()))
+            drawn = torch.randint(0, len(data) - self.seq_len - 1, (SAMPLES_PER_DRAW,), generator=gen).tolist()
+            lo = draw * SAMPLES_PER_DRAW
+            starts += drawn[max(first - lo, 0) : min(stop - lo, SAMPLES_PER_DRAW)]
+        windows = torch.stack([data[s : s + self.seq_len + 1] for s in starts]).long()
         return Microbatch(index, windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
 
 

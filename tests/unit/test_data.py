@@ -140,3 +140,21 @@ def test_different_seeds_do_not_share_microbatch_streams():
     tokens = random_corpus()
     seed0, seed2 = ByteBatcher(tokens, SEQ_LEN, 4, seed=0), ByteBatcher(tokens, SEQ_LEN, 4, seed=2)
     assert not torch.equal(seed0.microbatch(7_919).inputs, seed2.microbatch(0).inputs)
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_samples_do_not_depend_on_the_microbatch_size(split):
+    """A run's samples are one stream however it cuts them: microbatches of 1, 2, 3, 5 or 12
+    hold, in order, the windows that microbatches of 8 hold (so a side that trains with
+    smaller microbatches trains on the same global batches as one process with 8)."""
+    tokens = random_corpus()
+    eights = ByteBatcher(tokens, SEQ_LEN, 8, seed=5)
+    stream = torch.cat([eights.microbatch(i, split=split).inputs for i in range(6)])  # samples 0..47
+    for size in (1, 2, 3, 5, 12):
+        batcher = ByteBatcher(tokens, SEQ_LEN, size, seed=5)
+        count = 48 // size
+        cut = torch.cat([batcher.microbatch(i, split=split).inputs for i in range(count)])
+        assert torch.equal(cut, stream[: count * size]), size
+        later = batcher.microbatch(count + 3, split=split)  # a microbatch past the first draws: its own samples
+        first = (count + 3) * size
+        assert torch.equal(later.inputs[0], eights.microbatch(first // 8, split=split).inputs[first % 8])

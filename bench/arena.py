@@ -8,8 +8,11 @@ peers under a CPU cap (``bench/arena_net.py``). Three sides train the same model
 same global batch and the same optimizer:
 
 - ``mesh int8``: coordinator, stage servers and trainers as stock processes, the default
-  wire codec; its best number of trainers and microbatches in flight, swept where the
-  scenario says so (tokens/s over a few steps), else the last sweep's best;
+  wire codec; its best number of trainers, microbatches in flight and samples a microbatch
+  (8, 4 or 2, as pipelining's microbatch counts cut the batch), swept where the scenario says
+  so (tokens/s over a few steps), else the last sweep's best. Whatever the microbatch size,
+  a run trains on the same samples in the same global steps as the reference (the trainer's
+  ``ByteBatcher`` cuts one stream of samples), as pipelining does;
 - ``mesh fp32``: the same with the fp32 wire (what the codec buys, against the design);
 - ``pipelining``: ``torch.distributed.pipelining`` over gloo, Schedule1F1B, fp32
   activations (``bench/arena_pipelining.py``), with its microbatch count for the global
@@ -111,7 +114,9 @@ class Scenario:
     rebalance_every_s: float = 0.0  # the coordinator's rebalancing (0: off; one server per stage)
     # the mesh's checkpoints (0: none): a restarted server whose stage has no live replica resumes from the latest
     checkpoint_every_s: float = 0.0
-    sweep_mesh: bool = False  # sweep the mesh's trainers x in-flight here (else the last sweep's best)
+    sweep_mesh: bool = (
+        False  # sweep the mesh's trainers x in-flight x microbatch size here (else the last sweep's best)
+    )
     description: str = ""
 
     def peer_specs(self, trainers: int) -> list[PeerSpec]:
@@ -289,8 +294,8 @@ FULL = Plan(
     work=Workload(d_model=256, n_layer=8, seq_len=64),  # microbatches of 8, 32 samples per global step
     scenarios=(
         _homogeneous(10, 200.0, sweep=True),
-        _homogeneous(50, 150.0),
-        _homogeneous(200, 150.0),
+        _homogeneous(50, 150.0, sweep=True),
+        _homogeneous(200, 150.0, sweep=True),
         HETERO,
         Scenario(
             "churn",
@@ -313,7 +318,8 @@ FULL = Plan(
     ),
     target_steps=8,
     eval_every=2,
-    mesh_settings=((1, 4), (1, 8), (2, 8)),
+    # microbatches of 8, 4 and 2 samples, as pipelining's candidates cut its global batch of 32
+    mesh_settings=((1, 4), (1, 8), (2, 8), (1, 8, 4), (2, 8, 4), (1, 16, 2), (2, 16, 2)),
     pipeline_candidates=(4, 8, 16),  # Schedule1F1B needs at least as many microbatches as stages
 )
 QUICK = Plan(
@@ -1302,7 +1308,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="TxF,...",
         help=(
             "the mesh's settings to sweep, trainers x microbatches in flight [x samples a microbatch] (default: the "
-            "plan's, e.g. 1x4,1x8,2x8)"
+            "plan's: 1x4,1x8,2x8,1x8x4,2x8x4,1x16x2,2x16x2)"
         ),
     )
     args = p.parse_args(argv)

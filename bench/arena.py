@@ -114,9 +114,8 @@ class Scenario:
     rebalance_every_s: float = 0.0  # the coordinator's rebalancing (0: off; one server per stage)
     # the mesh's checkpoints (0: none): a restarted server whose stage has no live replica resumes from the latest
     checkpoint_every_s: float = 0.0
-    sweep_mesh: bool = (
-        False  # sweep the mesh's trainers x in-flight x microbatch size here (else the last sweep's best)
-    )
+    # sweep the mesh's trainers x in-flight x microbatch size here (else the last sweep's best)
+    sweep_mesh: bool = False
     description: str = ""
 
     def peer_specs(self, trainers: int) -> list[PeerSpec]:

@@ -286,7 +286,7 @@ HETERO = Scenario(
     sweep_mesh=True,
     description=(
         "8 servers, CPU caps 1:1:2:2:2:4:4:4 (1.6 cores in all), links 10-100 Mbit/s mixed, 10 ms each; mesh: stages "
-        "assigned and rebalanced by the coordinator"
+        "assigned and rebalanced by the coordinator (each server declares its link's rate, SWARM_LINK_MBIT)"
     ),
 )
 FULL = Plan(
@@ -585,6 +585,8 @@ class MeshSide(SideRun):
             "SWARM_WIRE_CODEC": self.codec,
             "SWARM_GLOBAL_BATCH": str(w.samples_per_step),
             "SWARM_DRAIN_TIMEOUT_S": "2",
+            # what its operator would say of its link: the rate it is shaped to (a slow one joins where it costs least)
+            "SWARM_LINK_MBIT": f"{self.sc.servers[index][0]:g}",
         }
         if self.plan.max_staleness:
             env["SWARM_MAX_STALENESS"] = str(self.plan.max_staleness)

@@ -571,6 +571,17 @@ class StageServerSettings(ModelSettings, DiscoverySettings):
             "others declare none"
         ),
     )
+    link_mbit: float = Field(
+        0.0,
+        ge=0,
+        le=1e7,
+        description=(
+            "the rate of this server's network link in Mbit/s (the slower of up and down), declared to the "
+            "coordinator: a --stage auto server whose link is under half the swarm's median joins the stage of its "
+            "need with the most capacity, where the step rounds it slows cost least; 0: none declared (placement "
+            "then leaves links out)"
+        ),
+    )
     region: str = Field(
         "",
         max_length=64,
@@ -703,6 +714,15 @@ class CoordinatorSettings(DiscoverySettings):
         1 / 0.75,
         ge=1.0,
         description="throughput placement: move a server only if the weakest stage's capacity grows by this factor",
+    )
+    hot_spares: bool = Field(
+        True,
+        description=(
+            "keep the replicas whose stage does not need their compute out of routing (GET /swarm marks them "
+            "'spare'): while a stage keeps at least the weakest stage's capacity without a replica (declared speeds, "
+            "else measured throughputs), that replica holds no samples, so its step rounds cost little, and it serves "
+            "when its stage needs it; false: every replica serves"
+        ),
     )
     placement: PlacementSettings = Field(
         default_factory=PlacementSettings, description="placement of servers on stages (SWARM_PLACEMENT*)"

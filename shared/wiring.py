@@ -11,7 +11,9 @@ at once) a replica four times slower gets a request only where it would still fi
 later than the fast one's queue (judged at twice its estimate where it is much slower): a weak
 peer is not the step's last microbatch. A replica
 that errors is banned with exponential backoff; when every replica of a stage is banned,
-bans are ignored.
+bans are ignored. A replica the coordinator marks a hot spare (its stage does not need its
+compute: ``shared.policy.spares``) gets no request while another usable replica of its
+stage is there, and is the first to take over when none is.
 
 Pure logic: no networking, no sleeping; time comes from ``clock`` and randomness from
 ``rng``, both injectable for tests.
@@ -69,6 +71,7 @@ class _Replica:
     virtual_time: float = 0.0
     failures: int = 0  # consecutive; reset by a success
     banned_until: float = float("-inf")
+    spare: bool = False  # a hot spare: chosen only when no other usable replica is left
 
 
 class ReplicaBalancer:
@@ -105,15 +108,17 @@ class ReplicaBalancer:
     def num_stages(self) -> int:
         return len(self._stages)
 
-    def set_replicas(self, stage: int, urls: Iterable[str]) -> None:
-        """Make ``urls`` the stage's replicas. Surviving URLs keep their estimate, virtual
-        time and ban; removed ones are forgotten; new ones enter at the stage's current
-        minimum virtual time, so they are tried promptly and get measured."""
-        urls = list(urls)
+    def set_replicas(self, stage: int, urls: Iterable[str], spares: Iterable[str] = ()) -> None:
+        """Make ``urls`` the stage's replicas, those in ``spares`` hot spares. Surviving URLs
+        keep their estimate, virtual time and ban; removed ones are forgotten; new ones enter
+        at the stage's current minimum virtual time, so they are tried promptly and get measured."""
+        urls, spares = list(urls), set(spares)
         old = self._replicas(stage)
         survivors = [old[u].virtual_time for u in urls if u in old]
         entry_time = min(survivors, default=0.0)
         self._stages[stage] = {u: old.get(u) or _Replica(ThroughputEMA(self.ema_decay), entry_time) for u in urls}
+        for url, replica in self._stages[stage].items():
+            replica.spare = url in spares
 
     def choose(self, stage: int, *, kind: str = "forward", batch_size: int, exclude: Iterable[str] = ()) -> str:
         """The replica that would finish the request first: its virtual time (at least now)
@@ -125,9 +130,10 @@ class ReplicaBalancer:
         peer (a fifteenth of a core, its service time measured at about a third of the strong
         one's speed) took a microbatch in every other step, and those steps ended a second later.
 
-        Candidates: the replicas not in ``exclude`` (all of them if that leaves none), and
-        among those the ones not banned (all of them if none). A banned replica's virtual
-        time keeps pace with the chosen one, so it gets no burst of requests on return.
+        Candidates: the replicas not in ``exclude`` (all of them if that leaves none), among
+        those the ones not banned (all of them if none), and among those the ones that are not
+        hot spares (the spares if only they are left). A banned replica's virtual time keeps
+        pace with the chosen one, so it gets no burst of requests on return.
         Raises :class:`NoReplica` if the stage has no replicas.
         """
         _check_kind(kind)
@@ -136,7 +142,8 @@ class ReplicaBalancer:
             raise NoReplica(stage)
         excluded = set(exclude)
         allowed = [u for u in replicas if u not in excluded] or list(replicas)
-        candidates = [u for u in allowed if not self.is_banned(stage, u)] or allowed
+        unbanned = [u for u in allowed if not self.is_banned(stage, u)] or allowed
+        candidates = [u for u in unbanned if not replicas[u].spare] or unbanned
         now, work = self.clock() - self._origin, batch_size * self._cost(kind)
         per_sample = {u: self._seconds_per_sample(stage, u) for u in candidates}
         finish = {u: max(replicas[u].virtual_time, now) + work * per_sample[u] for u in candidates}
@@ -156,7 +163,8 @@ class ReplicaBalancer:
 
     def alternates(self, stage: int, chosen: str, limit: int) -> list[str]:
         """Up to ``limit`` other usable replicas of the stage, the fastest first (unmeasured
-        ones after the measured): where a chain goes when ``chosen`` fails."""
+        ones after the measured; hot spares among them: they take over when ``chosen``
+        fails): where a chain goes when ``chosen`` fails."""
         others = [u for u in self.usable(stage) if u != chosen]
         return sorted(
             others,

@@ -121,6 +121,7 @@ class ServerReport:
     activation_bytes_per_sample: float = 0.0  # wire bytes per sample crossing its boundary, measured (0: none yet)
     step: int | None = None  # the global step its state is at, as of the message (None: not said)
     speed_flops: float = 0.0  # the compute rate it measured as it joined (FLOP/s; 0: none declared)
+    link_mbit: float = 0.0  # the link rate it declared (Mbit/s; 0: none)
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ class PendingJoin:
     region: str = ""
     rtt_ms: dict = field(default_factory=dict)  # peer URL -> ms, as the joiner measured
     speed_flops: float = 0.0  # the compute rate the joiner declared (0: none)
+    link_mbit: float = 0.0  # the link rate the joiner declared (Mbit/s; 0: none)
 
 
 class Registry:
@@ -368,20 +370,26 @@ class Registry:
         return list(self._pending)
 
     def hand_out(
-        self, stage: int, region: str = "", rtt_ms: dict[str, float] | None = None, speed_flops: float = 0.0
+        self,
+        stage: int,
+        region: str = "",
+        rtt_ms: dict[str, float] | None = None,
+        speed_flops: float = 0.0,
+        link_mbit: float = 0.0,
     ) -> int:
         """Note that ``stage`` was handed to a joining server (it counts until it registers
         or :data:`JOIN_WINDOW_S` passes, or a lease period if longer); returns ``stage``."""
         until = self._clock() + max(self.lease_s, JOIN_WINDOW_S)
-        self._pending.append(PendingJoin(stage, until, region, dict(rtt_ms or {}), speed_flops))
+        self._pending.append(PendingJoin(stage, until, region, dict(rtt_ms or {}), speed_flops, link_mbit))
         return stage
 
-    def join_choice(self) -> JoinChoice:
+    def join_choice(self, link_mbit: float = 0.0) -> JoinChoice:
         """Where a joining server should go, and why: the policy's stage where a loss would hurt
         most (:func:`shared.policy.resilience.join_stage`: an empty stage, then one with a single
-        replica, ...), the stages handed out in the last join window to servers that have not
-        registered yet counted as pending joins."""
-        return self.swarm(self.pending_joins()).join_stage()
+        replica, ...; a joiner on a slow link, ``link_mbit``, the strongest stage of that need),
+        the stages handed out in the last join window to servers that have not registered yet
+        counted as pending joins."""
+        return self.swarm(self.pending_joins()).join_stage(link_mbit)
 
     def standby_choice(self) -> JoinChoice | None:
         """Where a standby server should go now (pending joins counted), or None: it waits
@@ -416,6 +424,8 @@ class Registry:
             pending=[p.stage for p in pending],
             speeds={sid: report.speed_flops for sid, report in self.reports.items()},
             pending_speeds=[p.speed_flops for p in pending],
+            links={sid: report.link_mbit for sid, report in self.reports.items()},
+            pending_links=[p.link_mbit for p in pending],
         )
 
     def view(self) -> dict:
@@ -491,6 +501,7 @@ MAX_PARAMETERS = 10**13
 MAX_SAMPLES_PER_STEP = 10**9
 MAX_ACTIVATION_BYTES = 2.0**40
 MAX_SPEED_FLOPS = 2.0**70
+MAX_LINK_MBIT = 1e7  # 10 Tbit/s: more than any link a server has
 
 
 def check_region(value) -> str:
@@ -506,13 +517,20 @@ def check_speed(value) -> float:
     return float(value)
 
 
+def check_link(value) -> float:
+    """A declared link rate (``link_mbit``): a finite number of Mbit/s in [0, 10**7]."""
+    if type(value) not in (int, float) or not math.isfinite(value) or not 0 <= value <= MAX_LINK_MBIT:
+        raise BadPayload(f"'link_mbit' must be a finite number of Mbit/s in [0, {MAX_LINK_MBIT:g}]")
+    return float(value)
+
+
 def check_report(msg: dict) -> ServerReport | None:
     """The ServerReport in a registration or heartbeat (``region``, ``workload``:
-    {parameters, samples_per_step, activation_bytes_per_sample}, ``step``, ``speed_flops``),
-    None if it has none."""
+    {parameters, samples_per_step, activation_bytes_per_sample}, ``step``, ``speed_flops``,
+    ``link_mbit``), None if it has none."""
     region, workload, step = msg.get("region"), msg.get("workload"), msg.get("step")
-    speed = check_speed(msg.get("speed_flops", 0.0))
-    if region is None and workload is None and step is None and not speed:
+    speed, link = check_speed(msg.get("speed_flops", 0.0)), check_link(msg.get("link_mbit", 0.0))
+    if region is None and workload is None and step is None and not speed and not link:
         return None
     if step is not None and (type(step) is not int or not 0 <= step < 2**53):
         raise BadPayload("'step' must be an int >= 0")
@@ -533,7 +551,7 @@ def check_report(msg: dict) -> ServerReport | None:
         or not 0 <= activation <= MAX_ACTIVATION_BYTES
     ):
         raise BadPayload("'workload.activation_bytes_per_sample' must be a finite number in [0, 2**40]")
-    return ServerReport(region, parameters, samples, float(activation), step, speed)
+    return ServerReport(region, parameters, samples, float(activation), step, speed, link)
 
 
 def _check_throughput(value) -> float:

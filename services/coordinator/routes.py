@@ -7,8 +7,8 @@ Request bodies are JSON objects (``Content-Type: application/json``, at most 64 
 unknown fields are ignored, so old and new servers interoperate::
 
     POST /register   {run_id, server_id, stage, url, version, throughput, queue_length}
-                     -> {server_id, stage, heartbeat_s, lease_s}
-    POST /assign     {run_id, region?, rtt_ms?: {peer URL: ms}, speed_flops?} -> {stage, placement}
+                     -> {server_id, stage, heartbeat_s, lease_s, lookahead}
+    POST /assign     {run_id, region?, rtt_ms?: {peer URL: ms}, speed_flops?, link_mbit?} -> {stage, placement}
                      the stage a joining server should serve (see placement.py)
                      {..., standby: true, server_id, wait_s?}: a standby server; answered
                      when a stage needs it ({stage, placement: "standby", reason}) or after
@@ -53,12 +53,12 @@ import asyncio
 import structlog
 from aiohttp import web
 
-from services.coordinator.admission import Admission
+from services.coordinator.admission import Admission, lookahead_of
 from services.coordinator.assignment import network_inputs
 from services.coordinator.averaging import AveragingScheduler
 from services.coordinator.checkpointer import Checkpointer
 from services.coordinator.placement import Joiner, stage_for_joiner, uses_topology
-from services.coordinator.registry import Registry, check_region, check_report, check_rtt, check_speed
+from services.coordinator.registry import Registry, check_link, check_region, check_report, check_rtt, check_speed
 from services.coordinator.steps import STEPS
 from services.coordinator.utilisation import UtilisationBoard, check_utilisation
 from shared import checkpoint
@@ -66,6 +66,7 @@ from shared.config import CoordinatorSettings
 from shared.errors import BadPayload, Overloaded
 from shared.http import check_run
 from shared.http import read_json as http_read_json
+from shared.policy.spares import spare_replicas
 from shared.policy.view import PlacementInputs
 
 SETTINGS = web.AppKey("settings", CoordinatorSettings)
@@ -77,6 +78,7 @@ LOG = web.AppKey("log", structlog.typing.FilteringBoundLogger)
 ASSIGN_LOCK = web.AppKey("assign_lock", asyncio.Lock)
 ADMISSION = web.AppKey("admission", Admission)
 UTILISATION = web.AppKey("utilisation", UtilisationBoard)  # the servers' MFU reports (utilisation.py)
+SPARES = web.AppKey("spares", dict)  # server_id -> why, as GET /swarm last showed them (logged when they change)
 JOINER_ID, PENDING_PREFIX = "<joiner>", "<pending>"  # peer ids no server can have (server ids are [A-Za-z0-9._-])
 
 MAX_BODY_BYTES = 64 * 1024
@@ -112,20 +114,25 @@ async def _register(request: web.Request) -> web.Response:
         version=server.version,
         throughput=server.throughput,
     )
+    settings = request.app[SETTINGS]
     return web.json_response(
         {
             "server_id": server.server_id,
             "stage": server.stage,
             "heartbeat_s": registry.heartbeat_s,
             "lease_s": registry.lease_s,
+            # how far past a replica's weights the admission lets a microbatch in: the server
+            # holds a forward that needs newer weights until it has them (Averager.hold_for)
+            "lookahead": lookahead_of(settings.schedule, settings.max_staleness),
         }
     )
 
 
 async def _assign(request: web.Request) -> web.Response:
     """The stage a joining server should serve: where a loss would hurt most (the policy's
-    rule: an empty stage first, then one with a single replica, ...); once every stage has
-    two replicas, by the network cost model when placement plans with it (the joiner's
+    rule: an empty stage first, then one with a single replica, ...; a joiner that declared
+    a slow link, the strongest stage of that need); once every stage has two replicas, by
+    the network cost model when placement plans with it (the joiner's
     region and measured RTTs in the body). Joins are placed one at a time, each counting the
     stages handed out before it. A plan the network planner cannot make falls back to the
     policy's stage (logged), never to an error."""
@@ -133,11 +140,12 @@ async def _assign(request: web.Request) -> web.Response:
     _check_run(request, msg)
     joiner = Joiner(JOINER_ID, check_region(msg.get("region", "")), check_rtt(msg.get("rtt_ms", {})))
     speed = check_speed(msg.get("speed_flops", 0.0))  # placed by it where every server declared one
+    link = check_link(msg.get("link_mbit", 0.0))  # a slow one goes where the stage has most to spare
     registry, settings, log = request.app[REGISTRY], request.app[SETTINGS], request.app[LOG]
     if msg.get("standby") is True:
         return await _assign_standby(request, msg, joiner.region)
     async with request.app[ASSIGN_LOCK]:
-        choice = registry.join_choice()
+        choice = registry.join_choice(link)
         stage, placement, reason = choice.stage, "throughput", choice.reason
         if choice.free and uses_topology(settings.placement.mode, registry.rtt_ms, registry.reports, joiner):
             try:
@@ -152,7 +160,7 @@ async def _assign(request: web.Request) -> web.Response:
                 placement, reason = "topology", "the cheapest stage by the network cost model"
             except (ValueError, KeyError) as exc:  # inputs the planner cannot work with: the policy's stage
                 log.warning("placement.joiner.fallback", error=repr(exc), stage=stage, reason=reason)
-        registry.hand_out(stage, joiner.region, dict(joiner.rtt_ms), speed)
+        registry.hand_out(stage, joiner.region, dict(joiner.rtt_ms), speed, link)
     log.info(
         "placement.joiner",
         stage=stage,
@@ -161,6 +169,7 @@ async def _assign(request: web.Request) -> web.Response:
         region=joiner.region or None,
         peers_timed=len(joiner.rtt_ms),
         speed_gflops=round(speed / 1e9, 3) if speed else None,
+        link_mbit=link or None,
     )
     return web.json_response({"stage": stage, "placement": placement})
 
@@ -228,9 +237,20 @@ async def _deregister(request: web.Request) -> web.Response:
 
 
 def swarm_view(app: web.Application) -> dict:
-    """The registry's view, each stage with its global step (``steps.py``) and utilisation."""
+    """The registry's view, each stage with its global step (``steps.py``) and utilisation,
+    and each replica with whether it is a hot spare (``spare``; ``spare_reason``)."""
     view = app[REGISTRY].view()
     app[UTILISATION].annotate(view)
+    spares = spare_replicas(app[REGISTRY].swarm()) if app[SETTINGS].hot_spares else {}
+    for stage in view["stages"]:
+        for replica in stage["replicas"]:
+            replica["spare"] = replica["server_id"] in spares
+            if replica["spare"]:
+                replica["spare_reason"] = spares[replica["server_id"]]
+    if set(spares) != set(app[SPARES]):
+        app[SPARES].clear()
+        app[SPARES].update(spares)
+        app[LOG].info("placement.spares", spares=sorted(spares), reasons=[spares[s] for s in sorted(spares)])
     if STEPS in app:
         for stage, steps in zip(view["stages"], app[STEPS].counter.view()):
             stage["step"] = {k: v for k, v in steps.items() if k != "stage"}
@@ -277,6 +297,7 @@ async def _checkpoint_now(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app[ASSIGN_LOCK] = asyncio.Lock()
     app[UTILISATION] = UtilisationBoard()
+    app[SPARES] = {}
     app.router.add_post("/register", _register)
     app.router.add_post("/assign", _assign)
     app.router.add_post("/heartbeat", _heartbeat)

@@ -87,6 +87,7 @@ async def resolve(settings: StageServerSettings, log) -> StageServerSettings:
                 region=settings.region,
                 rtt_ms=rtt_ms,
                 speed_flops=settings.speed_flops,
+                link_mbit=settings.link_mbit,
                 timeout_s=settings.join_timeout_s,
                 log=log,
             )
@@ -96,6 +97,7 @@ async def resolve(settings: StageServerSettings, log) -> StageServerSettings:
             region=settings.region or None,
             peers_timed=len(rtt_ms),
             speed_gflops=round(settings.speed_flops / 1e9, 3),
+            link_mbit=settings.link_mbit or None,
         )
     return settings.model_copy(update={"coordinator": coordinator, "stage": stage})
 

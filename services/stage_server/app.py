@@ -194,6 +194,7 @@ def _report(settings: StageServerSettings, app: web.Application):
             "utilisation": stage_metrics.utilisation.report(),  # MFU, shown by swarm status and the dashboard
             **({"region": settings.region} if settings.region else {}),
             **({"speed_flops": settings.speed_flops} if settings.speed_flops else {}),
+            **({"link_mbit": settings.link_mbit} if settings.link_mbit else {}),
         }
 
     return report
@@ -221,7 +222,7 @@ def _membership(settings: StageServerSettings, log):
                 report=_report(settings, app),
             )
             app[MEMBERSHIP] = membership
-            app[STEPPER] = StepClient.for_server(app, settings, session, log)
+            app[STEPPER] = StepClient.for_server(app, settings, session, log, lambda: membership.lookahead)
             task = asyncio.create_task(membership.run())
             yield
             task.cancel()

@@ -34,13 +34,15 @@ async def assign_stage(
     region: str = "",
     rtt_ms: dict[str, float] | None = None,
     speed_flops: float = 0.0,
+    link_mbit: float = 0.0,
     timeout_s: float = 60.0,
     log=None,
 ) -> int:
     """Ask the coordinator which stage a server started with ``--stage auto`` should serve,
     telling it where the server is (``region``), its round-trip times to the swarm's
     servers (``rtt_ms``, peer URL -> ms), so that it can place the server by the network,
-    and its compute speed (``speed_flops``, 0: none declared).
+    its compute speed (``speed_flops``, 0: none declared) and its link rate (``link_mbit``,
+    Mbit/s; 0: none declared).
 
     A coordinator not reachable yet (started after the servers, restarting, overloaded) is
     asked again with backoff for up to ``timeout_s``; then, or at once for an answer that
@@ -52,6 +54,8 @@ async def assign_stage(
         body["rtt_ms"] = rtt_ms
     if speed_flops > 0:
         body["speed_flops"] = speed_flops
+    if link_mbit > 0:
+        body["link_mbit"] = link_mbit
     deadline = asyncio.get_running_loop().time() + timeout_s
     failures = 0
     while True:
@@ -128,6 +132,9 @@ class Membership:
         self.url, self.version, self.heartbeat_s, self.load, self.log = url, version, heartbeat_s, load, log
         self.server_id = f"s{stage}-{uuid.uuid4().hex[:12]}"
         self.registered = asyncio.Event()
+        # the coordinator's admission lookahead, as its /register said it (None: it did not say):
+        # a forward that needs newer weights than this replica's waits for them (Averager.hold_for)
+        self.lookahead: int | None = None
         self.leaving = False  # set by deregister(): never register again
         self._retry = RetryPolicy(max_retries=1_000_000, base_delay_s=0.2, max_delay_s=max(heartbeat_s, 0.2))
 
@@ -180,7 +187,9 @@ class Membership:
             "throughput": throughput,
             "queue_length": queue_length,
         }
-        await post_json(self.session, self.coordinator + "/register", body, timeout_s=CONTROL_TIMEOUT_S)
+        reply = await post_json(self.session, self.coordinator + "/register", body, timeout_s=CONTROL_TIMEOUT_S)
+        lookahead = reply.get("lookahead") if isinstance(reply, dict) else None
+        self.lookahead = lookahead if type(lookahead) is int and 0 <= lookahead < 2**53 else None
         self.registered.set()
         if self.leaving:  # deregister() ran while this registration was on its way
             await self.deregister()

@@ -31,7 +31,8 @@ class RegistryMirror:
         self._lock = asyncio.Lock()
 
     async def refresh(self) -> bool:
-        """Fetch GET /swarm and hand every stage's replicas to the balancer; False if unreachable."""
+        """Fetch GET /swarm and hand every stage's replicas (and which are hot spares) to the
+        balancer; False if unreachable."""
         async with self._lock:
             try:
                 stages = (await get_json(self.session, self.coordinator + "/swarm", timeout_s=REFRESH_TIMEOUT_S))[
@@ -46,7 +47,8 @@ class RegistryMirror:
                 return False
             for entry in stages[: self.balancer.num_stages]:
                 if urls := [r["url"] for r in entry["replicas"]]:  # listed empty: keep the last known
-                    self.balancer.set_replicas(int(entry["stage"]), urls)
+                    spares = [r["url"] for r in entry["replicas"] if r.get("spare") is True]
+                    self.balancer.set_replicas(int(entry["stage"]), urls, spares)
             self.refreshes += 1
             return True
 

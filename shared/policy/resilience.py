@@ -19,6 +19,13 @@ weaker than that:
 - :func:`standby_stage`: where a standby server (started with ``--stage standby``, holding
   no stage until it is needed) goes: the neediest stage, once some stage has fewer than
   ``SAFE_REPLICAS`` replicas; while every stage has that many, it waits.
+- A joiner on a slow link (:func:`slow_link`: a declared link rate under
+  ``SLOW_LINK_FRACTION`` of the swarm's median) takes the stage of the same need with the
+  MOST capacity instead of the least: every step a stage's replicas all-reduce its gradient,
+  at the pace of the slowest link among them, so a slow link costs least where the stage has
+  compute to spare (a stage of two slow-compute peers that waits on such a round is the
+  swarm's bottleneck twice over). The need comes first all the same: an empty stage is
+  filled whatever the joiner's link.
 
 A stage's members are the throughputs of its replicas (samples per second, 0: not
 measured yet), servers handed the stage but not registered yet counted at the replicas'
@@ -37,6 +44,7 @@ from dataclasses import dataclass
 from shared.policy.move import Move
 
 SAFE_REPLICAS = 2  # a stage with this many replicas survives the loss of one
+SLOW_LINK_FRACTION = 0.5  # a declared link under this fraction of the swarm's median is a slow one
 
 Members = Sequence[Sequence[float]]  # per stage, the throughputs of its replicas (pending joins included)
 
@@ -54,28 +62,50 @@ def loss_key(members: Sequence[float], stage: int) -> tuple:
     return (min(len(members), SAFE_REPLICAS), left, capacity, len(members), stage)
 
 
-def neediest_stage(members: Members, stages: Sequence[int] | None = None) -> int:
+def neediest_stage(members: Members, stages: Sequence[int] | None = None, *, strongest: bool = False) -> int:
     """Of ``stages`` (default: all), the stage where the loss of a replica would hurt most:
-    see the module's docstring. Raises ``ValueError`` without stages."""
+    see the module's docstring; ``strongest``: of the stages of that need (as many replicas,
+    up to ``SAFE_REPLICAS``), the one with the most capacity (then the lowest index), where
+    a slow link costs least. Raises ``ValueError`` without stages."""
     candidates = range(len(members)) if stages is None else stages
     if not candidates:
         raise ValueError("no stage to choose from (num_stages must be >= 1)")
-    return min(candidates, key=lambda s: loss_key(members[s], s))
+    neediest = min(candidates, key=lambda s: loss_key(members[s], s))
+    if not strongest:
+        return neediest
+    need = loss_key(members[neediest], neediest)[0]
+    same_need = [s for s in candidates if loss_key(members[s], s)[0] == need]
+    return min(same_need, key=lambda s: (-loss_key(members[s], s)[1], -sum(members[s]), s))
 
 
-def why_needed(members: Members, stage: int, unit: str = "samples/s") -> str:
+def slow_link(link_mbit: float, links: Sequence[float]) -> float | None:
+    """The swarm's median link (Mbit/s) when ``link_mbit`` is a slow one: under
+    ``SLOW_LINK_FRACTION`` of the median of ``links`` (every replica's and pending join's
+    declared link, the joiner's included); else None, and None when the joiner or any of
+    them declared none (0): placement then does not know the links."""
+    if link_mbit <= 0 or not links or not all(v > 0 for v in links):
+        return None
+    ordered = sorted(links)
+    half = len(ordered) // 2
+    median = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+    return median if link_mbit < SLOW_LINK_FRACTION * median else None
+
+
+def why_needed(members: Members, stage: int, unit: str = "samples/s", *, strongest: bool = False) -> str:
     """Why :func:`neediest_stage` chose ``stage``, in words (for the log and the dashboard);
-    ``unit``: what the members count (throughputs, or declared speeds)."""
+    ``unit``: what the members count (throughputs, or declared speeds); ``strongest``: it
+    chose the stage of that need with the most capacity."""
     count = len(members[stage])
+    most = "most" if strongest else "least"
     if count == 0:
         return f"stage {stage} has no replica"
     if count == 1:
-        weakest = sum(1 for m in members if len(m) == 1) > 1
+        several = sum(1 for m in members if len(m) == 1) > 1
         return f"stage {stage} has one replica: losing it would stop the swarm" + (
-            f" (the least capacity of such stages, {sum(members[stage]):.3g} {unit})" if weakest else ""
+            f" (the {most} capacity of such stages, {sum(members[stage]):.3g} {unit})" if several else ""
         )
     left = sum(members[stage]) - max(members[stage])
-    return f"stage {stage} would keep the least capacity after losing its strongest replica ({left:.3g} {unit})"
+    return f"stage {stage} would keep the {most} capacity after losing its strongest replica ({left:.3g} {unit})"
 
 
 @dataclass(frozen=True)
@@ -89,10 +119,23 @@ class JoinChoice:
     free: bool
 
 
-def join_stage(members: Members, unit: str = "samples/s") -> JoinChoice:
-    """The stage a joining server takes: :func:`neediest_stage` (``unit``: what ``members`` count)."""
-    stage = neediest_stage(members)
-    return JoinChoice(stage, why_needed(members, stage, unit), all(len(m) >= SAFE_REPLICAS for m in members))
+def join_stage(
+    members: Members, unit: str = "samples/s", *, link_mbit: float = 0.0, links: Sequence[float] = ()
+) -> JoinChoice:
+    """The stage a joining server takes: :func:`neediest_stage` (``unit``: what ``members``
+    count); a joiner whose declared link (``link_mbit``) is a :func:`slow_link` among the
+    swarm's (``links``: the replicas', the pending joins' and its own) takes the strongest
+    stage of that need instead."""
+    median = slow_link(link_mbit, links)
+    strongest = median is not None and all(len(m) > 0 for m in members)  # an empty stage is filled all the same
+    stage = neediest_stage(members, strongest=strongest)
+    reason = why_needed(members, stage, unit, strongest=strongest)
+    if strongest:
+        reason += (
+            f"; its {link_mbit:g} Mbit/s link is a slow one (the swarm's median {median:g} Mbit/s): "
+            "its step rounds cost least where the stage has compute to spare"
+        )
+    return JoinChoice(stage, reason, all(len(m) >= SAFE_REPLICAS for m in members))
 
 
 def standby_stage(members: Members, unit: str = "samples/s") -> JoinChoice | None:

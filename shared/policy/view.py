@@ -24,13 +24,15 @@ if TYPE_CHECKING:  # annotations only: shared.topology's planner imports shared.
 class Replica:
     """A server serving ``stage``: ``throughput`` in samples per second as it reports it
     (0: not measured yet), ``queue_length`` requests waiting on it, ``speed`` the compute
-    rate it declared as it joined (FLOP/s its process got; 0: none declared)."""
+    rate it declared as it joined (FLOP/s its process got; 0: none declared), ``link_mbit``
+    the link rate it declared (Mbit/s; 0: none)."""
 
     server_id: str
     stage: int
     throughput: float
     queue_length: int = 0
     speed: float = 0.0
+    link_mbit: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,9 @@ class SwarmView:
     """The swarm: ``num_stages`` stages, the ``replicas`` serving them, the stages of
     ``pending`` joins (handed to a server that has not registered yet: each counts as one
     replica at the replicas' mean throughput) with the speeds they declared
-    (``pending_speeds``, in the same order; absent: none declared), and ``topology``, the
-    planner's inputs when placement plans with the network (``None``: placement balances
-    throughput).
+    (``pending_speeds``, in the same order; absent: none declared) and links
+    (``pending_links``, Mbit/s, likewise), and ``topology``, the planner's inputs when
+    placement plans with the network (``None``: placement balances throughput).
 
     Raises ``ValueError`` when ``num_stages < 1`` or a stage is outside ``[0, num_stages)``.
     """
@@ -61,6 +63,7 @@ class SwarmView:
     pending: tuple[int, ...] = ()
     topology: PlacementInputs | None = None
     pending_speeds: tuple[float, ...] = ()
+    pending_links: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -75,6 +78,8 @@ class SwarmView:
                 raise ValueError(f"a pending join of stage {stage} is outside [0, {self.num_stages}) (num_stages)")
         if self.pending_speeds and len(self.pending_speeds) != len(self.pending):
             raise ValueError(f"{len(self.pending_speeds)} pending speeds for {len(self.pending)} pending joins")
+        if self.pending_links and len(self.pending_links) != len(self.pending):
+            raise ValueError(f"{len(self.pending_links)} pending links for {len(self.pending)} pending joins")
 
     @classmethod
     def of(
@@ -86,15 +91,26 @@ class SwarmView:
         topology: PlacementInputs | None = None,
         speeds: Mapping[str, float] | None = None,
         pending_speeds: Iterable[float] = (),
+        links: Mapping[str, float] | None = None,
+        pending_links: Iterable[float] = (),
     ) -> SwarmView:
         """The view of ``servers``: objects with ``server_id``, ``stage``, ``throughput`` and
-        ``queue_length`` (the registry's ``RegisteredServer``), the speeds they declared by id
-        (``speeds``) and the pending joins' (``pending_speeds``)."""
-        speeds = speeds or {}
+        ``queue_length`` (the registry's ``RegisteredServer``), the speeds and links they
+        declared by id (``speeds``, ``links``) and the pending joins' (``pending_speeds``,
+        ``pending_links``)."""
+        speeds, links = speeds or {}, links or {}
         replicas = tuple(
-            Replica(s.server_id, s.stage, s.throughput, s.queue_length, speeds.get(s.server_id, 0.0)) for s in servers
+            Replica(
+                s.server_id,
+                s.stage,
+                s.throughput,
+                s.queue_length,
+                speeds.get(s.server_id, 0.0),
+                links.get(s.server_id, 0.0),
+            )
+            for s in servers
         )
-        return cls(num_stages, replicas, tuple(pending), topology, tuple(pending_speeds))
+        return cls(num_stages, replicas, tuple(pending), topology, tuple(pending_speeds), tuple(pending_links))
 
     def throughputs(self) -> dict[str, tuple[int, float]]:
         """``{server_id: (stage, throughput)}``: the throughput rule's input."""
@@ -149,9 +165,17 @@ class SwarmView:
         assert stage is not None, "a view has at least one stage"
         return stage
 
-    def join_stage(self) -> JoinChoice:
-        """Where a new server goes: where a loss would hurt most (:func:`~shared.policy.resilience.join_stage`)."""
-        return join_stage(*self.join_members())
+    def declared_links(self) -> list[float]:
+        """Every replica's and pending join's declared link (Mbit/s; 0: none declared, and
+        pending joins count 0 where they declared none)."""
+        pending = self.pending_links or (0.0,) * len(self.pending)
+        return [r.link_mbit for r in self.replicas] + list(pending)
+
+    def join_stage(self, link_mbit: float = 0.0) -> JoinChoice:
+        """Where a new server goes: where a loss would hurt most, a slow link (``link_mbit``,
+        the joiner's declared link) where the stage has most to spare
+        (:func:`~shared.policy.resilience.join_stage`)."""
+        return join_stage(*self.join_members(), link_mbit=link_mbit, links=[*self.declared_links(), link_mbit])
 
     def standby_stage(self) -> JoinChoice | None:
         """Where a standby server goes now, if anywhere (:func:`~shared.policy.resilience.standby_stage`)."""

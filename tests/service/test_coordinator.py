@@ -94,7 +94,8 @@ async def test_register_heartbeat_deregister_round_trip(start, clock):
     client, reg = await start()
     with capture_logs() as logs:
         body = await ok(await client.post("/register", json=server(1, stage=2, throughput=4.0)))
-        assert body == {"server_id": "s1", "stage": 2, "heartbeat_s": HEARTBEAT_S, "lease_s": LEASE_S}
+        # lookahead: the admission's (0 under the default sync schedule), which the server holds its forwards to
+        assert body == {"server_id": "s1", "stage": 2, "heartbeat_s": HEARTBEAT_S, "lease_s": LEASE_S, "lookahead": 0}
         clock.now += 1.5
         assert await ok(
             await client.post("/heartbeat", json={"server_id": "s1", "throughput": 5.0, "queue_length": 3})
@@ -121,6 +122,7 @@ async def test_register_heartbeat_deregister_round_trip(start, clock):
             "registered_at": T0,
             "rtt_ms": {},
             "region": "",
+            "spare": False,  # its stage's only replica
         }
     ]
     assert reg.live() == []

@@ -17,6 +17,7 @@ from shared.policy.resilience import (
     neediest_stage,
     repair_move,
     replica_floor,
+    slow_link,
     standby_stage,
     thinned_stage,
 )
@@ -55,6 +56,30 @@ def test_a_join_says_why_and_whether_the_network_may_choose():
     assert "one replica" in join_stage([[1.0, 1.0], [2.0]]).reason
     choice = join_stage([[3.0, 3.0], [6.0, 1.0]])
     assert choice.stage == 1 and choice.free and "after losing its strongest replica (1 samples/s)" in choice.reason
+
+
+def test_a_slow_link_is_one_under_half_the_swarms_median_and_only_where_every_server_declared_one():
+    assert slow_link(10.0, [10.0, 20.0, 50.0, 100.0]) == 35.0  # median 35: 10 < 17.5
+    assert slow_link(20.0, [10.0, 20.0, 50.0, 100.0]) is None  # 20 >= 17.5
+    assert slow_link(10.0, [10.0, 100.0, 100.0]) == 100.0
+    assert slow_link(10.0, [10.0, 0.0, 100.0]) is None  # a server that declared none: links unknown
+    assert slow_link(0.0, [0.0, 100.0]) is None  # the joiner declared none
+    assert slow_link(10.0, [10.0]) is None  # alone: its own median
+
+
+def test_a_slow_link_joins_the_strongest_stage_of_its_need_never_before_an_empty_one():
+    one_each = [[4.0], [4.5], [2.0]]  # three stages with one replica: the 2.0 one is the neediest
+    assert join_stage(one_each).stage == 2
+    choice = join_stage(one_each, link_mbit=10.0, links=[100.0, 50.0, 100.0, 10.0])
+    assert choice.stage == 1 and "most capacity of such stages" in choice.reason
+    assert "10 Mbit/s link is a slow one (the swarm's median 75 Mbit/s)" in choice.reason
+    fast = join_stage(one_each, link_mbit=100.0, links=[100.0, 50.0, 100.0, 100.0])
+    assert fast.stage == 2 and "least capacity" in fast.reason  # a fast link: as before
+    # need first: an empty stage, and a stage with one replica before any with two
+    assert join_stage([[4.0], [], [2.0]], link_mbit=10.0, links=[100.0, 100.0, 10.0]).stage == 1
+    assert join_stage([[4.0, 4.0], [1.0]], link_mbit=10.0, links=[100.0, 100.0, 100.0, 10.0]).stage == 1
+    # two replicas each: the most left after losing the strongest (stage 0: 3 left, stage 1: 1)
+    assert join_stage([[3.0, 3.0], [6.0, 1.0]], link_mbit=10.0, links=[100.0] * 4 + [10.0]).stage == 0
 
 
 @pytest.mark.parametrize("num_stages, servers", [(4, 8), (3, 7), (1, 3), (5, 4)])

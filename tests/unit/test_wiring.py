@@ -282,3 +282,16 @@ def test_replica_back_from_a_ban_gets_no_burst():
     clock.now += 1.0
     counts = Counter(balancer.choose(0, batch_size=1) for _ in range(20))
     assert counts[FAST] <= 11
+
+
+def test_a_hot_spare_gets_no_request_while_another_replica_is_usable_and_takes_over_when_none_is():
+    balancer, clock = make_balancer()
+    balancer.set_replicas(0, [FAST, SLOW], spares=[FAST])  # even the faster one, when marked
+    assert Counter(balancer.choose(0, batch_size=4) for _ in range(50)) == Counter({SLOW: 50})
+    assert balancer.alternates(0, SLOW, 2) == [FAST]  # where a chain goes if SLOW fails
+    balancer.report_failure(0, SLOW)  # banned: the spare takes over at once
+    assert balancer.choose(0, batch_size=4) == FAST
+    clock.now += 3600  # the ban ran out
+    assert balancer.choose(0, batch_size=4) == SLOW
+    balancer.set_replicas(0, [FAST, SLOW])  # no longer a spare: both serve again
+    assert set(balancer.choose(0, batch_size=4) for _ in range(50)) == {FAST, SLOW}

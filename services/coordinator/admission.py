@@ -8,12 +8,8 @@ A step admits the run's global batch in samples; step ``k`` admits only while th
 step is at least ``k - lookahead``:
 
 - ``SWARM_SCHEDULE=sync`` (``lookahead`` 0): no microbatch of step ``k + 1`` starts before
-  the first stage took step ``k`` (``stagewise``; the lead step), and a later stage holds
-  its forward until it took step ``k`` too (``Averager.hold_for``, the stage servers told the
-  lookahead as they register): every stage then computes each step's whole batch on the
-  weights that step updates, exactly as one process would (GPipe/1F1B semantics), and a
-  stage whose step round ends after the first stage's is waited for only by the forwards
-  that reach it, not by the whole next step (as a pipeline's ranks each step on their own).
+  every stage took step ``k``. Every stage then computes each step's whole batch on the
+  weights that step updates, exactly as one process would (GPipe/1F1B semantics).
 - ``async`` (the default, ``lookahead`` = ``SWARM_MAX_STALENESS``): at most
   ``lookahead + 1`` global batches are in flight, so the samples in flight stay within what
   the stages' staleness bound admits, and a stale refusal is a rare fault, not the way the
@@ -31,8 +27,7 @@ them), its place goes to another after the lease, and the stage's step fills aga
 Invariants (checked by the unit tests): a step never admits more than the global batch
 plus one microbatch short of it (the last microbatch may overfill when the microbatch size
 does not divide the batch); a step is admitted only within ``lookahead`` of the swarm's
-step (``stagewise``: of the lead step, every stage's forwards held to the lookahead); one
-id holds one admission. A trainer is told ``complete`` (start no more
+step; one id holds one admission. A trainer is told ``complete`` (start no more
 microbatches) once every step it trains for is admitted and taken by every stage: its
 final evaluation then sees the run's last step.
 """
@@ -45,13 +40,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 SCHEDULES = ("async", "sync")
-
-
-def lookahead_of(schedule: str, max_staleness: int) -> int:
-    """The admission's lookahead: steps past the swarm's that admit microbatches (0: ``sync``)."""
-    return 0 if schedule == "sync" else max_staleness
-
-
 HISTORY_STEPS = 64  # steps whose admitted microbatch ids are kept for the run's view (and the sync test)
 
 
@@ -76,11 +64,7 @@ class Admission:
     lookahead: int  # steps past the swarm's step that admit microbatches (0: the sync schedule)
     lease_s: float
     clock: Callable[[], float]
-    # the window counts from the lead step (the first stage's) instead of the swarm's: each later
-    # stage holds a forward until it has the weights its admission counts on (the sync schedule)
-    stagewise: bool = False
     swarm_step: int = 0
-    lead_step: int = 0  # the first stage's step (at least the swarm's)
     admitted: dict[int, int] = field(default_factory=dict)  # step -> samples admitted
     expired: int = 0  # admissions whose trainer stopped renewing them (their samples admitted again)
     released: int = 0  # admissions given back by their trainer (a microbatch that failed for good)
@@ -104,7 +88,7 @@ class Admission:
             k += 1
         if until_step is not None and k >= until_step:  # complete once the last of them is taken everywhere
             return (Admit.COMPLETE, None) if self.swarm_step >= until_step else (Admit.WAIT, None)
-        if k > self.window_top():
+        if k > self.swarm_step + self.lookahead:
             return Admit.WAIT, None
         self.admitted[k] = self.admitted.get(k, 0) + samples
         self._held[microbatch_id] = _Held(k, samples, now)
@@ -135,19 +119,11 @@ class Admission:
         self.released += 1
         return True
 
-    def window_top(self) -> int:
-        """The furthest step admitting microbatches now: the lookahead past the swarm's step,
-        or past the lead step (``stagewise``)."""
-        return (self.lead_step if self.stagewise else self.swarm_step) + self.lookahead
-
-    def stepped(self, swarm_step: int, lead_step: int | None = None) -> bool:
-        """The swarm's step (its stages' lowest) is now ``swarm_step``, the first stage's
-        ``lead_step`` (default: the swarm's): the admissions of the steps below the swarm's
-        are done. True if that opened the window further."""
-        top = self.window_top()
-        self.lead_step = max(swarm_step, lead_step if lead_step is not None else swarm_step)
+    def stepped(self, swarm_step: int) -> bool:
+        """The swarm's step (its stages' lowest) is now ``swarm_step``: the admissions of the
+        steps below are done. True if that opened the window further."""
         if swarm_step <= self.swarm_step:
-            return self.window_top() > top
+            return False
         for k in [k for k in self.admitted if k < swarm_step]:
             del self.admitted[k]
             self.history.append((k, self._order.pop(k, [])))

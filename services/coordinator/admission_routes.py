@@ -43,11 +43,11 @@ def _positive_int(msg: dict, name: str, *, required: bool) -> int | None:
 
 
 def add_admission_routes(
-    app: web.Application, *, swarm_step, lead_step, global_batch, wait_changed, closing, timeout_s: float
+    app: web.Application, *, swarm_step, global_batch, wait_changed, closing, timeout_s: float
 ) -> None:
-    """``swarm_step()`` is the lowest step of the stages, ``lead_step()`` the first stage's;
-    ``global_batch()`` the run's, as the servers said it (0: unknown); ``wait_changed(timeout_s)``
-    returns when a stage may have stepped; ``closing()``: the coordinator is stopping."""
+    """``swarm_step()`` is the lowest step of the stages; ``global_batch()`` the run's, as the servers said it (0:
+    unknown); ``wait_changed(timeout_s)`` returns when a stage may have stepped;
+    ``closing()``: the coordinator is stopping."""
 
     async def admit(request: web.Request) -> web.Response:
         msg = await read_json(request)
@@ -58,7 +58,7 @@ def add_admission_routes(
         deadline = loop.time() + timeout_s
         while True:
             admission.global_batch = global_batch()
-            admission.stepped(swarm_step(), lead_step())
+            admission.stepped(swarm_step())
             verdict, step = admission.admit(mb, samples, until_step)
             if verdict is not Admit.WAIT:
                 return web.json_response({"verdict": verdict.value, "step": step, "lease_s": admission.lease_s})
@@ -66,8 +66,8 @@ def add_admission_routes(
                 raise Draining("the coordinator is stopping: ask again once it is back")
             if loop.time() >= deadline:
                 raise Overloaded(
-                    f"steps up to {admission.window_top()} have their global batches in flight "
-                    f"(the swarm is at step {admission.swarm_step}, its first stage at {admission.lead_step})",
+                    f"steps up to {admission.swarm_step + admission.lookahead} have their global batches in flight "
+                    f"(the swarm is at step {admission.swarm_step})",
                     retry_after_s=0.5,
                 )
             await wait_changed(deadline - loop.time())

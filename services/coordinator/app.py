@@ -10,7 +10,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from services.coordinator.admission import Admission, lookahead_of
+from services.coordinator.admission import Admission
 from services.coordinator.admission_routes import add_admission_routes
 from services.coordinator.assignment import rebalancing_policy, swarm_view
 from services.coordinator.averaging import AveragingScheduler
@@ -154,7 +154,6 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     app[ADMISSION] = Admission(
         global_batch=0,  # as the servers report it (SWARM_GLOBAL_BATCH), see add_admission_routes
         lookahead=_lookahead(settings),
-        stagewise=settings.schedule == "sync",  # the servers hold their forwards (told the lookahead at /register)
         lease_s=settings.step_timeout_s,  # an admission not renewed for a step timeout: its trainer is gone
         clock=time.monotonic,
     )
@@ -162,7 +161,6 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
     add_admission_routes(
         app,
         swarm_step=lambda: min(st.step for st in app[STEPS].counter.stages),
-        lead_step=lambda: app[STEPS].counter.stages[0].step,
         global_batch=lambda: _global_batch(app),
         wait_changed=app[STEPS].wait_changed,
         closing=lambda: app[STEPS].closing,
@@ -189,7 +187,7 @@ def create_app(settings: CoordinatorSettings, registry: Registry | None = None) 
 
 def _lookahead(settings) -> int:
     """The admission's lookahead: steps past the swarm's that admit microbatches (0: ``sync``)."""
-    return lookahead_of(settings.schedule, settings.max_staleness)
+    return 0 if settings.schedule == "sync" else settings.max_staleness
 
 
 def _global_batch(app: web.Application) -> int:

@@ -7,7 +7,7 @@ Request bodies are JSON objects (``Content-Type: application/json``, at most 64 
 unknown fields are ignored, so old and new servers interoperate::
 
     POST /register   {run_id, server_id, stage, url, version, throughput, queue_length}
-                     -> {server_id, stage, heartbeat_s, lease_s, lookahead}
+                     -> {server_id, stage, heartbeat_s, lease_s}
     POST /assign     {run_id, region?, rtt_ms?: {peer URL: ms}, speed_flops?, link_mbit?} -> {stage, placement}
                      the stage a joining server should serve (see placement.py)
                      {..., standby: true, server_id, wait_s?}: a standby server; answered
@@ -53,7 +53,7 @@ import asyncio
 import structlog
 from aiohttp import web
 
-from services.coordinator.admission import Admission, lookahead_of
+from services.coordinator.admission import Admission
 from services.coordinator.assignment import network_inputs
 from services.coordinator.averaging import AveragingScheduler
 from services.coordinator.checkpointer import Checkpointer
@@ -114,16 +114,12 @@ async def _register(request: web.Request) -> web.Response:
         version=server.version,
         throughput=server.throughput,
     )
-    settings = request.app[SETTINGS]
     return web.json_response(
         {
             "server_id": server.server_id,
             "stage": server.stage,
             "heartbeat_s": registry.heartbeat_s,
             "lease_s": registry.lease_s,
-            # how far past a replica's weights the admission lets a microbatch in: the server
-            # holds a forward that needs newer weights until it has them (Averager.hold_for)
-            "lookahead": lookahead_of(settings.schedule, settings.max_staleness),
         }
     )
 

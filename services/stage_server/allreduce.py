@@ -75,13 +75,11 @@ from services.stage_server.aggregation import AGGREGATORS, byzantine_values, cen
 from services.stage_server.routes import RUNTIME, SETTINGS, WORKER
 from services.stage_server.runtime import apply_average, snapshot
 from shared.codec import FLOAT_CODECS, decode_tensor, encode_tensor, pack_message, unpack_message
-from shared.errors import BadPayload, Overloaded, RemoteError, SwarmError, WrongStage
+from shared.errors import BadPayload, RemoteError, SwarmError, WrongStage
 from shared.http import MSGPACK, msgpack_response, post_message, read_message, swarm_session
 from shared.log import get_logger
 
 _START_WAIT_S = 5.0  # how long a result request waits for a round whose parts came before its start
-_HOLD_TIMEOUT_S = 20.0  # a forward waits at most this long for the weights its admission counts on
-_HOLD_RECHECK_S = 0.25  # and looks again this often (a resync or catch-up changes the step without a round)
 
 _MAX_MEMBERS = 256
 _MAX_TIMEOUT_S = 3600.0
@@ -671,46 +669,16 @@ class Averager:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stepped.wait(), left)
 
-    async def hold_for(
-        self, admitted_step: int | None, lookahead: int | None = None, timeout_s: float = _HOLD_TIMEOUT_S
-    ) -> None:
-        """Before a training forward of a microbatch admitted for ``admitted_step``: the
-        weights the admission counts on first.
-
-        ``lookahead`` (the coordinator's admission lookahead, as its ``/register`` said it):
-        until this replica has taken step ``admitted_step - lookahead`` (its step round ends
-        here, or starts and ends), at most ``timeout_s``, then :class:`Overloaded` (the trainer
-        runs the microbatch again), never a forward on older weights. Under the ``sync``
-        schedule the coordinator admits a step's microbatches once the first stage took the
-        step before (``admission.py``, ``stagewise``): a later stage whose round ends after
-        the first stage's holds only the forwards that reach it.
-
-        Without it (a coordinator that did not say): while a step round that moves the stage
-        with its first member's step (``lookahead`` in its spec) runs here, and the admission
-        counts on the weights that round makes (the microbatch's step is more than its
-        ``lookahead`` past this replica's), wait until it ended here (at most its timeout). Its
-        stage may have moved already, its faster members applied; the trainer's admission let
-        the microbatch in on that, and a forward here on the weights before would put an older
-        gradient in the step than the admission allows."""
-        if admitted_step is None:
-            return
-        if lookahead is not None:
-            need = admitted_step - lookahead
-            if self.runtime.step < need:
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + timeout_s
-                while self.runtime.step < need and (left := deadline - loop.time()) > 0:
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._stepped.wait(), min(left, _HOLD_RECHECK_S))
-                if self.runtime.step < need:
-                    raise Overloaded(
-                        f"this replica is at step {self.runtime.step}; the microbatch, admitted for step "
-                        f"{admitted_step}, needs the weights of step {need}, not taken here within {timeout_s:g} s",
-                        retry_after_s=1.0,
-                    )
-            return
+    async def hold_for(self, admitted_step: int | None) -> None:
+        """Before a training forward of a microbatch admitted for ``admitted_step``: while a
+        step round that moves the stage with its first member's step (``lookahead`` given) runs
+        here, and the admission counts on the weights that round makes (the microbatch's step
+        is more than ``lookahead`` past this replica's), wait until it ended here (at most its
+        timeout). Its stage may have moved already, its faster members applied; the trainer's
+        admission let the microbatch in on that, and a forward here on the weights before
+        would put an older gradient in the step than the admission allows."""
         rnd = self.round
-        if not self.running or rnd.spec.kind != "step" or rnd.spec.lookahead is None:
+        if admitted_step is None or not self.running or rnd.spec.kind != "step" or rnd.spec.lookahead is None:
             return
         if admitted_step - rnd.spec.lookahead > self.runtime.step:
             await self.wait_round(rnd.spec.round_id, rnd.spec.timeout_s)

@@ -222,7 +222,7 @@ def _membership(settings: StageServerSettings, log):
                 report=_report(settings, app),
             )
             app[MEMBERSHIP] = membership
-            app[STEPPER] = StepClient.for_server(app, settings, session, log, lambda: membership.lookahead)
+            app[STEPPER] = StepClient.for_server(app, settings, session, log)
             task = asyncio.create_task(membership.run())
             yield
             task.cancel()

@@ -132,9 +132,6 @@ class Membership:
         self.url, self.version, self.heartbeat_s, self.load, self.log = url, version, heartbeat_s, load, log
         self.server_id = f"s{stage}-{uuid.uuid4().hex[:12]}"
         self.registered = asyncio.Event()
-        # the coordinator's admission lookahead, as its /register said it (None: it did not say):
-        # a forward that needs newer weights than this replica's waits for them (Averager.hold_for)
-        self.lookahead: int | None = None
         self.leaving = False  # set by deregister(): never register again
         self._retry = RetryPolicy(max_retries=1_000_000, base_delay_s=0.2, max_delay_s=max(heartbeat_s, 0.2))
 
@@ -187,9 +184,7 @@ class Membership:
             "throughput": throughput,
             "queue_length": queue_length,
         }
-        reply = await post_json(self.session, self.coordinator + "/register", body, timeout_s=CONTROL_TIMEOUT_S)
-        lookahead = reply.get("lookahead") if isinstance(reply, dict) else None
-        self.lookahead = lookahead if type(lookahead) is int and 0 <= lookahead < 2**53 else None
+        await post_json(self.session, self.coordinator + "/register", body, timeout_s=CONTROL_TIMEOUT_S)
         self.registered.set()
         if self.leaving:  # deregister() ran while this registration was on its way
             await self.deregister()

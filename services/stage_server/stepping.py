@@ -136,19 +136,10 @@ class StepClient:
         self.failures = 0
 
     @classmethod
-    def for_server(
-        cls,
-        app: web.Application,
-        settings: StageServerSettings,
-        session,
-        log,
-        lookahead: Callable[[], int | None] = lambda: None,
-    ) -> StepClient:
+    def for_server(cls, app: web.Application, settings: StageServerSettings, session, log) -> StepClient:
         """The step client of a running server: it posts to ``settings.coordinator`` with
         ``session``, resyncs from the furthest live replica of its stage, waits for the rounds
-        of ``app[AVERAGER]``, whose step rounds (:class:`StepRound`) resync the same way, and
-        holds a forward for the weights its admission counts on (``lookahead()``: the
-        coordinator's, as its ``/register`` said it)."""
+        of ``app[AVERAGER]``, whose step rounds (:class:`StepRound`) resync the same way."""
         url = advertised_url(settings.host, settings.port, settings.advertise_url, tls=settings.tls)
         runtime, worker, averager = app[RUNTIME], app[WORKER], app[AVERAGER]
 
@@ -181,26 +172,17 @@ class StepClient:
             resync=resync,
             wait_round=averager.wait_round,
             in_round=lambda: averager.running,
-            # the coordinator's lookahead as its /register said it (None until then: the old rule)
-            hold_for=lambda step: averager.hold_for(step, lookahead(), settings.join_timeout_s),
+            hold_for=averager.hold_for,
             identity=identity,
             round_wait_s=settings.join_timeout_s,
             log=log,
         )
 
     async def hold_for(self, admitted_step: int | None) -> None:
-        """Before a training forward here of a microbatch admitted for ``admitted_step``: the
-        weights its admission counts on first (``Averager.hold_for``). A replica that waited
-        for them in vain (it missed its stage's round: nothing else would bring it in step, as
-        no backward reaches a replica whose forwards are refused) takes a live replica's state
-        before it says :class:`Overloaded` (the trainer runs the microbatch again)."""
-        if self._hold_for is None:
-            return
-        try:
+        """Before a training forward here of a microbatch admitted for ``admitted_step``: a
+        step round still applying the weights its admission counts on ends first."""
+        if self._hold_for is not None:
             await self._hold_for(admitted_step)
-        except Overloaded:
-            await self._resync_now(admitted_step if admitted_step is not None else self.runtime.step)
-            raise
 
     async def reserve(
         self, samples: int, until_step: int | None, microbatch_id: str, admitted_step: int | None = None

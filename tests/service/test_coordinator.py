@@ -94,8 +94,7 @@ async def test_register_heartbeat_deregister_round_trip(start, clock):
     client, reg = await start()
     with capture_logs() as logs:
         body = await ok(await client.post("/register", json=server(1, stage=2, throughput=4.0)))
-        # lookahead: the admission's (0 under the default sync schedule), which the server holds its forwards to
-        assert body == {"server_id": "s1", "stage": 2, "heartbeat_s": HEARTBEAT_S, "lease_s": LEASE_S, "lookahead": 0}
+        assert body == {"server_id": "s1", "stage": 2, "heartbeat_s": HEARTBEAT_S, "lease_s": LEASE_S}
         clock.now += 1.5
         assert await ok(
             await client.post("/heartbeat", json={"server_id": "s1", "throughput": 5.0, "queue_length": 3})

@@ -6,10 +6,8 @@ from services.coordinator.admission import Admission, Admit
 from tests.conftest import VirtualClock as Clock
 
 
-def admission(*, global_batch=32, lookahead=0, lease_s=60.0, clock=None, stagewise=False) -> Admission:
-    return Admission(
-        global_batch=global_batch, lookahead=lookahead, lease_s=lease_s, clock=clock or Clock(), stagewise=stagewise
-    )
+def admission(*, global_batch=32, lookahead=0, lease_s=60.0, clock=None) -> Admission:
+    return Admission(global_batch=global_batch, lookahead=lookahead, lease_s=lease_s, clock=clock or Clock())
 
 
 def test_sync_admits_one_global_batch_then_waits_until_every_stage_stepped():
@@ -21,29 +19,6 @@ def test_sync_admits_one_global_batch_then_waits_until_every_stage_stepped():
     assert a.stepped(1)  # the slowest stage took step 0
     assert a.admit("mb4", 8) == (Admit.ADMITTED, 1)
     assert a.history[-1] == (0, ["mb0", "mb1", "mb2", "mb3"])
-
-
-def test_stagewise_sync_admits_the_next_step_once_the_first_stage_took_this_one():
-    """Under ``sync`` the coordinator counts the window from the first stage's step: its
-    forwards run first, and every later stage holds a forward until it took the step too
-    (``Averager.hold_for``), so no stage waits on another's step round."""
-    a = admission(lookahead=0, stagewise=True)
-    assert [a.admit(f"mb{i}", 8)[1] for i in range(4)] == [0, 0, 0, 0]
-    assert a.admit("mb4", 8) == (Admit.WAIT, None)
-    assert a.stepped(0, 1)  # the first stage took step 0, a later one is still in its round
-    assert a.admit("mb4", 8) == (Admit.ADMITTED, 1)
-    assert [a.admit(f"mb{i}", 8)[1] for i in range(5, 8)] == [1, 1, 1]
-    assert a.admit("mb8", 8) == (Admit.WAIT, None)  # never two steps past the slowest stage's
-    assert not a.stepped(0, 1)
-    a.stepped(1, 1)  # the last stage took step 0 too: the first is still at step 1
-    assert a.admit("mb8", 8) == (Admit.WAIT, None)
-    assert a.stepped(1, 2) and a.admit("mb8", 8) == (Admit.ADMITTED, 2)
-    assert a.history[-1] == (0, ["mb0", "mb1", "mb2", "mb3"])  # the steps below the slowest stage's are done
-    # without stagewise (and under async) the window counts from the slowest stage's step
-    b = admission(lookahead=0)
-    [b.admit(f"mb{i}", 8) for i in range(4)]
-    b.stepped(0, 1)
-    assert b.admit("mb4", 8) == (Admit.WAIT, None)
 
 
 def test_async_admits_lookahead_steps_ahead_of_the_slowest_stage():

@@ -49,9 +49,7 @@ Invariants, after every rule (the accounting is each runtime's own, the ground t
 5. no step applies an empty gradient (``apply_step`` would assert);
 6. every backward runs on its forward's weights: its input gradient equals, bit for bit, the
    one recomputed on a reference model holding the weights its forward ran on.
-7. no forward runs on older weights than its admission counts on (admitted step less the
-   lookahead: under ``sync`` its own step's, also when the first stage ran ahead, stagewise);
-   the admission holds at most the global batch plus one microbatch in a step, and a
+7. the admission holds at most the global batch plus one microbatch in a step, and a
    microbatch in flight whose admission its trainer renewed within the lease keeps its place
    in its step until the swarm took it (a replacement would fill the step at every stage and
    leave its gradient a step or two late: the churn arena found it);
@@ -212,14 +210,10 @@ class Finishing:
 
 
 class GlobalSteps(RuleBasedStateMachine):
-    @initialize(replicas=st.integers(2, 3), lookahead=st.integers(0, 1), stagewise=st.booleans())
-    def start(self, replicas, lookahead=1, stagewise=True):
+    @initialize(replicas=st.integers(2, 3), lookahead=st.integers(0, 1))
+    def start(self, replicas, lookahead=1):
         RULES["examples"] += 1
         self.lookahead = lookahead  # the admission's: 0 is the sync schedule
-        # sync: the admission counts from the first stage's step (the lead), at most one past this
-        # stage's, and every forward here holds for the weights its admission counts on
-        self.stagewise = stagewise and lookahead == 0
-        self.lead = 0
         self.finishing: Finishing | None = None
         self.now = 0.0
         self.rows: dict[tuple[int, str], tuple[int, str]] = {}  # the persisted duplicate window
@@ -252,26 +246,7 @@ class GlobalSteps(RuleBasedStateMachine):
         return counter
 
     def _new_admission(self) -> Admission:
-        return Admission(
-            global_batch=G,
-            lookahead=self.lookahead,
-            lease_s=ADMISSION_LEASE_S,
-            clock=lambda: self.now,
-            stagewise=self.stagewise,
-        )
-
-    def _stepped(self) -> None:
-        """The admission told the stages' steps: this one's, and the first stage's (the lead)."""
-        self.lead = max(self.lead, self.stage.step)
-        self.admission.stepped(self.stage.step, self.lead)
-
-    @precondition(lambda self: self.stagewise and self.lead == self.stage.step and self.stage.closed(self.stage.step))
-    @rule()
-    def first_stage_steps(self):
-        """The first stage took the step whose samples this stage holds all of (its round may
-        not have started here): the admission lets the next step's microbatches in."""
-        self.lead = self.stage.step + 1
-        self._stepped()
+        return Admission(global_batch=G, lookahead=self.lookahead, lease_s=ADMISSION_LEASE_S, clock=lambda: self.now)
 
     def _persist(self) -> None:
         """The counter's journal applied to the window's rows, as ``Registry.save_step_window`` does."""
@@ -437,14 +412,6 @@ class GlobalSteps(RuleBasedStateMachine):
             return
         if self._applying(replica) and admitted is not None and admitted - self.lookahead > replica.rt.step:
             self.round_ends()  # Averager.hold_for: the forward waits until the round applied here
-        if admitted is not None and admitted - self.lookahead > replica.rt.step:
-            # Averager.hold_for: no forward on older weights than the admission counts on; it waits
-            # for them (here: the trainer runs it again later), and a replica behind its stage, whose
-            # wait would time out, takes a live replica's state first (StepClient.hold_for)
-            if replica.rt.step < self.stage.step or replica.needs_resync:
-                self._resync(replica)
-            self.rerun.append(Flight(mb, seed, samples, replica.url, 0, None))
-            return
         replica.rt.forward(mb, seed, tensor(seed, samples), None)
         weights = flat_parameters(replica.rt.params)
         self.flights[mb] = Flight(mb, seed, samples, replica.url, replica.rt.step, admitted, weights)
@@ -608,7 +575,7 @@ class GlobalSteps(RuleBasedStateMachine):
             self._settle(rnd, first)
             assert self.counter.member_stepped(0, round_id, first.url, first.rt.step, members)
             self._persist()
-            self._stepped()
+            self.admission.stepped(self.stage.step)
             if rnd.pending:
                 return
         else:
@@ -655,7 +622,7 @@ class GlobalSteps(RuleBasedStateMachine):
                 self._live(),
             )
             self._persist()
-        self._stepped()
+        self.admission.stepped(self.stage.step)
 
     @rule()
     def faults_stop(self):
@@ -743,14 +710,6 @@ class GlobalSteps(RuleBasedStateMachine):
                 continue
             if flight.admitted_step >= self.admission.swarm_step:
                 assert self.admission.step_of(mb) == flight.admitted_step, (mb, flight, self.now, at)
-
-    @invariant()
-    def no_forward_runs_on_older_weights_than_its_admission_counts_on(self):
-        """A forward admitted for step ``a`` ran on the weights of step ``a - lookahead`` or
-        later (the sync schedule: exactly its step's, stagewise or not)."""
-        for flight in getattr(self, "flights", {}).values():
-            if flight.admitted_step is not None:
-                assert flight.forward_step >= flight.admitted_step - self.lookahead, flight
 
     @invariant()
     def a_microbatch_is_applied_once(self):

@@ -21,7 +21,6 @@ from services.stage_server.metrics import STAGE_METRICS
 from services.stage_server.routes import RUNTIME, SETTINGS, STEPPER, WORKER, StageRequest, run_forward
 from services.stage_server.runtime import ComputeWorker, OptimizerConfig, StageRuntime
 from services.stage_server.stepping import StepClient
-from shared.errors import Overloaded
 from shared.log import get_logger
 from shared.model import PRESETS
 from tests.conftest import stage_settings
@@ -152,76 +151,3 @@ async def test_an_admission_that_allows_the_weights_before_does_not_wait(replica
     start(lookahead=lookahead)
     reply = await asyncio.wait_for(run_forward(app, forward(5, admitted_step=1)), WAIT_S)
     assert reply["step"] == 0 and runtime.forward_steps == [0]
-
-
-@pytest.fixture
-async def told():
-    """A replica as above whose coordinator said its lookahead at /register (0: sync), holding
-    a forward at most ``HOLD_S``; ``resyncs`` counts the state loads it asks for."""
-    runtime = RecordingRuntime()
-    worker = ComputeWorker(8)
-    averager = Averager(runtime, worker.run, int8_block=64, log=get_logger(service="test"))
-    averager.transport = object()
-    scripted = ScriptedStepRound(averager)
-    averager.kinds["step"] = scripted
-    resyncs: list[int] = []
-
-    async def resync() -> None:
-        resyncs.append(runtime.step)
-
-    stepper = StepClient(
-        runtime,
-        post=nothing,
-        resync=resync,
-        wait_round=averager.wait_round,
-        hold_for=lambda step: averager.hold_for(step, 0, HOLD_S),
-        round_wait_s=1.0,
-        log=get_logger(service="test"),
-        identity={"run_id": "test", "stage": 1, "url": "http://a", "global_batch": 8},
-    )
-    app = {
-        RUNTIME: runtime,
-        WORKER: worker,
-        STEPPER: stepper,
-        SETTINGS: stage_settings(1, 3, global_batch=8),
-        STAGE_METRICS: NoMetrics(),
-    }
-
-    def start() -> None:
-        averager.start(RoundSpec("step-s1-r0", 1, ("http://a", "http://b"), 0, "fp32", WAIT_S, kind="step", step=0))
-
-    yield app, runtime, scripted, start, resyncs
-    scripted.apply.set()
-    await averager.close()
-    worker.close()
-
-
-HOLD_S = 3.0
-
-
-async def test_told_the_lookahead_a_forward_waits_for_a_round_that_has_not_started_yet(told):
-    """Under ``sync`` the coordinator admits the next step once the FIRST stage took this
-    one: a forward reaches this stage before its own step round started. It waits for the
-    round to start and apply here, and runs on its weights."""
-    app, runtime, scripted, start, resyncs = told
-    held = asyncio.create_task(run_forward(app, forward(6, admitted_step=1)))
-    done, _ = await asyncio.wait({held}, timeout=0.5)  # a forward that does not hold has run by now
-    assert not done and runtime.forward_steps == []
-    start()  # its round (no lookahead in the spec: the coordinator's, as /register said it, counts)
-    scripted.apply.set()
-    reply = await asyncio.wait_for(held, WAIT_S)
-    assert runtime.forward_steps == [1] and reply["step"] == 1 and resyncs == []
-    # the next step's own microbatch, and one of a step this replica took, run at once
-    for n, admitted in ((7, 1), (8, 0)):
-        reply = await asyncio.wait_for(run_forward(app, forward(n, admitted_step=admitted)), WAIT_S)
-        assert reply["step"] == 1
-
-
-async def test_a_forward_whose_weights_never_come_is_refused_after_a_resync_never_run_on_older_ones(told):
-    """No round brings the weights within the hold (this replica missed its stage's round):
-    the forward is refused (503: the trainer runs it again), not run on older weights, and
-    the replica asks for a live replica's state, as no backward would ever bring it in step."""
-    app, runtime, scripted, start, resyncs = told
-    with pytest.raises(Overloaded, match="needs the weights of step 1"):
-        await asyncio.wait_for(run_forward(app, forward(9, admitted_step=1)), WAIT_S)
-    assert runtime.forward_steps == [] and resyncs == [0]

@@ -536,6 +536,7 @@ class MeshSide(SideRun):
             "SWARM_PORT": str(COORD_PORT),
             "SWARM_STATE_DB": str(self.logs / f"{self.label}-coordinator.sqlite"),
             "SWARM_REBALANCE_EVERY_S": str(self.sc.rebalance_every_s),
+            "SWARM_HOT_SPARES": "true",  # replicas whose stage does not need them hold no samples (policy.spares)
             # its joins, moves and rounds: a few lines a step, none per microbatch
             "SWARM_LOG_LEVEL": self.log_level("info"),
         }

@@ -716,12 +716,12 @@ class CoordinatorSettings(DiscoverySettings):
         description="throughput placement: move a server only if the weakest stage's capacity grows by this factor",
     )
     hot_spares: bool = Field(
-        True,
+        False,
         description=(
             "keep the replicas whose stage does not need their compute out of routing (GET /swarm marks them "
             "'spare'): while a stage keeps at least the weakest stage's capacity without a replica (declared speeds, "
             "else measured throughputs), that replica holds no samples, so its step rounds cost little, and it serves "
-            "when its stage needs it; false: every replica serves"
+            "when its stage needs it; false (the default for now): every replica serves"
         ),
     )
     placement: PlacementSettings = Field(

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from services.coordinator.app import create_app
 from tests.conftest import coordinator_settings
 
@@ -124,11 +126,14 @@ async def test_links_are_left_out_unless_every_server_declared_one(aiohttp_clien
     assert held[stages[4]] == 4.0, (held, stages)
 
 
-async def test_a_bad_declared_link_is_refused(aiohttp_client):
+@pytest.mark.parametrize(
+    "field, bads", [("speed_flops", (-1.0, "fast", 2.0**71)), ("link_mbit", (-1.0, "slow", 1e8, float("inf")))]
+)
+async def test_a_bad_declared_speed_or_link_is_refused(aiohttp_client, field, bads):
     client = await aiohttp_client(create_app(coordinator_settings(run_id=RUN_ID, num_stages=4)))
-    for bad in (-1.0, "slow", 1e8, float("inf")):
-        resp = await client.post("/assign", json={"run_id": RUN_ID, "link_mbit": bad})
-        assert resp.status == 400 and "link_mbit" in await resp.text(), bad
+    for bad in bads:
+        resp = await client.post("/assign", json={"run_id": RUN_ID, field: bad})
+        assert resp.status == 400 and field in await resp.text(), bad
     reg = {
         "run_id": RUN_ID,
         "server_id": "s0",
@@ -137,29 +142,10 @@ async def test_a_bad_declared_link_is_refused(aiohttp_client):
         "version": "t",
         "throughput": 0.0,
         "queue_length": 0,
-        "link_mbit": -5,
+        field: -5,
     }
     resp = await client.post("/register", json=reg)
-    assert resp.status == 400 and "link_mbit" in await resp.text()
-
-
-async def test_a_bad_declared_speed_is_refused(aiohttp_client):
-    client = await aiohttp_client(create_app(coordinator_settings(run_id=RUN_ID, num_stages=4)))
-    for bad in (-1.0, "fast", 2.0**71):
-        resp = await client.post("/assign", json={"run_id": RUN_ID, "speed_flops": bad})
-        assert resp.status == 400 and "speed_flops" in await resp.text(), bad
-    reg = {
-        "run_id": RUN_ID,
-        "server_id": "s0",
-        "stage": 0,
-        "url": "http://127.0.0.1:9000",
-        "version": "t",
-        "throughput": 0.0,
-        "queue_length": 0,
-        "speed_flops": -5,
-    }
-    resp = await client.post("/register", json=reg)
-    assert resp.status == 400 and "speed_flops" in await resp.text()
+    assert resp.status == 400 and field in await resp.text()
 
 
 async def test_the_swarm_marks_the_replicas_whose_stage_does_not_need_them_as_hot_spares(aiohttp_client):

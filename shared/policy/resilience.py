@@ -37,6 +37,7 @@ the throughputs are all 0). Pure logic, standard library only.
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -85,9 +86,7 @@ def slow_link(link_mbit: float, links: Sequence[float]) -> float | None:
     them declared none (0): placement then does not know the links."""
     if link_mbit <= 0 or not links or not all(v > 0 for v in links):
         return None
-    ordered = sorted(links)
-    half = len(ordered) // 2
-    median = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+    median = statistics.median(links)
     return median if link_mbit < SLOW_LINK_FRACTION * median else None
 
 

@@ -39,6 +39,10 @@ from shared.errors import RemoteError
 from shared.http import auth_middlewares, error_middleware, post_message, request_log_middleware, swarm_session
 from shared.log import get_logger
 from shared.metrics import Metrics, add_metrics_route, metrics_middleware
+from shared.policy.move import Move
+
+MOVE_SETTLE_S = 60.0  # how long a move of a link exchange may take before the second is left to a later check
+MOVE_POLL_S = 0.25  # how often the registry is read meanwhile
 
 
 def build_registry(settings: CoordinatorSettings) -> Registry:
@@ -223,7 +227,9 @@ def _rebalancing(settings: CoordinatorSettings, log):
     one first; else, with topology placement (see ``placement.py``), the network cost model
     replans, moving a few servers at most; else the single move that raises the weakest
     stage's capacity (or, every stage at its replica floor, the exchange of two replicas
-    that does). Each move is logged with the policy's reason, and so is a move the policy
+    that does); a slow link in the weakest stage changes places with a fast one of about its
+    speed (``shared.policy.links``: the fast one moves first, the slow one once the other
+    serves at its new stage). Each move is logged with the policy's reason, and so is a move the policy
     holds back (``rebalance.held``, when its reason changes); a moving server's new stage
     counts as handed out until it registers there."""
 
@@ -252,47 +258,59 @@ def _rebalancing(settings: CoordinatorSettings, log):
                     deferred=len(policy.deferred),
                     servers=len(view.replicas),
                 )
+            placement = "throughput" if view.topology is None else "topology"
+            if policy.in_turn:  # each once the one before serves at its new stage
+                for n, move in enumerate(moves):
+                    if n and not await _serving_at(registry, url_of[moves[n - 1].server_id], moves[n - 1].to_stage):
+                        log.warning("rebalance.move.abandoned", server_id=move.server_id, after=moves[n - 1].server_id)
+                        break
+                    _log_move(log, move, url_of, registry, placement)
+                    await _order_move(session, settings, url_of[move.server_id], move, log)
+                continue
             for move in moves:
-                figures = {"placement": "throughput" if view.topology is None else "topology"}
-                if move.capacity_before is not None:
-                    figures["capacity_before"] = round(move.capacity_before, 1)
-                    figures["capacity_after"] = round(move.capacity_after, 1)
-                log.info(
-                    "rebalance.move",
-                    server_id=move.server_id,
-                    replica=url_of[move.server_id],
-                    from_stage=move.from_stage,
-                    to_stage=move.to_stage,
-                    reason=move.reason,
-                    **figures,
-                )
-                registry.hand_out(move.to_stage)
-            await asyncio.gather(
-                *(
-                    _order_move(session, settings, url_of[m.server_id], m.server_id, m.from_stage, m.to_stage, log)
-                    for m in moves
-                )
-            )
+                _log_move(log, move, url_of, registry, placement)
+            await asyncio.gather(*(_order_move(session, settings, url_of[m.server_id], m, log) for m in moves))
 
     return _background("rebalancing", lambda app, session: loop(app[REGISTRY], session))
 
 
-async def _order_move(
-    session: aiohttp.ClientSession,
-    settings: CoordinatorSettings,
-    url: str,
-    server_id: str,
-    from_stage: int,
-    to_stage: int,
-    log,
-) -> None:
+def _log_move(log, move: Move, url_of: dict[str, str], registry: Registry, placement: str) -> None:
+    """Log the move with the policy's reason; its new stage counts as handed out until the server registers there."""
+    figures = {"placement": placement}
+    if move.capacity_before is not None:
+        figures["capacity_before"] = round(move.capacity_before, 1)
+        figures["capacity_after"] = round(move.capacity_after, 1)
+    log.info(
+        "rebalance.move",
+        server_id=move.server_id,
+        replica=url_of[move.server_id],
+        from_stage=move.from_stage,
+        to_stage=move.to_stage,
+        reason=move.reason,
+        **figures,
+    )
+    registry.hand_out(move.to_stage)
+
+
+async def _order_move(session: aiohttp.ClientSession, settings: CoordinatorSettings, url: str, move: Move, log) -> None:
     """``POST /move`` to the server; a refusal or an unreachable server is logged (the next check plans again)."""
+    body = {"run_id": settings.run_id, "stage": move.from_stage, "to_stage": move.to_stage}
     try:
-        await post_message(
-            session, url + "/move", {"run_id": settings.run_id, "stage": from_stage, "to_stage": to_stage}, timeout_s=10
-        )
+        await post_message(session, url + "/move", body, timeout_s=10)
     except RemoteError as exc:
-        log.warning("rebalance.move.failed", server_id=server_id, error=str(exc))
+        log.warning("rebalance.move.failed", server_id=move.server_id, error=str(exc))
+
+
+async def _serving_at(registry: Registry, url: str, stage: int, timeout_s: float = MOVE_SETTLE_S) -> bool:
+    """Whether the server at ``url`` registers at ``stage`` (a moved server keeps its address)
+    within ``timeout_s``: the registry is polled, a few times a second."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        if any(s.url == url and s.stage == stage for s in registry.live()):
+            return True
+        await asyncio.sleep(MOVE_POLL_S)
+    return False
 
 
 def _checkpoints(settings: CoordinatorSettings):

@@ -38,13 +38,12 @@ def rebalancing_policy(settings: CoordinatorSettings) -> RebalancingPolicy:
 def swarm_view(registry: Registry, settings: CoordinatorSettings, live: Sequence[RegisteredServer]) -> SwarmView:
     """The ``live`` servers (``registry.live()``) as the policy's view, with the stages handed
     to servers that have not registered yet (joiners, and servers moving there) as pending
-    joins, and the topology planner's inputs when placement plans with the network
-    (``settings.placement.mode``, see ``uses_topology``)."""
+    joins, the speeds and links every one declared, and the topology planner's inputs when
+    placement plans with the network (``settings.placement.mode``, see ``uses_topology``)."""
     topology = None
     if uses_topology(settings.placement.mode, registry.rtt_ms, registry.reports):
         topology = network_inputs(registry, settings, live)
-    pending = [p.stage for p in registry.pending_joins()]
-    return SwarmView.of(live, registry.num_stages, pending=pending, topology=topology)
+    return registry.swarm(registry.pending_joins(), live=live, topology=topology)
 
 
 def network_inputs(

@@ -15,13 +15,13 @@ import math
 import re
 import sqlite3
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from shared.errors import BadPayload, Overloaded, SwarmError
 from shared.policy.resilience import JoinChoice
-from shared.policy.view import SwarmView
+from shared.policy.view import PlacementInputs, SwarmView
 
 SERVER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 MAX_URL_LEN = 512
@@ -414,14 +414,21 @@ class Registry:
         """Hand out :meth:`join_choice`'s stage; returns it."""
         return self.hand_out(self.join_choice().stage)
 
-    def swarm(self, pending: Iterable[PendingJoin] = ()) -> SwarmView:
-        """The live servers as the placement policy's view, with these ``pending`` joins and
-        the speeds every one declared."""
+    def swarm(
+        self,
+        pending: Iterable[PendingJoin] = (),
+        *,
+        live: Sequence[RegisteredServer] | None = None,
+        topology: PlacementInputs | None = None,
+    ) -> SwarmView:
+        """The ``live`` servers (default: :meth:`live`) as the placement policy's view, with
+        these ``pending`` joins, the speeds and links every one declared, and ``topology``."""
         pending = list(pending)
         return SwarmView.of(
-            self.live(),
+            self.live() if live is None else live,
             self.num_stages,
             pending=[p.stage for p in pending],
+            topology=topology,
             speeds={sid: report.speed_flops for sid, report in self.reports.items()},
             pending_speeds=[p.speed_flops for p in pending],
             links={sid: report.link_mbit for sid, report in self.reports.items()},
@@ -437,7 +444,12 @@ class Registry:
             stages[s.stage]["capacity"] += s.throughput
             report = self.reports.get(s.server_id, ServerReport())
             stages[s.stage]["replicas"].append(
-                {**s.to_json(now), "rtt_ms": self.rtt_ms.get(s.server_id, {}), "region": report.region}
+                {
+                    **s.to_json(now),
+                    "rtt_ms": self.rtt_ms.get(s.server_id, {}),
+                    "region": report.region,
+                    "link_mbit": report.link_mbit,  # declared (0: none): a joiner downloads from the fastest first
+                }
             )
         return {
             "num_stages": self.num_stages,

@@ -14,6 +14,10 @@ metrics, ``swarm status``, the simulator):
 - :mod:`.throughput`: the weakest-stage rule (:func:`~.throughput.weakest`), the
   best single move between stages (:func:`~.throughput.plan_move`) and, where every stage
   is at its replica floor, the best exchange of two replicas (:func:`~.throughput.plan_swap`);
+- :mod:`.spares`: the hot spares, replicas whose stage does not need their compute
+  (:func:`~.spares.spare_replicas`);
+- :mod:`.links`: the exchange that takes a slow link out of the weakest stage
+  (:func:`~.links.link_exchange`);
 - :mod:`.hysteresis`: :class:`~.hysteresis.Confirmation`, a decision confirmed on
   consecutive checks before anyone acts on it;
 - :mod:`.topology`: replans with the network cost model (:mod:`shared.topology`),

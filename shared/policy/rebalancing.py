@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from shared.policy.hysteresis import Confirmation
+from shared.policy.links import link_exchange
 from shared.policy.move import Move
 from shared.policy.resilience import SAFE_REPLICAS, repair_move, replica_floor, thinned_stage
 from shared.policy.throughput import ThroughputRebalancer
@@ -24,7 +25,11 @@ class RebalancingPolicy:
 
     First the ``resilience`` rule (:mod:`shared.policy.resilience`): a stage with fewer
     replicas than the swarm can give it (none; or one while the swarm has two servers a
-    stage) gets one from a stage with spare, and the other rules wait meanwhile. Else a view
+    stage) gets one from a stage with spare, and the other rules wait meanwhile. Then the
+    ``links`` rule (:mod:`shared.policy.links`): a replica on a slow link in the weakest
+    stage changes places with one of about its speed on a fast link (on its first check: the
+    speeds and links it reads are declared, not measured; ``in_turn`` is then True: the
+    second move is to be ordered once the first one's server serves at its new stage). Else a view
     without topology inputs goes to the ``throughput`` rule (the single move that raises the
     weakest stage's capacity most, if its gain is large enough; else the exchange of two
     replicas that does, where every stage is at its replica floor); a view with them goes to
@@ -51,6 +56,7 @@ class RebalancingPolicy:
         self.replan: Replan | None = None  # the topology replan the latest check ordered (its predicted costs)
         self.deferred: list[Move] = []  # moves of that replan left for a later check (they would empty a stage)
         self.held: str | None = None
+        self.in_turn = False  # the latest check's moves are to be ordered one after another (a link exchange)
         # a repair counts as the same while it strengthens the same stage (the replica it takes may change)
         self._repair: Confirmation[Move] = Confirmation(repair_confirmations, lambda a, b: a.to_stage == b.to_stage)
 
@@ -60,11 +66,16 @@ class RebalancingPolicy:
         Raises ``ValueError`` for a view with topology inputs when this policy has no
         topology rule (and whatever the planner raises on inputs it cannot work with).
         """
-        self.replan, self.deferred, self.held = None, [], None
+        self.replan, self.deferred, self.held, self.in_turn = None, [], None, False
         repair = repair_move(view.members(), view.throughputs())
         confirmed = self._repair.observe(repair)
         if repair is not None:
             return [] if confirmed is None else [confirmed[-1]]
+        exchange = link_exchange(view)
+        if exchange is not None:
+            self.throughput.reset()
+            self.in_turn = True
+            return list(exchange)
         if view.topology is None:
             moves = self.throughput.check(view.throughputs(), view.num_stages)
             if self.throughput.held is not None:

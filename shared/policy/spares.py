@@ -36,17 +36,12 @@ def spare_replicas(view: SwarmView) -> dict[str, str]:
     """``{server_id: why}`` for the hot spares of ``view`` (pending joins are not serving and
     count for nothing); empty unless every stage has a replica and every replica's speed is
     known (declared, else measured)."""
-    replicas = view.replicas
-    if not replicas:
+    known = view.replica_speeds()
+    if known is None:
         return {}
-    if all(r.speed > 0 for r in replicas):
-        value, unit = {r.server_id: r.speed for r in replicas}, "FLOP/s declared"
-    elif all(r.throughput > 0 for r in replicas):
-        value, unit = {r.server_id: r.throughput for r in replicas}, "samples/s"
-    else:
-        return {}
+    value, unit = known
     stages: list[list[str]] = [[] for _ in range(view.num_stages)]
-    for r in replicas:
+    for r in view.replicas:
         stages[r.stage].append(r.server_id)
     if not all(stages):
         return {}

@@ -132,6 +132,19 @@ class SwarmView:
             return self.members(), "samples/s"
         return self._per_stage([r.speed for r in self.replicas], self.pending_speeds), "FLOP/s declared"
 
+    def replica_speeds(self) -> tuple[dict[str, float], str] | None:
+        """``({server_id: speed}, unit)`` of the replicas (pending joins aside): their declared
+        compute speeds where every replica declared one (static: no feedback from the routing
+        that placement changes), else their measured throughputs where every replica measured
+        one; else None (also without replicas)."""
+        if not self.replicas:
+            return None
+        if all(r.speed > 0 for r in self.replicas):
+            return {r.server_id: r.speed for r in self.replicas}, "FLOP/s declared"
+        if all(r.throughput > 0 for r in self.replicas):
+            return {r.server_id: r.throughput for r in self.replicas}, "samples/s"
+        return None
+
     def _per_stage(self, of_replicas: Iterable[float], of_pending: Iterable[float]) -> list[list[float]]:
         """Per stage, the replicas' values (in the replicas' order), then the pending joins'."""
         members: list[list[float]] = [[] for _ in range(self.num_stages)]

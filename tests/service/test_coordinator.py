@@ -121,6 +121,7 @@ async def test_register_heartbeat_deregister_round_trip(start, clock):
             "registered_at": T0,
             "rtt_ms": {},
             "region": "",
+            "link_mbit": 0.0,
             "spare": False,  # its stage's only replica
         }
     ]

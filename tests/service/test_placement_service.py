@@ -199,3 +199,64 @@ async def test_rebalancing_gives_a_lone_replica_a_partner_once_and_says_why(aioh
     board = await (await client.get("/dashboard.json")).json()  # the dashboard shows the reasons
     (shown,) = [e for e in board["events"] if e["event"] == "rebalance.move"]
     assert shown["reason"] == move["reason"] and shown["to_stage"] == 1
+
+
+# The heterogeneous arena formed with its 10 Mbit/s 2-unit peer first of its kind (it filled the
+# empty stage 3): name -> (stage, declared GFLOP/s, declared link Mbit/s)
+SLOW_FIRST = {
+    "s5": (0, 41.2, 20.0),
+    "s1": (0, 10.1, 20.0),
+    "s6": (1, 40.8, 50.0),
+    "s0": (1, 10.3, 100.0),
+    "s7": (2, 40.7, 100.0),
+    "s4": (2, 19.6, 100.0),
+    "s2": (3, 18.8, 10.0),
+    "s3": (3, 19.3, 50.0),
+}
+
+
+async def test_a_slow_link_leaves_the_weakest_stage_once_its_fast_partner_serves_there(aiohttp_server, aiohttp_client):
+    """The coordinator exchanges the weakest stage's 10 Mbit/s replica with a 2-unit one on
+    100 Mbit/s beside a 4-unit peer, in turn: the fast one moves first, the slow one is told
+    to move only once the fast one serves at its new stage (the weakest stage never runs a
+    replica short), and both moves are logged with the reason."""
+    events: list[str] = []
+
+    class Recording(FakeServer):
+        async def move(self, request: web.Request) -> web.Response:
+            events.append(f"{self.name} ordered")
+            return await super().move(request)
+
+    fakes = {name: Recording(name, stage) for name, (stage, _, _) in SLOW_FIRST.items()}
+    urls = {name: str((await aiohttp_server(fake.app)).make_url("")).rstrip("/") for name, fake in fakes.items()}
+    app = create_app(settings(num_stages=4, rebalance_every_s=0.05, placement=PlacementSettings(mode="throughput")))
+
+    def registration(server_id: str, name: str, stage: int) -> dict:
+        _, gflops, link = SLOW_FIRST[name]
+        return {
+            "run_id": RUN_ID,
+            "server_id": server_id,
+            "stage": stage,
+            "url": urls[name],
+            "version": "t",
+            "throughput": 0.0,
+            "queue_length": 0,
+            "speed_flops": gflops * 1e9,
+            "link_mbit": link,
+        }
+
+    with capture_logs() as logs:
+        client = await aiohttp_client(app)
+        for name, (stage, _, _) in SLOW_FIRST.items():
+            assert (await client.post("/register", json=registration(name, name, stage))).status == 200
+        assert await asyncio.wait_for(fakes["s4"].moved_to, timeout=20) == 3
+        # s4 leaves stage 2 and registers at stage 3 under a new id, at the same address
+        assert (await client.post("/deregister", json={"server_id": "s4"})).status == 200
+        events.append("s4 serves at stage 3")
+        assert (await client.post("/register", json=registration("s4-moved", "s4", 3))).status == 200
+        assert await asyncio.wait_for(fakes["s2"].moved_to, timeout=20) == 2
+    assert events == ["s4 ordered", "s4 serves at stage 3", "s2 ordered"], events
+    assert not any(f.moved_to.done() for name, f in fakes.items() if name not in ("s2", "s4"))
+    moves = [e for e in logs if e["event"] == "rebalance.move"]
+    assert [(m["server_id"], m["to_stage"]) for m in moves] == [("s4", 3), ("s2", 2)], moves
+    assert "takes the slow link out of the weakest stage" in moves[0]["reason"] == moves[1]["reason"]

@@ -242,6 +242,7 @@ def test_view_orders_stages_and_replicas_by_url(registry, clock):
         "registered_at": T0,
         "rtt_ms": {},
         "region": "",
+        "link_mbit": 0.0,
     }
 
 

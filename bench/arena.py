@@ -52,6 +52,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -72,6 +73,7 @@ from shared.model import StageSpec, partition
 from shared.peak_flops import resolve_peak
 
 COORD_PORT, SERVER_PORT, GLOO_PORT = 7000, 7100, 29500
+FIRST_HEAD_S = 3.0  # --first: the head start of that server (it asks for a stage before the others start)
 START_TIMEOUT_S = 240.0  # many processes import torch at once on 2 cores, some capped
 POLL_S = 0.25
 # a side this long past its budget in wall time (from its start) without the budget in training time has
@@ -241,6 +243,7 @@ class Plan:
     beta1: float = 0.0  # the mesh servers' SWARM_BETA1, and pipelining's (0: the servers' default)
     sync: str = ""  # the mesh servers' SWARM_SYNC ("": their default, global)
     local_steps: int = 0  # the mesh servers' SWARM_LOCAL_STEPS under sync local (0: their default)
+    first: int = -1  # the mesh server started FIRST_HEAD_S before the others (-1: all at once, in index order)
     log_level: str = ""  # the mesh's processes' SWARM_LOG_LEVEL ("": warning, info for the coordinator and trainers)
     pipelining: bool = True  # False: the mesh sides only (a diagnosis; no ratio is printed)
     codecs: tuple[str, ...] = (
@@ -553,26 +556,35 @@ class MeshSide(SideRun):
                 SWARM_CHECKPOINT_DIR=str(self.checkpoints), SWARM_CHECKPOINT_EVERY_S=str(self.sc.checkpoint_every_s)
             )
         self.arena.popen("coord", [sys.executable, "-m", "services.coordinator"], env=env, log=self.log("coordinator"))
+        first = self.plan.first if 0 <= self.plan.first < len(self.sc.servers) else None
+        if first is not None:  # an arrival order: this one asks for its stage before the others start
+            self.start_server(f"s{first}", first)
+            time.sleep(FIRST_HEAD_S)
         for i in range(len(self.sc.servers)):
-            self.start_server(f"s{i}", i)
-        self.arena.run(
-            "coord",
-            [
-                sys.executable,
-                "-m",
-                "bench.arena_probe",
-                "wait-http",
-                "--url",
-                f"{self.coordinator}/health",
-                "--key",
-                "servers",
-                "--at-least",
-                str(len(self.sc.servers)),
-                "--timeout",
-                str(START_TIMEOUT_S),
-            ],
-            timeout_s=START_TIMEOUT_S,
-        )
+            if i != first:
+                self.start_server(f"s{i}", i)
+        # formed: every server registered and, where the coordinator places them, a rebalancing
+        # check that saw them all found nothing to move (a slow link it took out of the weakest
+        # stage is a formation's work, as pipelining's placement is its operator's)
+        for key in ("servers", "placement_settled") if self.sc.rebalance_every_s else ("servers",):
+            self.arena.run(
+                "coord",
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.arena_probe",
+                    "wait-http",
+                    "--url",
+                    f"{self.coordinator}/health",
+                    "--key",
+                    key,
+                    "--at-least",
+                    str(len(self.sc.servers)),
+                    "--timeout",
+                    str(START_TIMEOUT_S),
+                ],
+                timeout_s=START_TIMEOUT_S,
+            )
 
     def start_server(self, peer: str, index: int) -> None:
         w = self.plan.work
@@ -1252,6 +1264,7 @@ def run(ctx) -> BenchResult:
         "schedule": plan.schedule or "default",
         "sync": plan.sync or "default",
         "local_steps": plan.local_steps or "default",
+        "first": f"s{plan.first}" if plan.first >= 0 else "all at once",
         "pipeline_candidates": plan.pipeline_candidates,
         "scenarios": details,
     }
@@ -1300,6 +1313,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the mesh's processes' SWARM_LOG_LEVEL (debug: every hop and reservation, for a step's timeline)",
     )
     p.add_argument(
+        "--first",
+        metavar="SERVER",
+        help=(
+            f"start this mesh server (s0, s1, ...) {FIRST_HEAD_S:g} s before the others, so that it asks for its stage "
+            "first (e.g. heterogeneous's 10 Mbit/s peer, s2; default: all at once, in index order)"
+        ),
+    )
+    p.add_argument(
         "--no-pipelining", action="store_true", help="run the mesh sides only (a diagnosis: no ratio to pipelining)"
     )
     p.add_argument(
@@ -1321,17 +1342,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in args.scenarios if n not in names]
     if unknown:
         p.error(f"unknown scenario {unknown[0]!r}; choose from {', '.join(names)}")
-    torch.set_num_threads(1)
-    configure_logging("console", "error")
-    signal.signal(
-        signal.SIGTERM, lambda *_: sys.exit(143)
-    )  # SIGTERM and Ctrl-C take the arena down (finally blocks), as in `swarm bench`
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # also where SIGINT was ignored (a background job)
-    quick = bool(args.scenarios) and all(n in [s.name for s in QUICK.scenarios] for n in args.scenarios)
-    ctx = BenchContext(quick=quick, log_dir=Path(args.out) / "logs")
-    ctx.cache["arena_scenarios"] = tuple(
-        s for s in (QUICK if quick else FULL).scenarios if not args.scenarios or s.name in args.scenarios
-    )
     changes: dict = {"routing": args.routing} if args.routing else {}
     if args.max_staleness:
         changes["max_staleness"] = args.max_staleness
@@ -1349,6 +1359,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.local_steps < 1 or args.sync != "local":
             p.error("--local-steps takes a count >= 1, with --sync local")
         changes["local_steps"] = args.local_steps
+    if args.first:
+        if not re.fullmatch(r"s[0-9]+", args.first):
+            p.error(f"--first takes a server's name, s0, s1, ..., got {args.first!r}")
+        changes["first"] = int(args.first[1:])
     if args.log_level:
         changes["log_level"] = args.log_level
     if args.no_pipelining:
@@ -1375,6 +1389,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"--mesh: 1 to {len(TRAINERS)} trainers, at least one microbatch in flight each, microbatches of "
                 "at least one sample"
             )
+    # the options are good: only now the process is set up (a refusal changes nothing)
+    torch.set_num_threads(1)
+    configure_logging("console", "error")
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(143)
+    )  # SIGTERM and Ctrl-C take the arena down (finally blocks), as in `swarm bench`
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also where SIGINT was ignored (a background job)
+    quick = bool(args.scenarios) and all(n in [s.name for s in QUICK.scenarios] for n in args.scenarios)
+    ctx = BenchContext(quick=quick, log_dir=Path(args.out) / "logs")
+    ctx.cache["arena_scenarios"] = tuple(
+        s for s in (QUICK if quick else FULL).scenarios if not args.scenarios or s.name in args.scenarios
+    )
     ctx.cache["arena_plan"] = changes
     result = run(ctx)
     print(format_table(result))

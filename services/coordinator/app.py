@@ -26,6 +26,7 @@ from services.coordinator.routes import (
     CHECKPOINTER,
     LOG,
     MAX_BODY_BYTES,
+    PLACEMENT,
     REGISTRY,
     SETTINGS,
     TRAFFIC,
@@ -233,7 +234,7 @@ def _rebalancing(settings: CoordinatorSettings, log):
     holds back (``rebalance.held``, when its reason changes); a moving server's new stage
     counts as handed out until it registers there."""
 
-    async def loop(registry: Registry, session: aiohttp.ClientSession) -> None:
+    async def loop(registry: Registry, placement: dict, session: aiohttp.ClientSession) -> None:
         policy = rebalancing_policy(settings)
         held = None
         while True:
@@ -246,6 +247,7 @@ def _rebalancing(settings: CoordinatorSettings, log):
             except (ValueError, KeyError) as exc:  # inputs the planner cannot work with: say so, keep the loop
                 log.error("rebalance.failed", error=repr(exc), servers=len(view.replicas))
                 continue
+            placement.update(servers=len(view.replicas), settled=not moves and not view.pending)
             if policy.held != held and policy.held is not None:
                 log.info("rebalance.held", reason=policy.held, servers=len(view.replicas))
             held = policy.held
@@ -258,20 +260,20 @@ def _rebalancing(settings: CoordinatorSettings, log):
                     deferred=len(policy.deferred),
                     servers=len(view.replicas),
                 )
-            placement = "throughput" if view.topology is None else "topology"
+            mode = "throughput" if view.topology is None else "topology"
             if policy.in_turn:  # each once the one before serves at its new stage
                 for n, move in enumerate(moves):
                     if n and not await _serving_at(registry, url_of[moves[n - 1].server_id], moves[n - 1].to_stage):
                         log.warning("rebalance.move.abandoned", server_id=move.server_id, after=moves[n - 1].server_id)
                         break
-                    _log_move(log, move, url_of, registry, placement)
+                    _log_move(log, move, url_of, registry, mode)
                     await _order_move(session, settings, url_of[move.server_id], move, log)
                 continue
             for move in moves:
-                _log_move(log, move, url_of, registry, placement)
+                _log_move(log, move, url_of, registry, mode)
             await asyncio.gather(*(_order_move(session, settings, url_of[m.server_id], m, log) for m in moves))
 
-    return _background("rebalancing", lambda app, session: loop(app[REGISTRY], session))
+    return _background("rebalancing", lambda app, session: loop(app[REGISTRY], app[PLACEMENT], session))
 
 
 def _log_move(log, move: Move, url_of: dict[str, str], registry: Registry, placement: str) -> None:

@@ -79,6 +79,8 @@ ASSIGN_LOCK = web.AppKey("assign_lock", asyncio.Lock)
 ADMISSION = web.AppKey("admission", Admission)
 UTILISATION = web.AppKey("utilisation", UtilisationBoard)  # the servers' MFU reports (utilisation.py)
 SPARES = web.AppKey("spares", dict)  # server_id -> why, as GET /swarm last showed them (logged when they change)
+# the rebalancing loop's latest check: {"servers": the live ones it saw, "settled": nothing to order or wait for}
+PLACEMENT = web.AppKey("placement", dict)
 JOINER_ID, PENDING_PREFIX = "<joiner>", "<pending>"  # peer ids no server can have (server ids are [A-Za-z0-9._-])
 
 MAX_BODY_BYTES = 64 * 1024
@@ -258,10 +260,19 @@ async def _swarm(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    """Status, live servers, and the bytes the coordinator's own loops sent and received
-    (averaging: control messages only; checkpoints: the states it saves)."""
+    """Status, live servers, the bytes the coordinator's own loops sent and received
+    (averaging: control messages only; checkpoints: the states it saves), and
+    ``placement_settled``: the live servers the latest rebalancing check saw if it found no
+    move to order and no join or move under way, else 0 (0 too without rebalancing): a swarm
+    formed, its placement done (what a bench waits for before it starts the clock)."""
+    placement = request.app[PLACEMENT]
     return web.json_response(
-        {"status": "ok", "servers": len(request.app[REGISTRY].live()), "traffic": request.app[TRAFFIC]}
+        {
+            "status": "ok",
+            "servers": len(request.app[REGISTRY].live()),
+            "placement_settled": placement["servers"] if placement["settled"] else 0,
+            "traffic": request.app[TRAFFIC],
+        }
     )
 
 
@@ -294,6 +305,7 @@ def add_routes(app: web.Application) -> None:
     app[ASSIGN_LOCK] = asyncio.Lock()
     app[UTILISATION] = UtilisationBoard()
     app[SPARES] = {}
+    app[PLACEMENT] = {"servers": 0, "settled": False}
     app.router.add_post("/register", _register)
     app.router.add_post("/assign", _assign)
     app.router.add_post("/heartbeat", _heartbeat)

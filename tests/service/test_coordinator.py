@@ -186,17 +186,20 @@ async def test_health_counts_live_servers(start, clock):
     assert {k: v for k, v in (await ok(await client.get("/health"))).items() if k != "traffic"} == {
         "status": "ok",
         "servers": 0,
+        "placement_settled": 0,  # no rebalancing here
     }
     await ok(await client.post("/register", json=server(1)))
     await ok(await client.post("/register", json=server(2)))
     assert {k: v for k, v in (await ok(await client.get("/health"))).items() if k != "traffic"} == {
         "status": "ok",
         "servers": 2,
+        "placement_settled": 0,  # no rebalancing here
     }
     clock.now += LEASE_S + 0.1
     assert {k: v for k, v in (await ok(await client.get("/health"))).items() if k != "traffic"} == {
         "status": "ok",
         "servers": 0,
+        "placement_settled": 0,  # no rebalancing here
     }
 
 
@@ -444,6 +447,7 @@ async def test_coordinator_keeps_serving_after_refusals(populated):
     assert {k: v for k, v in (await ok(await client.get("/health"))).items() if k != "traffic"} == {
         "status": "ok",
         "servers": 2,
+        "placement_settled": 0,  # no rebalancing here
     }
 
 

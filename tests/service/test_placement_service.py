@@ -201,6 +201,14 @@ async def test_rebalancing_gives_a_lone_replica_a_partner_once_and_says_why(aioh
     assert shown["reason"] == move["reason"] and shown["to_stage"] == 1
 
 
+async def placement_settled(client, servers: int) -> int:
+    """Until ``GET /health`` says a rebalancing check saw ``servers`` and nothing to do (the
+    caller bounds it); polls every 50 ms, the checks' period here."""
+    while (settled := (await (await client.get("/health")).json())["placement_settled"]) < servers:
+        await asyncio.sleep(0.05)
+    return settled
+
+
 # The heterogeneous arena formed with its 10 Mbit/s 2-unit peer first of its kind (it filled the
 # empty stage 3): name -> (stage, declared GFLOP/s, declared link Mbit/s)
 SLOW_FIRST = {
@@ -255,6 +263,11 @@ async def test_a_slow_link_leaves_the_weakest_stage_once_its_fast_partner_serves
         events.append("s4 serves at stage 3")
         assert (await client.post("/register", json=registration("s4-moved", "s4", 3))).status == 200
         assert await asyncio.wait_for(fakes["s2"].moved_to, timeout=20) == 2
+        assert (await (await client.get("/health")).json())["placement_settled"] == 0  # s2's move is under way
+        assert (await client.post("/deregister", json={"server_id": "s2"})).status == 200
+        assert (await client.post("/register", json=registration("s2-moved", "s2", 2))).status == 200
+        settled = await asyncio.wait_for(placement_settled(client, 8), timeout=20)  # a check after it: nothing to do
+    assert settled == 8
     assert events == ["s4 ordered", "s4 serves at stage 3", "s2 ordered"], events
     assert not any(f.moved_to.done() for name, f in fakes.items() if name not in ("s2", "s4"))
     moves = [e for e in logs if e["event"] == "rebalance.move"]

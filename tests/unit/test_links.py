@@ -46,6 +46,9 @@ def test_the_slow_link_of_the_weakest_stage_changes_places_with_a_fast_one_of_it
     assert "s2 (stage 3, 10 Mbit/s, a slow link: the swarm's median 50 Mbit/s)" in into.reason
     assert into.reason == out.reason
     assert link_exchange(view(exchanged(FORCED, (into, out)))) is None  # once is enough
+    # a run where the fast 2-unit peer declared 16.0 GFLOP/s and the slow one 20.4 (identical caps)
+    noisy = tuple({"s4": ("s4", 2, 16.0, 100.0), "s2": ("s2", 3, 20.4, 10.0)}.get(r[0], r) for r in FORCED)
+    assert [m.server_id for m in link_exchange(view(noisy))] == ["s4", "s2"]
 
 
 def test_no_exchange_without_every_link_and_speed_or_while_joins_are_pending_or_speeds_differ():

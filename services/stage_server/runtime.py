@@ -828,6 +828,9 @@ class StageRuntime:
             floor = step - self.max_staleness
             self.caught_up = {s for s in self.caught_up if s >= floor} | set(range(max(self.step + 1, floor), step + 1))
             self.stats.optimizer_steps = step
+            # these weights are the stage's step now: a forward run on them with its backward
+            # goes into it (labelled with their old step, every such gradient was stale for good)
+            self._version_steps[self.version] = step
             self._forget_unused_versions()
 
     def reset_accumulation(self) -> None:

@@ -249,3 +249,20 @@ def test_a_caught_up_step_refuses_a_backward_whose_forward_ran_elsewhere_and_the
     assert joiner.caught_up == set()
     with pytest.raises(Exception, match="caught_up"):
         load_stage_state(joiner, tensors, {**metadata, "caught_up": "2,3"})
+
+
+def test_after_a_catch_up_a_forward_run_with_its_backward_goes_into_the_caught_up_step():
+    """The churn arena's stall (2026-11-29): a stage recovered from a checkpoint of step 32
+    caught up to 35; a chain's last hop runs its forward with its backward (no forward step
+    named), and its weights were still labelled with step 32, so every such gradient "would
+    go into step 35" past the staleness bound: refused, run again, refused, for minutes.
+    The weights are the stage's step 35 now (that is what catching up means): a backward on
+    them goes into 35; a forward that ran elsewhere at a caught-up step is still refused."""
+    rt = runtime(max_staleness=1)
+    rt.catch_up(3)
+    x, g = hidden(1), hidden(2)
+    result = rt.backward("now", 7, x, None, g, bucket=3)  # the forward runs now, on these weights
+    assert torch.equal(result.grad_inputs, reference_gradients(x, g)[0])
+    assert rt.pending_samples == x.shape[0]
+    with pytest.raises(StaleForward, match="caught up"):
+        rt.backward("elsewhere", 7, x, None, g, forward_step=3, bucket=3)

@@ -19,9 +19,12 @@ move (no throughput rule undoes it), the weakest stage's round runs on fast link
 no exchange ever brings a slow link back into the weakest stage (so exchanges end).
 The replica joining the weakest stage moves first; the slow one leaves once it serves
 there (the coordinator orders them in turn), so the weakest stage never runs a replica
-short. Speeds are the declared ones, else measured throughputs
-(:meth:`~shared.policy.view.SwarmView.replica_speeds`); links count only where every
-replica declared one. Pure logic.
+short. Only as the swarm forms (no replica has served: every throughput 0): a move in a
+swarm that trains costs the mover a resync on its first backward (its downloaded state is
+steps old by the time it registers: a 6 s stall in the arena), and under churn the
+exchanges came between kills. Speeds are the declared ones (every replica must have
+declared one, :meth:`~shared.policy.view.SwarmView.replica_speeds`); links count only where
+every replica declared one. Pure logic.
 """
 
 from __future__ import annotations
@@ -38,13 +41,16 @@ LINK_EXCHANGE_TOLERANCE = 0.3
 
 def link_exchange(view: SwarmView) -> tuple[Move, Move] | None:
     """The exchange that takes a slow link out of the weakest stage: ``(the fast-linked
-    replica's move into it, the slow one's move out)``, or None (also while joins are
-    pending, a stage has no replica, or speeds or links are not known for every replica).
+    replica's move into it, the slow one's move out)``, or None (also once a replica has
+    served, while joins are pending, a stage has no replica, or speeds or links are not
+    known for every replica).
 
     Of the slow replicas of the weakest stage, the slowest link first; of their partners,
     the strongest stage's, then the fastest link, then the closest speed, then the lowest id."""
     if view.pending:
         return None  # servers still joining (or moving): the stages are not formed yet
+    if any(r.throughput > 0 for r in view.replicas):
+        return None  # the swarm has trained: a move now costs a resync stall (see the module's docstring)
     known = view.replica_speeds()
     links = [r.link_mbit for r in view.replicas]
     if known is None or not all(v > 0 for v in links):

@@ -210,7 +210,7 @@ class StepCounter:
         if (
             replica_step > st.step and st.round_id is None
         ):  # its replicas are further than we know (e.g. after a restart)
-            self._advance(stage, replica_step)
+            self._advance(stage, replica_step, {url})
         return st
 
     def reserve(
@@ -371,7 +371,7 @@ class StepCounter:
             return False
         st.finishing = Finishing(round_id, st.step, frozenset(members), st.done.get(st.step, 0))
         st.round_id = None
-        self._advance(stage, reached)
+        self._advance(stage, reached, st.finishing.members | {url})
         return True
 
     @staticmethod
@@ -422,7 +422,7 @@ class StepCounter:
         )  # accumulated, yet not in the step: members that failed or vanished
         st.samples_dropped += dropped
         st.last_effective_batch = effective
-        self._advance(stage, reached)
+        self._advance(stage, reached, {*member_steps, *member_samples, *(live or ())})
         return effective, dropped
 
     def _recount(self, stage: int, k: int, holding: dict[str, int], live: Iterable[str] | None) -> int:
@@ -541,12 +541,14 @@ class StepCounter:
         alive = set(live) | {u for u, at in st.last_seen.items() if now - at < self.lease_s} | {url}
         return any(max(st.replica_steps.get(u, -1), reported.get(u, -1)) >= st.step for u in alive)
 
-    def _advance(self, stage: int, step: int) -> None:
+    def _advance(self, stage: int, step: int, alive: Iterable[str]) -> None:
         """The stage is at ``step``: reservations of earlier steps missed theirs (given up, see
-        :meth:`_give_up`) and the window slides."""
+        :meth:`_give_up`) and the window slides. ``alive``: the replicas known to be alive
+        besides those seen within the lease: the round's members (their buckets were in the
+        round, so their microbatches may be in the step) and the registry's live ones."""
         st = self.stages[stage]
         now = self.clock()
-        alive = {url for url, at in st.last_seen.items() if now - at < self.lease_s}
+        alive = set(alive) | {url for url, at in st.last_seen.items() if now - at < self.lease_s}
         for k in [k for k in st.claims if k < step]:
             self._give_up(stage, st.claims.pop(k), alive)
         for table in (st.reserved, st.done, st.done_by, st.unreserved, st.closed_at):

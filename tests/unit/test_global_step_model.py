@@ -24,7 +24,8 @@ to resync, and it may be killed first (what it took dies with it).
 Rules: a forward (admitted by the coordinator for a step); a backward (reserve, compute,
 report; or its report held back, or its compute held back after the reservation); a forward
 and its backward at once (the common case, so that runs apply steps: 313 steps in 248 runs,
-against 28 in 167 without it); the
+against 28 in 167 without it); a forward run with its backward in one call (the last
+stage's: reserve, then compute on the weights the replica holds then); the
 retry of a microbatch on the same or another replica; a held report arriving late; a held
 backward finishing late; the trainer renewing the admissions of its microbatches in flight;
 time passing past the reservations' timeout; microbatches slower than the admissions' lease,
@@ -53,7 +54,10 @@ Invariants, after every rule (the accounting is each runtime's own, the ground t
    microbatch in flight whose admission its trainer renewed within the lease keeps its place
    in its step until the swarm took it (a replacement would fill the step at every stage and
    leave its gradient a step or two late: the churn arena found it);
-8. liveness, checked by the rule ``faults_stop``: once the faults stop (the dead replicas
+8. a forward run with its backward is refused as stale only when its step is more than
+   ``max_staleness`` past its replica's (it runs on that step's weights: a caught-up
+   replica's among them);
+9. liveness, checked by the rule ``faults_stop``: once the faults stop (the dead replicas
    started again, the held work finished, time past every timeout and lease), the trainer's
    work moves the stage a step within 12 rounds, whatever happened before.
 
@@ -66,7 +70,11 @@ carries the step numbers its weights took without their updates and such a backw
 refused as stale); a reservation given up with nothing reported released its microbatch
 while a slow replica held it accumulated; a step whose samples were counted for a process
 that died (and was started again at its URL) stayed closed for good, every round finding
-too little (``faults_stop``, fixed by the rule of ``StepCounter.round_ended``). Invariant 6 is checked on the gradients
+too little (``faults_stop``, fixed by the rule of ``StepCounter.round_ended``); a slow
+report's microbatch released as its step was taken (its replica, a member of the round, had
+not been seen within the lease), and applied again in the next step (the round's members now
+count as alive there); a caught-up replica's forwards run with their backwards refused as
+stale for good (found in the churn arena; rule ``one_call``). Invariant 6 is checked on the gradients
 themselves, which ``other_weights_backwards`` cannot see (a caught-up version looks right
 to it).
 """
@@ -157,9 +165,9 @@ class Flight:
     seed: int
     samples: int
     url: str
-    forward_step: int
+    forward_step: int | None  # None: its forward runs with its backward, in one call (the last stage's)
     admitted_step: int | None
-    weights: torch.Tensor | None = None  # the weights its forward ran on (flat)
+    weights: torch.Tensor | None = None  # the weights its forward ran on (flat; a one-call's: at its compute)
 
 
 @dataclass
@@ -231,6 +239,7 @@ class GlobalSteps(RuleBasedStateMachine):
         self.applied: list[Applied] = []
         self.other_weights: list[tuple] = []  # backwards whose gradient is not that of their forward's weights
         self.after_catch_up: list[tuple] = []  # those of them on a caught-up step (a hole the model found, fixed)
+        self.stale_one_calls: list[tuple] = []  # forwards run with their backward refused within the bound
         self.renewed: dict[str, float] = {}  # in-flight microbatch -> when the trainer last renewed its admission
         self.next_id = 0
         self.asked_restart = self.asked_kill = self.asked_drain = 0
@@ -316,6 +325,8 @@ class GlobalSteps(RuleBasedStateMachine):
         """``runtime.backward``; None if it was refused as stale (the trainer runs it again)."""
         rt = replica.rt
         before = rt.stats.samples_dropped
+        if flight.forward_step is None:  # its forward runs now, on the weights the replica holds
+            flight.weights = flat_parameters(rt.params)
         try:
             result = rt.backward(
                 flight.mb,
@@ -326,7 +337,10 @@ class GlobalSteps(RuleBasedStateMachine):
                 flight.forward_step,
                 bucket,
             )
-        except StaleForward:
+        except StaleForward as refused:
+            goes_into = rt.step if bucket is None else bucket
+            if flight.forward_step is None and goes_into <= rt.step + rt.max_staleness:  # on this step's weights
+                self.stale_one_calls.append((replica.url, flight.mb, rt.step, bucket, str(refused)))
             return None
         replica.books.late += rt.stats.samples_dropped - before
         expected = reference_grad_inputs(flight.weights, flight.seed, flight.samples)
@@ -356,7 +370,8 @@ class GlobalSteps(RuleBasedStateMachine):
         (its report held back) or 'compute' (held back after its reservation)."""
         rt = replica.rt
         try:
-            rt.check_staleness(flight.mb, flight.forward_step)
+            if flight.forward_step is not None:  # (a forward run with its backward is never stale before it)
+                rt.check_staleness(flight.mb, flight.forward_step)
         except StaleForward:
             self._stale(flight)
             return
@@ -427,6 +442,28 @@ class GlobalSteps(RuleBasedStateMachine):
         if started:
             flight = self.flights[started[0]]
             self._backward(self.replicas[flight.url], flight, "none")
+
+    @precondition(lambda self: len(self.flights) < 6)
+    @rule(pick=st.integers(0, 2), samples=st.integers(1, MAX_MB))
+    def one_call(self, pick, samples):
+        """A microbatch's forward run with its backward in one call (``forward_step`` None: the
+        last stage's, a chain's last hop), on the weights the replica holds when it computes.
+        Found in the churn arena before its rule: a caught-up replica's weights kept their old
+        step's label, and every such call was refused as stale for good."""
+        alive = self._alive()
+        if not alive:
+            return
+        replica = alive[pick % len(alive)]
+        mb, seed = f"mb{self.next_id}", 1000 + 7 * self.next_id
+        self.next_id += 1
+        verdict, admitted = self.admission.admit(mb, samples)
+        if verdict is not Admit.ADMITTED:
+            return
+        if self._applying(replica) and admitted is not None and admitted - self.lookahead > replica.rt.step:
+            self.round_ends()  # Averager.hold_for, as routes.run_backward holds such a call
+        flight = Flight(mb, seed, samples, replica.url, None, admitted)
+        self.flights[mb] = flight
+        self._backward(replica, flight, "none")
 
     @precondition(lambda self: self.flights)
     @rule(
@@ -744,6 +781,14 @@ class GlobalSteps(RuleBasedStateMachine):
         # test_a_caught_up_replica_refuses_a_forward_of_the_lost_step_that_ran_elsewhere
         assert not getattr(self, "after_catch_up", []), f"on a caught-up step: {self.after_catch_up}"
 
+    @invariant()
+    def a_forward_run_with_its_backward_is_stale_only_past_the_bound(self):
+        """A forward computed with its backward runs on the weights of its replica's step, so it
+        is refused as stale only for a step more than ``max_staleness`` past that one (its step
+        filled meanwhile); a replica in step with its stage is never refused it
+        (test_a_caught_up_replica_s_one_call_goes_into_the_caught_up_step)."""
+        assert not getattr(self, "stale_one_calls", []), f"(replica, microbatch, step, bucket): {self.stale_one_calls}"
+
 
 class TestGlobalSteps(GlobalSteps.TestCase):
     settings = settings(max_examples=200, stateful_step_count=80, deadline=None)
@@ -857,3 +902,52 @@ def test_a_step_counted_for_a_process_that_died_opens_again():
     s.asked_drain = 3
     s.faults_stop()  # the stage steps again
     assert s.applied and s.applied[-1].step == 0
+
+
+def test_a_caught_up_replica_s_one_call_goes_into_the_caught_up_step():
+    """Found in the churn arena (a model rule since): the stage took steps 0 and 1, then lost
+    both replicas; a fresh process at r0's URL, told ``catch_up`` to step 2, takes it with
+    its step-0 weights. Its weights kept their old step's label before the fix, so a forward
+    run with its backward there (the last stage's call) "computed on the weights of step 0,
+    would go into step 2" was refused as stale, and so was every re-run of it: the stage never
+    stepped again. Now ``catch_up`` labels the weights with the step they take."""
+    s = machine()
+    for _ in range(2):
+        s.train(pick=0, samples=MAX_MB)
+        s.train(pick=1, samples=G - MAX_MB)
+        s.step_round(lost=-1, in_mean=True, overloaded=1)
+    assert s.stage.step == 2 and not s.flights, (s.stage.step, s.flights)
+    for r in list(s.replicas.values()):
+        s.kill_replica(r)
+    s.time_passes(dt=LEASE_S + 1)
+    s.restart(pick=0, join=False)  # fresh at step 0; nobody holds the stage's step
+    s.one_call(pick=0, samples=2)
+    r0 = s.replicas[URLS[0]]
+    assert r0.rt.step == 2 and r0.caught_up == {1, 2}, (r0.rt.step, r0.caught_up)
+    assert not s.stale_one_calls and not s.flights, s.stale_one_calls
+    assert r0.rt.pending(2) == 2
+
+
+def test_a_round_member_s_reservation_given_up_with_the_step_keeps_its_microbatch_held():
+    """Found by the model (once the rule ``one_call`` changed what it explored): r0
+    accumulates mb0 and its report is slow; r1 closes step 0. Past the reservations'
+    timeout the round starts without mb0's report and applies it (r0's bucket held it). As
+    the stage moved on, the reservations still out were given up, and their ids released
+    for every replica not *seen* within the lease: r0 had sent nothing since, so mb0 was
+    free, and its retry on r1 went into step 1: applied twice. Now the round's members (and
+    the registry's live replicas) count as alive there: their ids stay held."""
+    s = machine()
+    s.forward(pick=0, rerun=False, samples=3)  # mb0 on r0
+    s.backward(pick=0, elsewhere=0, hold="report")  # accumulated on r0, its report held
+    s.forward(pick=1, rerun=False, samples=1)  # mb1 on r1, in flight: r1 keeps the weights of step 0
+    s.train(pick=1, samples=3)  # mb2 on r1: step 0 closed
+    s.time_passes(dt=TIMEOUT_S + 1)  # mb0's reservation out past the timeout; nobody seen within the lease
+    s.step_round(lost=-1, in_mean=True, overloaded=1, stagger=False)
+    assert s.applied[-1].ids == {"mb0", "mb2"} and s.stage.step == 1
+    assert "mb0" in s.stage.held, s.stage.held  # (before the fix: released)
+    s.late_report(pick=0)
+    s.retry(other=1, pick=1)  # mb0 again, on r1: a duplicate, accumulated nowhere
+    s.backward(pick=0, elsewhere=0, hold="none")  # mb1
+    s.train(pick=1, samples=2)
+    s.step_round(lost=-1, in_mean=True, overloaded=1, stagger=False)
+    assert all("mb0" not in a.ids for a in s.applied[1:]), s.applied

@@ -58,6 +58,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -250,6 +251,8 @@ class Plan:
         "int8",
         "fp32",
     )  # the mesh sides, one per wire codec: the default one, and fp32 to set the codec apart
+    # the mesh coordinator's SWARM_AVERAGING_CODEC, a mesh side each with every wire codec ("": its default)
+    round_codecs: tuple[str, ...] = ("",)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -524,9 +527,9 @@ class SideRun:
 
 # ------------------------------------------------------------------------------ the mesh
 class MeshSide(SideRun):
-    def __init__(self, *args, codec: str, **kwargs):
+    def __init__(self, *args, codec: str, round_codec: str = "", **kwargs):
         super().__init__(*args, **kwargs)
-        self.codec = codec
+        self.codec, self.round_codec = codec, round_codec
         self.servers: dict[str, object] = {}
         self.coordinator = self.url("coord", COORD_PORT)
         self.checkpoints = self.logs / f"{self.label}-checkpoints"
@@ -545,6 +548,8 @@ class MeshSide(SideRun):
         }
         if self.plan.schedule:
             env["SWARM_SCHEDULE"] = self.plan.schedule
+        if self.round_codec:  # the codec of the step rounds' parts (the coordinator names it for each round)
+            env["SWARM_AVERAGING_CODEC"] = self.round_codec
         if self.plan.max_staleness:  # the coordinator's async schedule admits steps within it
             env["SWARM_MAX_STALENESS"] = str(self.plan.max_staleness)
         (self.logs / f"{self.label}-coordinator.sqlite").unlink(missing_ok=True)
@@ -882,20 +887,23 @@ def run_mesh(
     setting: tuple[int, ...] | None,
     target: float,
     label: str = "",
+    round_codec: str = "",
 ) -> tuple[Outcome, tuple[int, ...], list[dict]]:
     """One mesh side: a fresh swarm for the sweep (when ``setting`` is None), a fresh one for
-    the run (its logs named by ``label``, else by the codec)."""
+    the run (its logs named by ``label``, else by the codecs); ``round_codec``: its step
+    rounds' (the coordinator's default where empty)."""
     sweep_rows: list[dict] = []
+    name = codec + (f"-rounds-{round_codec}" if round_codec else "")
     if setting is None and len(plan.mesh_settings) == 1:
         setting = plan.mesh_settings[0]  # nothing to choose between
     if setting is None:
-        side = MeshSide(arena, sc, plan, logs, f"{codec}-sweep", codec=codec)
+        side = MeshSide(arena, sc, plan, logs, f"{name}-sweep", codec=codec, round_codec=round_codec)
         try:
             side.start_swarm()
             setting, sweep_rows = side.sweep(plan.mesh_settings)
         finally:
             arena.stop_processes(first=TRAINERS)
-    side = MeshSide(arena, sc, plan, logs, label or codec, codec=codec)
+    side = MeshSide(arena, sc, plan, logs, label or name, codec=codec, round_codec=round_codec)
     side.snapshots = logs / f"{side.label}-snapshots"
     shutil.rmtree(side.snapshots, ignore_errors=True)
     try:
@@ -1116,20 +1124,32 @@ def run_scenario(
         print(f"arena {sc.name}: links {measured}", flush=True)
         rows = []
         setting = None if sc.sweep_mesh or best_mesh is None else best_mesh
-        for codec in plan.codecs:
-            out, setting, sweep = run_mesh(arena, sc, plan, logs / sc.name, codec, setting, target)
-            detail[f"mesh_{codec}"] = asdict(out) | {"sweep": sweep}
+        for codec, round_codec in itertools.product(plan.codecs, plan.round_codecs):
+            out, setting, sweep = run_mesh(
+                arena, sc, plan, logs / sc.name, codec, setting, target, round_codec=round_codec
+            )
+            name = codec + (f", rounds {round_codec}" if round_codec else "")
+            key = f"mesh_{codec}" + (f"_rounds_{round_codec}" if round_codec else "")
+            detail[key] = asdict(out) | {"sweep": sweep}
             n_trainers, in_flight, size = _mesh_setting(setting, plan.work)
             described = f"{n_trainers} trainer(s), {in_flight} in flight of {size}, {plan.mesh_routing}"
             bound = bounds["mesh"] / bounds["pipelining"]
-            rows.append(_row(sc, f"mesh {codec}", described, out, plan, bound))
+            rows.append(_row(sc, f"mesh {name}", described, out, plan, bound))
             print(f"arena {sc.name}: {rows[-1]}", flush=True)
             if sc.churn:  # the mesh's own reference: the same scenario without its kills
                 calm, _, _ = run_mesh(
-                    arena, replace(sc, churn=None), plan, logs / sc.name, codec, setting, target, f"{codec}-no-kills"
+                    arena,
+                    replace(sc, churn=None),
+                    plan,
+                    logs / sc.name,
+                    codec,
+                    setting,
+                    target,
+                    f"{name.replace(', rounds ', '-rounds-')}-no-kills",
+                    round_codec,
                 )
-                detail[f"mesh_{codec}_no_kills"] = asdict(calm)
-                rows.append(_row(sc, f"mesh {codec}, no kills", described, calm, plan, bound))
+                detail[f"{key}_no_kills"] = asdict(calm)
+                rows.append(_row(sc, f"mesh {name}, no kills", described, calm, plan, bound))
                 rows[-2]["with / without kills, time"] = _sooner(rows[-1], rows[-2])
                 print(f"arena {sc.name}: {rows[-1]}", flush=True)
         for side, layers in (("pipelining", None), ("pipelining balanced", balanced)) if plan.pipelining else ():
@@ -1240,8 +1260,8 @@ def run(ctx) -> BenchResult:
             f"{b['pipelining balanced']:.4f} (layers {'/'.join(map(str, b['balanced_layers']))}): the mesh's is "
             f"{b['mesh'] / b['pipelining']:.2f}x and {b['mesh'] / b['pipelining balanced']:.2f}x theirs"
         )
-        for side in (*(f"mesh_{c}" for c in plan.codecs), "pipelining", "pipelining_balanced"):
-            if side in d and d[side]["kills"]:
+        for side in (*(k for k in d if k.startswith("mesh_")), "pipelining", "pipelining_balanced"):
+            if side in d and d[side].get("kills"):
                 notes.append(f"{d['scenario']['name']} {side.replace('_', ' ')} churn: {d[side]['kills']}")
     summary = {
         f"{r['scenario']}_{r['side'].replace(' ', '_')}_time_ratio": r.get("mesh / pipelining time")
@@ -1263,6 +1283,7 @@ def run(ctx) -> BenchResult:
         "max_staleness": plan.max_staleness or "default",
         "schedule": plan.schedule or "default",
         "sync": plan.sync or "default",
+        "round_codecs": [c or "default" for c in plan.round_codecs],
         "local_steps": plan.local_steps or "default",
         "first": f"s{plan.first}" if plan.first >= 0 else "all at once",
         "pipeline_candidates": plan.pipeline_candidates,
@@ -1327,6 +1348,14 @@ def main(argv: list[str] | None = None) -> int:
         "--codecs", metavar="C,...", help="the mesh sides' wire codecs (default int8,fp32; e.g. int4,int8,fp32)"
     )
     p.add_argument(
+        "--round-codecs",
+        metavar="C,...",
+        help=(
+            "the mesh coordinator's step-round codecs (SWARM_AVERAGING_CODEC), a mesh side each with every wire codec "
+            "(default: the coordinator's own; e.g. int4,int8)"
+        ),
+    )
+    p.add_argument(
         "--mesh",
         metavar="TxF,...",
         help=(
@@ -1373,6 +1402,12 @@ def main(argv: list[str] | None = None) -> int:
         changes["codecs"] = tuple(args.codecs.split(","))
         if not set(changes["codecs"]) <= set(FLOAT_CODECS):
             p.error(f"--codecs: each one of {', '.join(FLOAT_CODECS)}, got {args.codecs!r}")
+    if args.round_codecs:
+        from shared.config import Codec
+
+        changes["round_codecs"] = tuple(args.round_codecs.split(","))
+        if not set(changes["round_codecs"]) <= set(typing.get_args(Codec)):
+            p.error(f"--round-codecs: each one of {', '.join(typing.get_args(Codec))}, got {args.round_codecs!r}")
     if args.mesh:
         try:
             changes["mesh_settings"] = tuple(tuple(int(n) for n in item.split("x")) for item in args.mesh.split(","))

@@ -886,11 +886,11 @@ def run_mesh(
     codec: str,
     setting: tuple[int, ...] | None,
     target: float,
-    label: str = "",
     round_codec: str = "",
+    suffix: str = "",
 ) -> tuple[Outcome, tuple[int, ...], list[dict]]:
     """One mesh side: a fresh swarm for the sweep (when ``setting`` is None), a fresh one for
-    the run (its logs named by ``label``, else by the codecs); ``round_codec``: its step
+    the run (its logs named by the codecs, then ``suffix``); ``round_codec``: its step
     rounds' (the coordinator's default where empty)."""
     sweep_rows: list[dict] = []
     name = codec + (f"-rounds-{round_codec}" if round_codec else "")
@@ -903,7 +903,7 @@ def run_mesh(
             setting, sweep_rows = side.sweep(plan.mesh_settings)
         finally:
             arena.stop_processes(first=TRAINERS)
-    side = MeshSide(arena, sc, plan, logs, label or name, codec=codec, round_codec=round_codec)
+    side = MeshSide(arena, sc, plan, logs, name + suffix, codec=codec, round_codec=round_codec)
     side.snapshots = logs / f"{side.label}-snapshots"
     shutil.rmtree(side.snapshots, ignore_errors=True)
     try:
@@ -1137,16 +1137,9 @@ def run_scenario(
             rows.append(_row(sc, f"mesh {name}", described, out, plan, bound))
             print(f"arena {sc.name}: {rows[-1]}", flush=True)
             if sc.churn:  # the mesh's own reference: the same scenario without its kills
+                calm_sc = replace(sc, churn=None)
                 calm, _, _ = run_mesh(
-                    arena,
-                    replace(sc, churn=None),
-                    plan,
-                    logs / sc.name,
-                    codec,
-                    setting,
-                    target,
-                    f"{name.replace(', rounds ', '-rounds-')}-no-kills",
-                    round_codec,
+                    arena, calm_sc, plan, logs / sc.name, codec, setting, target, round_codec, "-no-kills"
                 )
                 detail[f"{key}_no_kills"] = asdict(calm)
                 rows.append(_row(sc, f"mesh {name}, no kills", described, calm, plan, bound))

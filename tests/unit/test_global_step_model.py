@@ -949,5 +949,6 @@ def test_a_round_member_s_reservation_given_up_with_the_step_keeps_its_microbatc
     s.retry(other=1, pick=1)  # mb0 again, on r1: a duplicate, accumulated nowhere
     s.backward(pick=0, elsewhere=0, hold="none")  # mb1
     s.train(pick=1, samples=2)
+    s.train(pick=1, samples=3)  # step 1 closed: mb1, mb3, mb4
     s.step_round(lost=-1, in_mean=True, overloaded=1, stagger=False)
-    assert all("mb0" not in a.ids for a in s.applied[1:]), s.applied
+    assert [a.step for a in s.applied] == [0, 1] and "mb0" not in s.applied[1].ids, s.applied

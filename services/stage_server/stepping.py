@@ -220,6 +220,10 @@ class StepClient:
             if answer.replicas > 0:
                 self.replicas = answer.replicas
             if answer.verdict is Verdict.CATCH_UP:
+                if self.in_round():  # the round applying here ends with this replica at its step, or told again
+                    raise Overloaded(
+                        f"this replica is applying the step round of step {self.runtime.step}", retry_after_s=1.0
+                    )
                 self._catch_up(answer.step)
                 continue
             if answer.verdict is not Verdict.RESYNC:

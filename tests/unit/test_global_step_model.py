@@ -74,7 +74,10 @@ too little (``faults_stop``, fixed by the rule of ``StepCounter.round_ended``); 
 report's microbatch released as its step was taken (its replica, a member of the round, had
 not been seen within the lease), and applied again in the next step (the round's members now
 count as alive there); a caught-up replica's forwards run with their backwards refused as
-stale for good (found in the churn arena; rule ``one_call``). Invariant 6 is checked on the gradients
+stale for good (found in the churn arena; rule ``one_call``); a replica still applying a
+staggered round, told by a restarted coordinator (which knows nothing of that round) to catch
+up, took the stage's step with its old weights while its peer applied the round: two models
+at one step (now no catch-up while a round applies there). Invariant 6 is checked on the gradients
 themselves, which ``other_weights_backwards`` cannot see (a caught-up version looks right
 to it).
 """
@@ -304,6 +307,8 @@ class GlobalSteps(RuleBasedStateMachine):
             answer = self.counter.reserve(req, live=self._live(), reported=self._reported())
             self._persist()
             if answer.verdict is Verdict.CATCH_UP:
+                if self._applying(replica):
+                    return None  # no catch-up while its round applies here: the trainer is told 503
                 replica.caught_up |= set(range(rt.step + 1, answer.step + 1))
                 rt.catch_up(answer.step)
                 replica.needs_resync = False
@@ -952,3 +957,26 @@ def test_a_round_member_s_reservation_given_up_with_the_step_keeps_its_microbatc
     s.train(pick=1, samples=3)  # step 1 closed: mb1, mb3, mb4
     s.step_round(lost=-1, in_mean=True, overloaded=1, stagger=False)
     assert [a.step for a in s.applied] == [0, 1] and "mb0" not in s.applied[1].ids, s.applied
+
+
+def test_a_replica_applying_a_round_is_not_caught_up_by_a_restarted_coordinator():
+    """Found by the model: r0 steps first in a staggered round of step 0 and the stage moves
+    to 1 while r1 still applies; r0 dies and the coordinator restarts (it knows nothing of the
+    round). r1's next reservation finds nobody holding step 1: told ``catch_up``, it took step
+    1 with its step-0 weights, and then its apply of the round (at another step) did nothing:
+    r1 and a replica that applied the round at one step, two models. Now a replica applying a
+    round takes no catch-up (the trainer is told 503); it ends the round at step 1."""
+    s = machine()
+    s.train(pick=0, samples=MAX_MB)
+    s.train(pick=1, samples=G - MAX_MB)
+    s.step_round(lost=-1, in_mean=True, overloaded=1, stagger=True)
+    r0, r1 = s.replicas[URLS[0]], s.replicas[URLS[1]]
+    assert s.finishing is not None and s.finishing.pending == [r1] and r0.rt.step == 1
+    s.kill_replica(r0)
+    s.restart_coordinator()
+    s.time_passes(dt=LEASE_S + 1)
+    s.forward(pick=0, rerun=False, samples=1)  # on r1, at step 0: admitted for step 1
+    s.backward(pick=0, elsewhere=0, hold="none")  # told catch_up while applying: 503, nothing taken
+    assert r1.rt.step == 0 and not r1.caught_up
+    s.round_ends()
+    assert r1.rt.step == 1 and r1.rt.digest() == r0.rt.digest()

@@ -13,7 +13,7 @@ import pytest
 from services.coordinator.registry import Registry
 from services.coordinator.steps import WINDOW_STEPS, StepCounter, StepScheduler
 from services.stage_server.stepping import Reservation, StepClient
-from shared.errors import BadPayload
+from shared.errors import BadPayload, Overloaded
 from shared.log import get_logger
 from shared.step_protocol import DoneReport, ReserveAnswer, ReserveRequest, Verdict
 from tests.conftest import VirtualClock as Clock
@@ -333,3 +333,41 @@ async def test_a_replica_s_report_names_its_reservation_s_microbatch():
     assert path == "/step/done" and DoneReport.from_json(body, 1) == DoneReport(
         0, "http://a", 0, 0, 4, 4, 8, "m2", True
     )
+
+
+async def test_a_replica_applying_a_round_takes_no_catch_up():
+    """A restarted coordinator knows nothing of a step round still applying here and may say
+    ``catch_up``; the replica takes no step number while its round applies (the round ends
+    with it at the round's step): Overloaded, the trainer retries (the global step model's
+    ``test_a_replica_applying_a_round_is_not_caught_up_by_a_restarted_coordinator``)."""
+    caught: list[int] = []
+
+    class Runtime(FakeRuntime):
+        pending_samples = 0
+
+        def catch_up(self, step: int) -> None:
+            caught.append(step)
+            self.step = step
+
+    sent: list[tuple[str, dict]] = []
+    stepper = client([{"verdict": "catch_up", "bucket": None, "step": 1, "replicas": 2}], sent)
+    stepper.runtime, stepper.in_round = Runtime(), lambda: True
+    with pytest.raises(Overloaded, match="applying the step round of step 0"):
+        await stepper.reserve(4, None, "m1")
+    assert caught == [] and len(sent) == 1
+    stepper.in_round = lambda: False  # its round ended, still behind and nobody holds the step: it catches up
+    sent.clear()
+    stepper.post = _answers(
+        [{"verdict": "catch_up", "bucket": None, "step": 1, "replicas": 2},
+         {"verdict": "reserved", "bucket": 1, "step": 1, "replicas": 2}], sent
+    )  # fmt: skip
+    await stepper.reserve(4, None, "m1")
+    assert caught == [1]
+
+
+def _answers(answers: list[dict], sent: list[tuple[str, dict]]):
+    async def post(path: str, body: dict) -> dict:
+        sent.append((path, body))
+        return answers.pop(0)
+
+    return post

@@ -295,16 +295,23 @@ class FakeRuntime:
         return 0
 
 
-def client(answers: list[dict], sent: list[tuple[str, dict]]) -> StepClient:
+def answering(answers: list[dict], sent: list[tuple[str, dict]]):
+    """A coordinator's ``post`` that records each message in ``sent`` and gives ``answers`` in turn."""
+
     async def post(path: str, body: dict) -> dict:
         sent.append((path, body))
         return answers.pop(0)
 
+    return post
+
+
+def client(answers: list[dict], sent: list[tuple[str, dict]]) -> StepClient:
     async def nothing(*args) -> None:
         return None
 
     return StepClient(
-        FakeRuntime(), post=post, resync=nothing, wait_round=nothing, round_wait_s=1.0, log=get_logger(service="test"),
+        FakeRuntime(), post=answering(answers, sent), resync=nothing, wait_round=nothing, round_wait_s=1.0,
+        log=get_logger(service="test"),
         identity={"run_id": "r", "stage": 0, "url": "http://a", "global_batch": 8},
     )  # fmt: skip
 
@@ -357,17 +364,9 @@ async def test_a_replica_applying_a_round_takes_no_catch_up():
     assert caught == [] and len(sent) == 1
     stepper.in_round = lambda: False  # its round ended, still behind and nobody holds the step: it catches up
     sent.clear()
-    stepper.post = _answers(
+    stepper.post = answering(
         [{"verdict": "catch_up", "bucket": None, "step": 1, "replicas": 2},
          {"verdict": "reserved", "bucket": 1, "step": 1, "replicas": 2}], sent
     )  # fmt: skip
     await stepper.reserve(4, None, "m1")
     assert caught == [1]
-
-
-def _answers(answers: list[dict], sent: list[tuple[str, dict]]):
-    async def post(path: str, body: dict) -> dict:
-        sent.append((path, body))
-        return answers.pop(0)
-
-    return post
